@@ -1,0 +1,553 @@
+#include "coordinator/job_table.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "common/log.h"
+
+namespace gradsync::coordinator {
+namespace {
+
+// Larger worlds are almost certainly a corrupted request; the ring and peer table are O(n).
+constexpr uint32_t kMaxWorldSize = 1u << 20;
+
+Status invalid(const std::string& msg) { return {Code::kInvalidArgument, msg}; }
+
+long long to_ms(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration_cast<Millis>(d).count();
+}
+
+// Compares tokens in time independent of where they differ, so the error path does not
+// leak a prefix of the real token through timing.
+bool same_token(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const std::string& probe = a.size() == b.size() ? b : a;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ probe[i]);
+  return diff == 0;
+}
+
+// "rank 3" or "ranks 2,3": messages read as sentences.
+std::string ranks_phrase(const std::vector<uint32_t>& ranks) {
+  return (ranks.size() == 1 ? "rank " : "ranks ") + compress_ranks(ranks);
+}
+
+}  // namespace
+
+std::string compress_ranks(std::vector<uint32_t> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ',';
+    if (j - i >= 2) {  // three or more in a row: a range
+      out += std::to_string(ranks[i]) + "-" + std::to_string(ranks[j]);
+    } else {
+      for (size_t k = i; k <= j; ++k) out += (k > i ? "," : "") + std::to_string(ranks[k]);
+    }
+    i = j + 1;
+  }
+  return out;
+}
+
+JobTable::JobTable(JobTableOptions options) : options_(options) {}
+
+// --- helpers ------------------------------------------------------------------------------
+
+const char* JobTable::state_name(GenState s) {
+  switch (s) {
+    case GenState::kForming:
+      return "forming";
+    case GenState::kActive:
+      return "active";
+    case GenState::kAborted:
+      return "aborted";
+    case GenState::kFinished:
+      return "finished";
+  }
+  return "unknown";
+}
+
+std::string JobTable::label(const Job& job) {
+  return "job=" + job.id + " gen=" + std::to_string(job.gen.number);
+}
+
+std::string JobTable::node_label(const std::string& node_id, const std::string& hostname) {
+  return "node " + node_id + " (host " + (hostname.empty() ? "?" : hostname) + ")";
+}
+
+std::string JobTable::node_label(const std::string& node_id) const {
+  auto it = nodes_.find(node_id);
+  return node_label(node_id, it == nodes_.end() ? "" : it->second.info.hostname());
+}
+
+Status JobTable::check_registered(const std::string& node_id, const char* what) const {
+  if (nodes_.count(node_id)) return Status::Ok();
+  return {Code::kNotFound,
+          std::string(what) + ": node '" + node_id +
+              "' is not registered with the coordinator (its lease of " +
+              std::to_string(options_.lease.count()) +
+              " ms expired, or the coordinator restarted); the daemon must RegisterNode again"};
+}
+
+std::vector<uint32_t> JobTable::ranks_of(const Generation& gen, const std::string& node_id) const {
+  std::vector<uint32_t> out;
+  for (const auto& [rank, claim] : gen.claims) {
+    if (claim.node_id == node_id) out.push_back(rank);
+  }
+  return out;  // ascending: claims is ordered by rank
+}
+
+// Nodes ordered by the smallest rank they host, ranks ascending within a node, so that ranks
+// of one node are adjacent and intra-node hops use NVLink/shared memory.
+std::vector<uint32_t> JobTable::ring_of(const Generation& gen) const {
+  std::map<std::string, std::vector<uint32_t>> by_node;
+  std::vector<const std::string*> order;  // nodes by their smallest rank
+  for (const auto& [rank, claim] : gen.claims) {
+    auto& ranks = by_node[claim.node_id];
+    if (ranks.empty()) order.push_back(&claim.node_id);
+    ranks.push_back(rank);
+  }
+  std::vector<uint32_t> ring;
+  ring.reserve(gen.claims.size());
+  for (const std::string* node : order) {
+    for (uint32_t r : by_node[*node]) ring.push_back(r);
+  }
+  return ring;
+}
+
+v1::JobSummary JobTable::summary_of(const Job& job) const {
+  v1::JobSummary s;
+  s.set_job_id(job.id);
+  s.set_generation(job.gen.number);
+  s.set_state(state_name(job.gen.state));
+  s.set_world_size(job.gen.world_size);
+  s.set_joined(static_cast<uint32_t>(job.gen.claims.size()));
+  s.set_reason(job.gen.reason);
+  return s;
+}
+
+void JobTable::emit(const std::string& node_id, v1::Event::Kind kind, const Job& job) {
+  if (!nodes_.count(node_id)) return;  // a lost node has no queue
+  v1::Event ev;
+  ev.set_kind(kind);
+  ev.set_job_id(job.id);
+  ev.set_generation(job.gen.number);
+  ev.set_reason(job.gen.reason);
+  ev.set_failed_rank(job.gen.failed_rank);
+  ev.set_failed_node(job.gen.failed_node);
+  events_.push_back({node_id, std::move(ev)});
+}
+
+// --- nodes --------------------------------------------------------------------------------
+
+Result<std::string> JobTable::register_node(const v1::NodeInfo& info, TimePoint now) {
+  std::string name = !info.node_name().empty()  ? info.node_name()
+                     : !info.hostname().empty() ? info.hostname()
+                                                : "node";
+  std::string id = name + "-" + std::to_string(next_node_number_++);
+  // The suffix after the last '-' is a counter that is never reused, so ids never collide.
+  std::vector<std::string> replaced;
+  for (const auto& [old_id, node] : nodes_) {
+    if (node.info.node_name() == name && node.info.hostname() == info.hostname()) {
+      replaced.push_back(old_id);
+    }
+  }
+  for (const auto& old_id : replaced) {
+    lose_node(old_id, "its daemon registered again as " + id + " (restarted?)");
+  }
+  Node node{info, now};
+  node.info.set_node_name(name);
+  nodes_.emplace(id, std::move(node));
+  log::get("coordinator")
+      ->info("registered node={} host={} pid={} data={} lease_ms={}", id, info.hostname(),
+             info.pid(), info.data_endpoint(), options_.lease.count());
+  return id;
+}
+
+Status JobTable::heartbeat(const std::string& node_id, TimePoint now) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return check_registered(node_id, "Heartbeat");
+  it->second.last_heartbeat = now;
+  return Status::Ok();
+}
+
+bool JobTable::has_node(const std::string& node_id) const { return nodes_.count(node_id) != 0; }
+
+void JobTable::lose_node(const std::string& node_id, const std::string& why) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return;
+  const std::string host = it->second.info.hostname();
+  nodes_.erase(it);
+  removed_nodes_.push_back(node_id);
+  log::get("coordinator")->warn("lost node={} host={}: {}", node_id, host, why);
+  for (auto& [id, job] : jobs_) {
+    Generation& g = job.gen;
+    bool live = g.state == GenState::kForming || g.state == GenState::kActive;
+    if (!live || !g.members.count(node_id) || g.left.count(node_id)) continue;
+    std::vector<uint32_t> ranks = ranks_of(g, node_id);
+    std::string reason = node_label(node_id, host) + " lost: " + why + "; " + ranks_phrase(ranks);
+    int32_t failed_rank = ranks.empty() ? -1 : static_cast<int32_t>(ranks.front());
+    fail(job, {Code::kAborted, label(job) + " aborted: " + reason}, reason, failed_rank, node_id,
+         /*node_lost=*/true);
+  }
+}
+
+// --- jobs ---------------------------------------------------------------------------------
+
+Result<JoinTicket> JobTable::join(const JoinRequest& r, TimePoint now) {
+  const std::string where = "JoinJob job=" + r.job_id + " node=" + r.node_id + ": ";
+  if (r.job_id.empty()) return invalid("JoinJob node=" + r.node_id + ": job_id is empty");
+  if (r.world_size == 0) return invalid(where + "world_size must be at least 1");
+  if (r.world_size > kMaxWorldSize) {
+    return invalid(where + "world_size " + std::to_string(r.world_size) + " exceeds the limit of " +
+                   std::to_string(kMaxWorldSize));
+  }
+  if (r.ranks.empty())
+    return invalid(where + "no ranks given; a node joins with the ranks it hosts");
+  if (r.endpoints.size() != r.ranks.size()) {
+    return invalid(where + std::to_string(r.ranks.size()) + " ranks but " +
+                   std::to_string(r.endpoints.size()) +
+                   " endpoints; every rank needs exactly one endpoint blob");
+  }
+  std::set<uint32_t> seen;
+  for (uint32_t rank : r.ranks) {
+    if (rank >= r.world_size) {
+      return invalid(where + "rank " + std::to_string(rank) + " is out of range for world_size " +
+                     std::to_string(r.world_size) + " (valid ranks are 0-" +
+                     std::to_string(r.world_size - 1) + ")");
+    }
+    if (!seen.insert(rank).second) {
+      return invalid(where + "rank " + std::to_string(rank) + " appears twice in the request");
+    }
+  }
+  GS_RETURN_IF_ERROR(check_registered(r.node_id, "JoinJob"));
+
+  // Check against the generation this join would enter, before changing anything.
+  auto jit = jobs_.find(r.job_id);
+  std::set<JoinTicket> superseded;
+  if (jit != jobs_.end()) {
+    const Job& job = jit->second;
+    const Generation& g = job.gen;
+    bool open = g.state == GenState::kForming || g.state == GenState::kActive;
+    if (open && !g.claims.empty()) {
+      const Claim& first = g.claims.begin()->second;
+      if (!same_token(g.token, r.token)) {
+        return Status(Code::kPermissionDenied,
+                      "wrong token for job " + job.id + " (gen " + std::to_string(g.number) +
+                          "): " + node_label(first.node_id, first.hostname) +
+                          " joined with a different token; every node must use the job's token");
+      }
+      if (g.world_size != r.world_size) {
+        return invalid(where + "world_size " + std::to_string(r.world_size) +
+                       " does not match world_size " + std::to_string(g.world_size) + " of " +
+                       label(job) + " set by " + node_label(first.node_id, first.hostname) +
+                       "; every node must be started with the same WORLD_SIZE");
+      }
+      for (uint32_t rank : r.ranks) {
+        auto c = g.claims.find(rank);
+        if (c == g.claims.end()) continue;
+        if (g.state == GenState::kForming && c->second.node_id == r.node_id) {
+          superseded.insert(c->second.ticket);  // the same daemon retrying its join
+          continue;
+        }
+        std::string msg = label(job) + ": rank " + std::to_string(rank) + " is already held by " +
+                          node_label(c->second.node_id, c->second.hostname);
+        msg += g.state == GenState::kActive
+                   ? "; the generation is active: abort it (AbortJob) or let every node leave "
+                     "before joining again"
+                   : "; two nodes were given the same RANK (check the launcher's rank "
+                     "assignment)";
+        return Status(Code::kAlreadyExists, msg);
+      }
+    }
+  }
+
+  if (jit == jobs_.end()) jit = jobs_.emplace(r.job_id, Job{r.job_id, {}}).first;
+  Job& job = jit->second;
+  Generation& g = job.gen;
+  if (g.state == GenState::kAborted || g.state == GenState::kFinished) {
+    uint64_t next = g.number + 1;
+    g = Generation{};
+    g.number = next;
+  }
+  for (JoinTicket old : superseded) {
+    outcomes_.insert_or_assign(
+        old, Result<JoinResult>(Status(
+                 Code::kAborted, label(job) + ": this JoinJob from node " + r.node_id +
+                                     " was superseded by a newer JoinJob from the same node")));
+    remove_joiner(job, old);
+  }
+  if (g.claims.empty()) {  // the first joiner of a generation sets its token and size
+    g.token = r.token;
+    g.world_size = r.world_size;
+  }
+  const JoinTicket ticket = next_ticket_++;
+  const Millis timeout = r.timeout.count() > 0 ? r.timeout : options_.default_join_timeout;
+  const v1::NodeInfo& info = nodes_.at(r.node_id).info;
+  for (size_t i = 0; i < r.ranks.size(); ++i) {
+    g.claims[r.ranks[i]] = Claim{r.node_id, info.hostname(), r.endpoints[i], ticket};
+  }
+  g.members[r.node_id] = info;
+  g.left.erase(r.node_id);
+  g.joiners[ticket] = Joiner{r.node_id, r.ranks, now + timeout, timeout};
+  pending_[ticket] = job.id;
+  log::get("coordinator")
+      ->debug("{} node={} joined {} ({}/{} in)", label(job), r.node_id, ranks_phrase(r.ranks),
+              g.claims.size(), g.world_size);
+  if (g.claims.size() == g.world_size) activate(job);
+  return ticket;
+}
+
+void JobTable::remove_joiner(Job& job, JoinTicket ticket) {
+  Generation& g = job.gen;
+  auto jt = g.joiners.find(ticket);
+  if (jt == g.joiners.end()) return;
+  const std::string node_id = jt->second.node_id;
+  for (auto it = g.claims.begin(); it != g.claims.end();) {
+    it = it->second.ticket == ticket ? g.claims.erase(it) : std::next(it);
+  }
+  g.joiners.erase(jt);
+  pending_.erase(ticket);
+  if (ranks_of(g, node_id).empty()) g.members.erase(node_id);
+  if (g.claims.empty()) {  // nobody left: the next joiner sets token and size afresh
+    g.token.clear();
+    g.world_size = 0;
+  }
+}
+
+std::optional<Result<JoinResult>> JobTable::take_join_result(JoinTicket ticket) {
+  auto it = outcomes_.find(ticket);
+  if (it == outcomes_.end()) return std::nullopt;
+  Result<JoinResult> out = std::move(it->second);
+  outcomes_.erase(it);
+  return out;
+}
+
+void JobTable::withdraw(JoinTicket ticket, const std::string& why) {
+  if (outcomes_.erase(ticket)) return;  // already resolved: nothing is held any more
+  auto pit = pending_.find(ticket);
+  if (pit == pending_.end()) return;
+  Job& job = jobs_.at(pit->second);
+  auto jt = job.gen.joiners.find(ticket);
+  if (jt != job.gen.joiners.end()) {
+    log::get("coordinator")
+        ->info("{} node={} withdrew {}: {}", label(job), jt->second.node_id,
+               ranks_phrase(jt->second.ranks), why);
+  }
+  remove_joiner(job, ticket);
+}
+
+void JobTable::activate(Job& job) {
+  Generation& g = job.gen;
+  g.state = GenState::kActive;
+  for (const auto& [ticket, joiner] : g.joiners) {
+    outcomes_.insert_or_assign(ticket, Result<JoinResult>(JoinResult{g.number, g.world_size}));
+    pending_.erase(ticket);
+  }
+  g.joiners.clear();
+  log::get("coordinator")
+      ->info("{} complete: {} rank(s) on {} node(s)", label(job), g.world_size, g.members.size());
+  for (const auto& [node_id, info] : g.members) emit(node_id, v1::Event::JOB_READY, job);
+}
+
+void JobTable::fail(Job& job, const Status& waiter_status, const std::string& reason,
+                    int32_t failed_rank, const std::string& failed_node, bool node_lost) {
+  Generation& g = job.gen;
+  g.state = GenState::kAborted;
+  g.reason = reason;
+  g.failed_rank = failed_rank;
+  g.failed_node = failed_node;
+  for (const auto& [ticket, joiner] : g.joiners) {
+    outcomes_.insert_or_assign(ticket, Result<JoinResult>(waiter_status));
+    pending_.erase(ticket);
+  }
+  g.joiners.clear();
+  log::get("coordinator")->info("{} aborted: {}", label(job), reason);
+  for (const auto& [node_id, info] : g.members) {
+    if (node_lost) emit(node_id, v1::Event::NODE_LOST, job);
+    emit(node_id, v1::Event::JOB_ABORTED, job);
+  }
+}
+
+Status JobTable::leave(const std::string& node_id, const std::string& job_id, uint64_t generation) {
+  GS_RETURN_IF_ERROR(check_registered(node_id, "LeaveJob"));
+  auto jit = jobs_.find(job_id);
+  if (jit == jobs_.end()) return {Code::kNotFound, "LeaveJob: no job '" + job_id + "'"};
+  Job& job = jit->second;
+  Generation& g = job.gen;
+  if (generation != 0 && generation < g.number) return Status::Ok();  // already over
+  if (generation > g.number) {
+    return {Code::kNotFound, "LeaveJob job=" + job_id + ": no generation " +
+                                 std::to_string(generation) + " (current is " +
+                                 std::to_string(g.number) + ")"};
+  }
+  if (!g.members.count(node_id)) {
+    return {Code::kFailedPrecondition,
+            "LeaveJob: " + node_label(node_id) + " is not a member of " + label(job)};
+  }
+  if (g.left.count(node_id)) return Status::Ok();
+  if (g.state == GenState::kForming) {
+    std::vector<JoinTicket> mine;
+    for (const auto& [ticket, joiner] : g.joiners) {
+      if (joiner.node_id == node_id) mine.push_back(ticket);
+    }
+    for (JoinTicket t : mine) {
+      outcomes_.insert_or_assign(
+          t, Result<JoinResult>(Status(Code::kAborted, label(job) + ": " + node_label(node_id) +
+                                                           " left the job while it was forming")));
+      remove_joiner(job, t);
+    }
+    log::get("coordinator")->info("{} node={} left while forming", label(job), node_id);
+    return Status::Ok();
+  }
+  g.left.insert(node_id);
+  log::get("coordinator")->info("{} node={} left", label(job), node_id);
+  if (g.state == GenState::kActive && g.left.size() == g.members.size()) {
+    g.state = GenState::kFinished;
+    log::get("coordinator")->info("{} finished: every node left", label(job));
+    for (const auto& [member, info] : g.members) emit(member, v1::Event::JOB_FINISHED, job);
+  }
+  return Status::Ok();
+}
+
+Status JobTable::abort(const std::string& node_id, const std::string& job_id, uint64_t generation,
+                       const std::string& reason, int32_t failed_rank) {
+  if (!node_id.empty()) GS_RETURN_IF_ERROR(check_registered(node_id, "AbortJob"));
+  auto jit = jobs_.find(job_id);
+  if (jit == jobs_.end()) return {Code::kNotFound, "AbortJob: no job '" + job_id + "'"};
+  Job& job = jit->second;
+  Generation& g = job.gen;
+  if (generation != 0 && generation < g.number) return Status::Ok();  // already over
+  if (generation > g.number) {
+    return {Code::kNotFound, "AbortJob job=" + job_id + ": no generation " +
+                                 std::to_string(generation) + " (current is " +
+                                 std::to_string(g.number) + ")"};
+  }
+  if (g.state == GenState::kAborted || g.state == GenState::kFinished) return Status::Ok();
+  std::string failed_node;
+  if (failed_rank >= 0) {
+    auto c = g.claims.find(static_cast<uint32_t>(failed_rank));
+    if (c != g.claims.end()) failed_node = c->second.node_id;
+  }
+  std::string full =
+      "aborted by " + (node_id.empty() ? std::string("an operator") : node_label(node_id));
+  if (!reason.empty()) full += ": " + reason;
+  fail(job, {Code::kAborted, label(job) + " " + full}, full, failed_rank, failed_node);
+  return Status::Ok();
+}
+
+void JobTable::expire_join_deadline(Job& job, TimePoint now) {
+  Generation& g = job.gen;
+  Millis timeout{0};
+  TimePoint earliest = TimePoint::max();
+  for (const auto& [ticket, joiner] : g.joiners) {
+    if (joiner.deadline < earliest) {
+      earliest = joiner.deadline;
+      timeout = joiner.timeout;
+    }
+  }
+  if (now < earliest) return;
+  std::vector<uint32_t> missing;
+  for (uint32_t r = 0; r < g.world_size; ++r) {
+    if (!g.claims.count(r)) missing.push_back(r);
+  }
+  std::string reason = "join timed out after " + std::to_string(timeout.count()) + " ms with " +
+                       std::to_string(g.claims.size()) + " of " + std::to_string(g.world_size) +
+                       " ranks; ranks that never joined: " + compress_ranks(missing) +
+                       " (is their node's daemon running with the same job id and world size, "
+                       "and can it reach the coordinator?)";
+  int32_t first_missing = missing.empty() ? -1 : static_cast<int32_t>(missing.front());
+  fail(job, {Code::kDeadlineExceeded, label(job) + ": " + reason}, reason, first_missing, "");
+}
+
+void JobTable::tick(TimePoint now) {
+  std::vector<std::pair<std::string, long long>> expired;
+  for (const auto& [id, node] : nodes_) {
+    if (now - node.last_heartbeat >= options_.lease) {
+      expired.emplace_back(id, to_ms(now - node.last_heartbeat));
+    }
+  }
+  for (const auto& [id, silent_ms] : expired) {
+    lose_node(id, "no heartbeat for " + std::to_string(silent_ms) + " ms (lease " +
+                      std::to_string(options_.lease.count()) + " ms)");
+  }
+  for (auto& [id, job] : jobs_) {
+    if (job.gen.state == GenState::kForming && !job.gen.joiners.empty()) {
+      expire_join_deadline(job, now);
+    }
+  }
+}
+
+// --- queries ------------------------------------------------------------------------------
+
+Result<v1::PeerTableResponse> JobTable::peer_table(const std::string& job_id,
+                                                   uint64_t generation) const {
+  auto jit = jobs_.find(job_id);
+  if (jit == jobs_.end()) return Status(Code::kNotFound, "GetPeerTable: no job '" + job_id + "'");
+  const Job& job = jit->second;
+  const Generation& g = job.gen;
+  if (generation != 0 && generation != g.number) {
+    return Status(Code::kFailedPrecondition,
+                  "GetPeerTable job=" + job_id + ": generation " + std::to_string(generation) +
+                      " is not current (current is " + std::to_string(g.number) + ", " +
+                      state_name(g.state) + "); join again to get the new generation");
+  }
+  if (g.state == GenState::kForming) {
+    return Status(
+        Code::kFailedPrecondition,
+        "GetPeerTable " + label(job) + " is still forming: " + std::to_string(g.claims.size()) +
+            " of " + std::to_string(g.world_size) + " ranks joined; call it after JoinJob returns");
+  }
+  if (g.state == GenState::kAborted) {
+    return Status(Code::kFailedPrecondition,
+                  "GetPeerTable " + label(job) + " was aborted: " + g.reason);
+  }
+  v1::PeerTableResponse out;
+  out.set_generation(g.number);
+  for (const auto& [rank, claim] : g.claims) {
+    v1::PeerEntry* p = out.add_peers();
+    p->set_rank(rank);
+    p->set_node_id(claim.node_id);
+    p->set_hostname(claim.hostname);
+    p->set_endpoint(claim.endpoint);
+  }
+  for (uint32_t r : ring_of(g)) out.add_ring(r);
+  return out;
+}
+
+std::vector<v1::JobSummary> JobTable::list_jobs() const {
+  std::vector<v1::JobSummary> out;
+  for (const auto& [id, job] : jobs_) out.push_back(summary_of(job));
+  return out;
+}
+
+Result<v1::DescribeJobResponse> JobTable::describe(const std::string& job_id) const {
+  auto jit = jobs_.find(job_id);
+  if (jit == jobs_.end()) return Status(Code::kNotFound, "DescribeJob: no job '" + job_id + "'");
+  const Job& job = jit->second;
+  const Generation& g = job.gen;
+  v1::DescribeJobResponse out;
+  *out.mutable_summary() = summary_of(job);
+  for (const auto& [rank, claim] : g.claims) {
+    v1::PeerEntry* p = out.add_peers();
+    p->set_rank(rank);
+    p->set_node_id(claim.node_id);
+    p->set_hostname(claim.hostname);
+    p->set_endpoint(claim.endpoint);
+  }
+  if (g.claims.size() == g.world_size) {
+    for (uint32_t r : ring_of(g)) out.add_ring(r);
+  }
+  for (const auto& [node_id, info] : g.members) *out.add_nodes() = info;
+  return out;
+}
+
+std::vector<Delivery> JobTable::take_events() { return std::exchange(events_, {}); }
+
+std::vector<std::string> JobTable::take_removed_nodes() {
+  return std::exchange(removed_nodes_, {});
+}
+
+}  // namespace gradsync::coordinator

@@ -1,0 +1,151 @@
+// gradsync-coordinator: rendezvous, membership and failure detection for gradsync jobs.
+// Exit status: 0 after a SIGTERM/SIGINT shutdown, 1 if it cannot serve, 2 on bad usage.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "common/log.h"
+#include "coordinator/service.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: gradsync-coordinator [options]\n"
+    "\n"
+    "  --listen HOST:PORT      address to serve on (default 0.0.0.0:29500; port 0 = any free)\n"
+    "  --port-file PATH        write the bound port number to PATH once listening\n"
+    "  --lease-ms N            a node with no heartbeat for N ms is lost (default 5000)\n"
+    "  --join-timeout-ms N     JoinJob wait when the request gives none (default 60000)\n"
+    "  --log-level LEVEL       trace|debug|info|warn|error|off (default info, or\n"
+    "                          $GRADSYNC_LOG_LEVEL)\n"
+    "  --help                  print this and exit\n";
+
+constexpr uint64_t kMaxMs = 0xffffffffu;  // the protocol carries milliseconds as uint32
+
+struct Flags {
+  std::string listen = "0.0.0.0:29500";
+  std::string port_file;
+  uint64_t lease_ms = 5000;
+  uint64_t join_timeout_ms = 60000;
+  std::string log_level;
+};
+
+int usage_error(const std::string& msg) {
+  std::fprintf(stderr, "gradsync-coordinator: %s\n\n%s", msg.c_str(), kUsage);
+  return 2;
+}
+
+bool parse_ms(const std::string& text, uint64_t& out) {
+  const char* end = text.data() + text.size();
+  auto [ptr, ec] = std::from_chars(text.data(), end, out);
+  return ec == std::errc() && ptr == end && out >= 1 && out <= kMaxMs;
+}
+
+// Returns -1 to go on, or the exit status.
+int parse_flags(int argc, char** argv, Flags& f) {
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::string value;
+    bool has_value = false;
+    if (auto eq = arg.find('='); arg.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+      has_value = true;
+    }
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    const bool known = arg == "--listen" || arg == "--port-file" || arg == "--lease-ms" ||
+                       arg == "--join-timeout-ms" || arg == "--log-level";
+    if (!known) return usage_error("unknown flag '" + arg + "'");
+    if (!has_value) {
+      if (i + 1 >= argc) return usage_error(arg + " needs a value");
+      value = argv[++i];
+    }
+    if (arg == "--listen") {
+      if (value.rfind(':') == std::string::npos) {
+        return usage_error("--listen wants HOST:PORT, got '" + value + "'");
+      }
+      f.listen = value;
+    } else if (arg == "--port-file") {
+      f.port_file = value;
+    } else if (arg == "--lease-ms") {
+      if (!parse_ms(value, f.lease_ms))
+        return usage_error("--lease-ms wants 1.." + std::to_string(kMaxMs));
+    } else if (arg == "--join-timeout-ms") {
+      if (!parse_ms(value, f.join_timeout_ms)) {
+        return usage_error("--join-timeout-ms wants 1.." + std::to_string(kMaxMs));
+      }
+    } else if (arg == "--log-level") {
+      static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+      bool ok = false;
+      for (const char* l : kLevels) ok = ok || value == l;
+      if (!ok) return usage_error("unknown --log-level '" + value + "'");
+      f.log_level = value;
+    }
+  }
+  return -1;
+}
+
+// Launchers poll for this file, so it must never be seen half-written: write, then rename.
+bool write_port_file(const std::string& path, int port) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << port << '\n';
+    out.flush();
+    if (!out) return false;
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Flags flags;
+  if (int rc = parse_flags(argc, argv, flags); rc >= 0) return rc;
+  if (!flags.log_level.empty()) gradsync::log::set_level(flags.log_level);
+  auto log = gradsync::log::get("coordinator");
+
+  // Block the stop signals before any thread exists, so every gRPC thread inherits the mask
+  // and only sigwait() below sees them: no work happens in a signal handler.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  gradsync::coordinator::CoordinatorOptions options;
+  options.lease = gradsync::coordinator::Millis(flags.lease_ms);
+  options.default_join_timeout = gradsync::coordinator::Millis(flags.join_timeout_ms);
+  gradsync::coordinator::CoordinatorServer server(options);
+  if (gradsync::Status s = server.start(flags.listen); !s.ok()) {
+    log->error("{}", s.to_string());
+    return 1;
+  }
+  if (!flags.port_file.empty() && !write_port_file(flags.port_file, server.port())) {
+    log->error("cannot write the port file '{}': {}", flags.port_file, std::strerror(errno));
+    server.shutdown();
+    server.wait();
+    return 1;
+  }
+
+  int sig = 0;
+  while (sigwait(&stop_signals, &sig) != 0) {
+  }
+  log->info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  server.shutdown();
+  server.wait();
+  return 0;
+}

@@ -1,0 +1,358 @@
+#include "coordinator/service.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <thread>
+
+#include "common/log.h"
+#include "coordinator.grpc.pb.h"
+
+namespace gradsync::coordinator {
+namespace {
+
+// A node that never watches must not grow its queue without bound; the oldest go first.
+constexpr size_t kMaxQueuedEventsPerNode = 4096;
+// Blocked calls are woken by every tick; this is only a safety net in case one is missed.
+constexpr Millis kSafetyWake{1000};
+// How long shutdown() lets in-flight calls finish before gRPC cancels them.
+constexpr Millis kShutdownGrace{2000};
+// Server keepalive: finds half-open WatchEvents streams of daemons that vanished.
+constexpr int kKeepaliveTimeMs = 30000;
+constexpr int kKeepaliveTimeoutMs = 10000;
+constexpr int kMinClientPingIntervalMs = 5000;  // daemons may ping this often
+
+grpc::Status to_grpc(const Status& s) {
+  using grpc::StatusCode;
+  StatusCode code = StatusCode::UNKNOWN;
+  switch (s.code()) {
+    case Code::kOk:
+      return grpc::Status::OK;
+    case Code::kInvalidArgument:
+      code = StatusCode::INVALID_ARGUMENT;
+      break;
+    case Code::kNotFound:
+      code = StatusCode::NOT_FOUND;
+      break;
+    case Code::kAlreadyExists:
+      code = StatusCode::ALREADY_EXISTS;
+      break;
+    case Code::kPermissionDenied:
+      code = StatusCode::PERMISSION_DENIED;
+      break;
+    case Code::kDeadlineExceeded:
+      code = StatusCode::DEADLINE_EXCEEDED;
+      break;
+    case Code::kUnavailable:
+      code = StatusCode::UNAVAILABLE;
+      break;
+    case Code::kAborted:
+      code = StatusCode::ABORTED;
+      break;
+    case Code::kInternal:
+      code = StatusCode::INTERNAL;
+      break;
+    case Code::kFailedPrecondition:
+    case Code::kMismatch:
+      code = StatusCode::FAILED_PRECONDITION;
+      break;
+  }
+  return {code, s.message()};
+}
+
+grpc::Status shutting_down() {
+  return {grpc::StatusCode::UNAVAILABLE,
+          "coordinator is shutting down; retry against the restarted coordinator"};
+}
+
+}  // namespace
+
+class CoordinatorService final : public v1::Coordinator::Service {
+ public:
+  explicit CoordinatorService(const CoordinatorOptions& o)
+      : options_(o), table_(JobTableOptions{o.lease, o.default_join_timeout}) {}
+  ~CoordinatorService() override { stop(); }
+
+  void start() {
+    ticker_ = std::thread([this] { run_ticker(); });
+  }
+
+  void stop() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    join_cv_.notify_all();
+    event_cv_.notify_all();
+    ticker_cv_.notify_all();
+    if (ticker_.joinable()) ticker_.join();
+  }
+
+  grpc::Status RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest* req,
+                            v1::RegisterNodeResponse* resp) override {
+    std::lock_guard lock(mu_);
+    if (stopping_) return shutting_down();
+    auto id = table_.register_node(req->node(), Clock::now());
+    if (!id.ok()) return to_grpc(id.status());
+    queues_[*id];  // queue events from now on, even before the node starts watching
+    dispatch_locked();
+    resp->set_node_id(*id);
+    resp->set_lease_ms(static_cast<uint32_t>(options_.lease.count()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+                         v1::HeartbeatResponse* resp) override {
+    std::lock_guard lock(mu_);
+    Status s = table_.heartbeat(req->node_id(), Clock::now());
+    if (!s.ok()) return to_grpc(s);
+    resp->set_lease_ms(static_cast<uint32_t>(options_.lease.count()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status JoinJob(grpc::ServerContext* ctx, const v1::JoinJobRequest* req,
+                       v1::JoinJobResponse* resp) override {
+    JoinRequest r;
+    r.node_id = req->node_id();
+    r.job_id = req->job_id();
+    r.token = req->token();
+    r.world_size = req->world_size();
+    r.ranks.assign(req->ranks().begin(), req->ranks().end());
+    r.endpoints.assign(req->endpoints().begin(), req->endpoints().end());
+    r.timeout = Millis(req->timeout_ms());
+    const Millis timeout = r.timeout.count() > 0 ? r.timeout : options_.default_join_timeout;
+
+    std::unique_lock lock(mu_);
+    if (stopping_) return shutting_down();
+    const TimePoint start = Clock::now();
+    auto ticket = table_.join(r, start);
+    dispatch_locked();  // this join may have completed the generation
+    if (!ticket.ok()) {
+      log::get("coordinator")->warn("rejected {}", ticket.status().to_string());
+      return to_grpc(ticket.status());
+    }
+    // Wake at the join deadline (to fail it without waiting for the next tick) or at the
+    // caller's own deadline, whichever is first; ticks wake us in between.
+    TimePoint wake = start + timeout;
+    const auto call_left = ctx->deadline() - std::chrono::system_clock::now();
+    if (call_left < timeout) wake = start + std::chrono::duration_cast<Millis>(call_left);
+    for (;;) {
+      if (auto outcome = table_.take_join_result(*ticket)) {
+        if (!outcome->ok()) return to_grpc(outcome->status());
+        resp->set_generation((*outcome)->generation);
+        resp->set_world_size((*outcome)->world_size);
+        return grpc::Status::OK;
+      }
+      if (stopping_ || ctx->IsCancelled()) {
+        table_.withdraw(*ticket, stopping_ ? "coordinator shutting down"
+                                           : "the JoinJob call was cancelled or timed out");
+        dispatch_locked();
+        return stopping_ ? shutting_down()
+                         : grpc::Status(grpc::StatusCode::CANCELLED, "JoinJob cancelled");
+      }
+      if (join_cv_.wait_until(lock, wake) == std::cv_status::timeout) {
+        advance_locked(Clock::now());
+        wake = Clock::now() + kSafetyWake;  // from now on the ticker wakes us
+      }
+    }
+  }
+
+  grpc::Status GetPeerTable(grpc::ServerContext*, const v1::PeerTableRequest* req,
+                            v1::PeerTableResponse* resp) override {
+    std::lock_guard lock(mu_);
+    auto table = table_.peer_table(req->job_id(), req->generation());
+    if (!table.ok()) return to_grpc(table.status());
+    *resp = std::move(*table);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchRequest* req,
+                           grpc::ServerWriter<v1::Event>* writer) override {
+    const std::string& id = req->node_id();
+    std::unique_lock lock(mu_);
+    if (stopping_) return shutting_down();
+    if (!table_.has_node(id)) return to_grpc(lost_or_unknown(id));
+    // One watcher per node: a newer WatchEvents (a daemon that reconnected) replaces this one.
+    const uint64_t epoch = ++queues_[id].watch_epoch;
+    event_cv_.notify_all();
+    log::get("coordinator")->debug("node={} watching events", id);
+    for (;;) {
+      if (stopping_) return shutting_down();
+      if (ctx->IsCancelled()) return {grpc::StatusCode::CANCELLED, "WatchEvents cancelled"};
+      auto q = queues_.find(id);
+      if (q == queues_.end() || !table_.has_node(id)) return to_grpc(lost_or_unknown(id));
+      if (q->second.watch_epoch != epoch) {
+        return {grpc::StatusCode::ABORTED,
+                "WatchEvents for node " + id + " was replaced by a newer WatchEvents call"};
+      }
+      if (q->second.events.empty()) {
+        event_cv_.wait_until(lock, Clock::now() + kSafetyWake);
+        continue;
+      }
+      v1::Event ev = std::move(q->second.events.front());
+      q->second.events.pop_front();
+      lock.unlock();  // Write may block on flow control; never hold the table meanwhile
+      const bool written = writer->Write(ev);
+      lock.lock();
+      if (!written) {
+        q = queues_.find(id);  // keep the event for the node's next watcher
+        if (q != queues_.end()) q->second.events.push_front(std::move(ev));
+        return {grpc::StatusCode::CANCELLED, "WatchEvents stream closed by the client"};
+      }
+    }
+  }
+
+  grpc::Status LeaveJob(grpc::ServerContext*, const v1::LeaveJobRequest* req,
+                        v1::LeaveJobResponse*) override {
+    std::lock_guard lock(mu_);
+    Status s = table_.leave(req->node_id(), req->job_id(), req->generation());
+    dispatch_locked();
+    return to_grpc(s);
+  }
+
+  grpc::Status AbortJob(grpc::ServerContext*, const v1::AbortJobRequest* req,
+                        v1::AbortJobResponse*) override {
+    std::lock_guard lock(mu_);
+    Status s = table_.abort(req->node_id(), req->job_id(), req->generation(), req->reason(),
+                            req->failed_rank());
+    dispatch_locked();
+    return to_grpc(s);
+  }
+
+  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+                        v1::ListJobsResponse* resp) override {
+    std::lock_guard lock(mu_);
+    for (auto& job : table_.list_jobs()) *resp->add_jobs() = std::move(job);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status DescribeJob(grpc::ServerContext*, const v1::DescribeJobRequest* req,
+                           v1::DescribeJobResponse* resp) override {
+    std::lock_guard lock(mu_);
+    auto d = table_.describe(req->job_id());
+    if (!d.ok()) return to_grpc(d.status());
+    *resp = std::move(*d);
+    return grpc::Status::OK;
+  }
+
+ private:
+  struct NodeQueue {
+    std::deque<v1::Event> events;
+    uint64_t watch_epoch = 0;  // bumped by each WatchEvents; older watchers then end
+  };
+
+  Status lost_or_unknown(const std::string& id) const {
+    return {Code::kNotFound, "WatchEvents: node '" + id +
+                                 "' is not registered (unknown, or lost after its lease of " +
+                                 std::to_string(options_.lease.count()) +
+                                 " ms expired); the daemon must RegisterNode again"};
+  }
+
+  // Moves the table's new events into the node queues and wakes whoever may care.
+  void dispatch_locked() {
+    std::vector<Delivery> events = table_.take_events();
+    for (auto& d : events) {
+      auto& q = queues_[d.node_id].events;
+      if (q.size() >= kMaxQueuedEventsPerNode) {
+        log::get("coordinator")
+            ->warn("node={} is not reading its events; dropping the oldest", d.node_id);
+        q.pop_front();
+      }
+      q.push_back(std::move(d.event));
+    }
+    for (const auto& id : table_.take_removed_nodes()) queues_.erase(id);
+    event_cv_.notify_all();
+    join_cv_.notify_all();
+  }
+
+  void advance_locked(TimePoint now) {
+    table_.tick(now);
+    dispatch_locked();
+  }
+
+  void run_ticker() {
+    std::unique_lock lock(mu_);
+    while (!stopping_) {
+      ticker_cv_.wait_until(lock, Clock::now() + options_.tick, [this] { return stopping_; });
+      if (stopping_) break;
+      advance_locked(Clock::now());  // also wakes blocked calls to check for cancellation
+    }
+  }
+
+  const CoordinatorOptions options_;
+  std::mutex mu_;
+  std::condition_variable join_cv_;    // a join outcome may be ready
+  std::condition_variable event_cv_;   // an event queue changed
+  std::condition_variable ticker_cv_;  // only to stop the ticker early
+  JobTable table_;
+  std::map<std::string, NodeQueue> queues_;
+  bool stopping_ = false;
+  std::thread ticker_;
+};
+
+// --- CoordinatorServer ------------------------------------------------------------------
+
+CoordinatorServer::CoordinatorServer(CoordinatorOptions options) : options_(options) {}
+
+CoordinatorServer::~CoordinatorServer() {
+  shutdown();
+  wait();
+}
+
+Status CoordinatorServer::start(const std::string& listen_addr) {
+  std::lock_guard lock(mu_);
+  if (server_ || shut_down_) {
+    return {Code::kFailedPrecondition, "CoordinatorServer::start called twice"};
+  }
+  service_ = std::make_unique<CoordinatorService>(options_);
+  grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default, which would let a second coordinator silently share
+  // the port; a busy port must be an error instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             kMinClientPingIntervalMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddListeningPort(listen_addr, grpc::InsecureServerCredentials(), &port_);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (!server_ || port_ == 0) {
+    server_.reset();
+    service_.reset();
+    port_ = 0;
+    return {Code::kUnavailable, "coordinator cannot listen on '" + listen_addr +
+                                    "': the port is in use, the host is not an address of this "
+                                    "machine, or the address is not HOST:PORT"};
+  }
+  service_->start();
+  log::get("coordinator")
+      ->info("listening on {} (port {}), lease {} ms, join timeout {} ms", listen_addr, port_,
+             options_.lease.count(), options_.default_join_timeout.count());
+  return Status::Ok();
+}
+
+void CoordinatorServer::shutdown() {
+  std::lock_guard lock(mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (!server_) return;
+  log::get("coordinator")->info("shutting down");
+  // Ending blocked calls first lets Shutdown() complete without waiting out the grace.
+  service_->stop();
+  server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
+}
+
+void CoordinatorServer::wait() {
+  grpc::Server* server = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    server = server_.get();
+  }
+  if (server) server->Wait();
+}
+
+}  // namespace gradsync::coordinator

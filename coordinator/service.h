@@ -1,0 +1,57 @@
+// The coordinator's gRPC server: the gradsync.v1.Coordinator service over one JobTable.
+//
+// Thread model: gRPC's sync-server threads run the handlers; one mutex guards the table
+// and the per-node event queues. JoinJob and WatchEvents block on condition variables with
+// deadlines. One ticker thread expires leases and join deadlines every `tick`, and it is the
+// only periodic waker: each tick also wakes blocked calls so they notice a cancelled RPC
+// (the sync API has no cancellation callback). Nothing busy-waits.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "coordinator/job_table.h"
+#include "gradsync/status.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace gradsync::coordinator {
+
+struct CoordinatorOptions {
+  Millis lease{5000};                  // a node with no heartbeat for this long is lost
+  Millis default_join_timeout{60000};  // for JoinJob requests with timeout_ms = 0
+  Millis tick{100};                    // lease/deadline check period; bounds detection delay
+};
+
+class CoordinatorService;  // the gRPC handlers, in service.cc
+
+class CoordinatorServer {
+ public:
+  explicit CoordinatorServer(CoordinatorOptions options = {});
+  ~CoordinatorServer();  // shutdown() + wait()
+  CoordinatorServer(const CoordinatorServer&) = delete;
+  CoordinatorServer& operator=(const CoordinatorServer&) = delete;
+
+  // Binds `listen_addr` ("HOST:PORT"; port 0 picks a free port) and starts serving.
+  Status start(const std::string& listen_addr);
+  // The bound port; 0 before a successful start().
+  int port() const { return port_; }
+  // Ends blocked calls (UNAVAILABLE), stops the server and the ticker. Idempotent; any thread.
+  void shutdown();
+  // Blocks until the server has shut down.
+  void wait();
+
+ private:
+  CoordinatorOptions options_;
+  std::unique_ptr<CoordinatorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::mutex mu_;  // guards the start/shutdown sequence
+  bool shut_down_ = false;
+};
+
+}  // namespace gradsync::coordinator

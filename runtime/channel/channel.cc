@@ -1,0 +1,161 @@
+#include "channel/channel.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstring>
+
+namespace gradsync {
+namespace {
+
+// A sleeping waiter looks at its abort flags and deadline at least this often, so a missed
+// wake-up costs at most this much latency, and an idle rank wakes 4 times a second.
+constexpr int kWaitSliceMs = 250;
+// Spin this many polls before sleeping: a few microseconds, well under a context switch.
+constexpr int kSpinPolls = 200;
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int timeout_ms) {
+  timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1'000'000L};
+  // Shared futex (no FUTEX_PRIVATE_FLAG): the word lives in memory mapped by several processes.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+bool stopped(const WaitContext& ctx) {
+  return (ctx.control && ctx.control->aborted.load(std::memory_order_acquire)) ||
+         (ctx.local_abort && ctx.local_abort->load(std::memory_order_acquire));
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Waits until `ready(word value)` holds. Returns kAborted or kDeadlineExceeded otherwise.
+template <typename Ready>
+Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, const WaitContext& ctx,
+                Ready ready) {
+  for (int i = 0; i < kSpinPolls; ++i) {
+    if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
+    cpu_relax();
+  }
+  for (;;) {
+    if (stopped(ctx)) return aborted_status(ctx);
+    int timeout = poll_timeout_ms(ctx.deadline, kWaitSliceMs);
+    if (timeout == 0 && Clock::now() >= ctx.deadline) {
+      return {Code::kDeadlineExceeded, "deadline passed"};
+    }
+    waiters.fetch_add(1, std::memory_order_seq_cst);
+    uint32_t v = word.load(std::memory_order_seq_cst);
+    if (ready(v)) {
+      waiters.fetch_sub(1, std::memory_order_relaxed);
+      return Status::Ok();
+    }
+    futex_wait(&word, v, timeout);
+    waiters.fetch_sub(1, std::memory_order_relaxed);
+    if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
+  }
+}
+
+void advance(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters) {
+  word.fetch_add(1, std::memory_order_seq_cst);
+  // seq_cst pairs with the waiter's increment-then-load: either it sees the new value or we
+  // see it waiting.
+  if (waiters.load(std::memory_order_seq_cst) != 0) futex_wake(&word);
+}
+
+}  // namespace
+
+void init_job_control(void* base, const ShmLayout& layout) {
+  auto* control = new (base) JobControl{};
+  control->num_channels = layout.num_channels;
+  control->slots = layout.slots;
+  control->slot_bytes = layout.slot_bytes;
+  control->failed_rank.store(-1);
+  for (uint32_t ch = 0; ch < layout.num_channels; ++ch) {
+    new (static_cast<char*>(base) + layout.counters_offset(ch)) ChannelCounters{};
+  }
+  std::atomic_thread_fence(std::memory_order_release);
+  control->magic = kShmMagic;
+}
+
+Status check_job_control(const void* base, const ShmLayout& layout) {
+  auto* control = static_cast<const JobControl*>(base);
+  if (control->magic != kShmMagic || control->num_channels != layout.num_channels ||
+      control->slots != layout.slots || control->slot_bytes != layout.slot_bytes) {
+    return {Code::kInternal, "shared memory from gradsyncd does not match its announced layout "
+                             "(daemon and library of different versions?)"};
+  }
+  return Status::Ok();
+}
+
+void abort_job(void* base, const ShmLayout& layout, int failed_rank, const std::string& reason) {
+  auto* control = static_cast<JobControl*>(base);
+  if (control->aborted.load(std::memory_order_acquire) == 0) {
+    // Racing aborters may interleave their reasons only if both write; the daemon calls this
+    // under its job lock, so there is one writer.
+    size_t n = std::min(reason.size(), kAbortReasonBytes - 1);
+    std::memcpy(control->reason, reason.data(), n);
+    control->reason[n] = '\0';
+    control->failed_rank.store(failed_rank, std::memory_order_relaxed);
+    control->aborted.store(1, std::memory_order_release);
+  }
+  for (uint32_t ch = 0; ch < layout.num_channels; ++ch) Channel(base, layout, ch).wake_all();
+}
+
+Status aborted_status(const WaitContext& ctx) {
+  if (ctx.control && ctx.control->aborted.load(std::memory_order_acquire)) {
+    return {Code::kAborted, std::string(ctx.control->reason)};
+  }
+  return {Code::kAborted, ctx.local_abort_reason ? *ctx.local_abort_reason : "aborted"};
+}
+
+Channel::Channel(void* base, const ShmLayout& layout, uint32_t index)
+    : c_(reinterpret_cast<ChannelCounters*>(static_cast<char*>(base) + layout.counters_offset(index))),
+      data_(static_cast<uint8_t*>(base) + layout.data_offset(index)),
+      index_(index),
+      slots_(layout.slots),
+      slot_bytes_(layout.slot_bytes) {}
+
+Result<uint8_t*> Channel::acquire_send(const WaitContext& ctx) {
+  uint32_t tail = c_->tail.load(std::memory_order_relaxed);  // only this producer writes it
+  Status s = wait_for(c_->head, c_->head_waiters, ctx,
+                      [&](uint32_t head) { return tail - head < slots_; });
+  if (!s.ok()) return s;
+  return data_ + size_t{tail % slots_} * slot_bytes_;
+}
+
+void Channel::publish(const SlotMeta& meta) {
+  uint32_t tail = c_->tail.load(std::memory_order_relaxed);
+  c_->meta[tail % slots_] = meta;
+  advance(c_->tail, c_->tail_waiters);
+}
+
+Result<const uint8_t*> Channel::acquire_recv(const WaitContext& ctx, SlotMeta* meta) {
+  uint32_t head = c_->head.load(std::memory_order_relaxed);  // only this consumer writes it
+  Status s = wait_for(c_->tail, c_->tail_waiters, ctx,
+                      [&](uint32_t tail) { return tail != head; });
+  if (!s.ok()) return s;
+  if (meta) *meta = c_->meta[head % slots_];
+  return static_cast<const uint8_t*>(data_ + size_t{head % slots_} * slot_bytes_);
+}
+
+void Channel::release() { advance(c_->head, c_->head_waiters); }
+
+uint32_t Channel::in_flight() const {
+  return c_->tail.load(std::memory_order_acquire) - c_->head.load(std::memory_order_acquire);
+}
+
+void Channel::wake_all() {
+  futex_wake(&c_->tail);
+  futex_wake(&c_->head);
+}
+
+}  // namespace gradsync

@@ -1,0 +1,122 @@
+// Channels (design §2): a one-way FIFO of `slots` slots of `slot_bytes` bytes from one rank
+// to one peer, living in shared memory that trainers and the daemon map.
+//
+// The producer waits for a free slot (tail - head < slots), fills it, then publishes it by
+// advancing `tail`; the consumer waits for tail > head, reads the slot, then releases it by
+// advancing `head` (the credit back to the producer). Counters are 32-bit and wrap; only
+// their difference matters. Waiting spins briefly then sleeps on a futex on the counter, so
+// idle ranks cost nothing; a waiter wakes at least every kWaitSliceMs to look at the abort
+// flag and its deadline.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "common/fd.h"
+
+namespace gradsync {
+
+constexpr uint32_t kShmMagic = 0x47534331;  // "GSC1"
+constexpr uint32_t kMaxSlots = 64;
+constexpr uint32_t kDefaultSlots = 8;
+constexpr uint32_t kDefaultSlotBytes = 1u << 20;  // 1 MiB: large enough to amortise a wake-up
+constexpr size_t kAbortReasonBytes = 1024;
+
+// Describes one published slot, so that the receiver can check it is what it expects.
+struct SlotMeta {
+  uint32_t bytes;     // payload bytes in this slot
+  uint32_t seq;       // collective sequence number on this communicator
+  uint64_t count;     // element count of the collective
+  uint32_t signature; // kind/type/op of the collective
+  uint32_t step;      // algorithm step that produced it
+};
+
+// Shared by every channel of one job on one node.
+struct alignas(64) JobControl {
+  uint32_t magic;
+  uint32_t num_channels;
+  uint32_t slots;
+  uint32_t slot_bytes;
+  alignas(64) std::atomic<uint32_t> aborted;  // 0 or 1; `reason` is valid once it is 1
+  std::atomic<int32_t> failed_rank;            // -1 when not about one rank
+  char reason[kAbortReasonBytes];
+};
+
+struct alignas(64) ChannelCounters {
+  alignas(64) std::atomic<uint32_t> tail;          // advanced by the producer
+  std::atomic<uint32_t> tail_waiters;              // consumers asleep on `tail`
+  alignas(64) std::atomic<uint32_t> head;          // advanced by the consumer
+  std::atomic<uint32_t> head_waiters;              // producers asleep on `head`
+  alignas(64) SlotMeta meta[kMaxSlots];
+};
+
+// Byte offsets of everything in a job's shared memory.
+struct ShmLayout {
+  uint32_t num_channels = 0;
+  uint32_t slots = kDefaultSlots;
+  uint32_t slot_bytes = kDefaultSlotBytes;
+
+  static constexpr size_t kPage = 4096;
+  size_t control_offset() const { return 0; }
+  size_t counters_offset(uint32_t ch) const { return kPage + ch * round_up(sizeof(ChannelCounters)); }
+  size_t data_offset(uint32_t ch) const {
+    return round_up(counters_offset(num_channels)) + size_t{ch} * slots * slot_bytes;
+  }
+  size_t total_bytes() const { return data_offset(num_channels); }
+  static size_t round_up(size_t n) { return (n + kPage - 1) / kPage * kPage; }
+};
+
+// Writes the control block of a fresh (zeroed) region.
+void init_job_control(void* base, const ShmLayout& layout);
+// Checks a mapped region against the layout the daemon announced.
+Status check_job_control(const void* base, const ShmLayout& layout);
+
+// Marks the job aborted (first reason wins) and wakes every waiter of every channel.
+void abort_job(void* base, const ShmLayout& layout, int failed_rank, const std::string& reason);
+
+// Why a wait should stop early, besides its deadline: the job's abort flag in shared memory
+// and a process-local flag (e.g. the trainer lost its daemon).
+struct WaitContext {
+  const JobControl* control = nullptr;
+  const std::atomic<bool>* local_abort = nullptr;
+  const std::string* local_abort_reason = nullptr;
+  Deadline deadline = Deadline::max();
+};
+
+// A view of one channel in a mapped region. Cheap to copy.
+class Channel {
+ public:
+  Channel() = default;
+  Channel(void* base, const ShmLayout& layout, uint32_t index);
+
+  uint32_t index() const { return index_; }
+  uint32_t slot_bytes() const { return slot_bytes_; }
+  uint32_t slots() const { return slots_; }
+
+  // Producer side.
+  Result<uint8_t*> acquire_send(const WaitContext& ctx);
+  void publish(const SlotMeta& meta);
+  // Consumer side.
+  Result<const uint8_t*> acquire_recv(const WaitContext& ctx, SlotMeta* meta);
+  void release();
+
+  // Slots published but not yet released.
+  uint32_t in_flight() const;
+  // Wakes everybody asleep on this channel (after an abort).
+  void wake_all();
+
+ private:
+  ChannelCounters* c_ = nullptr;
+  uint8_t* data_ = nullptr;
+  uint32_t index_ = 0;
+  uint32_t slots_ = 0;
+  uint32_t slot_bytes_ = 0;
+};
+
+// Status for a wait that stopped because of an abort (reason from the control block).
+Status aborted_status(const WaitContext& ctx);
+
+}  // namespace gradsync

@@ -1,0 +1,127 @@
+#include "common/framing.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace gradsync {
+namespace {
+
+constexpr int kPollSliceMs = 1000;  // upper bound of one poll(); the deadline governs
+
+Status wait_readable(int sock, Deadline deadline) {
+  for (;;) {
+    int timeout = poll_timeout_ms(deadline, kPollSliceMs);
+    if (timeout == 0 && Clock::now() >= deadline) {
+      return {Code::kDeadlineExceeded, "timed out waiting for a message"};
+    }
+    pollfd p{sock, POLLIN, 0};
+    int rc = ::poll(&p, 1, timeout);
+    if (rc > 0) return Status::Ok();
+    if (rc < 0 && errno != EINTR) return {Code::kInternal, errno_string("poll")};
+  }
+}
+
+}  // namespace
+
+Status write_all(int sock, const void* data, size_t len) {
+  auto* p = static_cast<const char*>(data);
+  while (len > 0) {
+    ssize_t n = ::send(sock, p, len, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return {Code::kUnavailable, errno_string("send")};
+    }
+    p += n;
+    len -= static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Status read_all(int sock, void* data, size_t len, Deadline deadline) {
+  auto* p = static_cast<char*>(data);
+  while (len > 0) {
+    GS_RETURN_IF_ERROR(wait_readable(sock, deadline));
+    ssize_t n = ::recv(sock, p, len, 0);
+    if (n == 0) return {Code::kUnavailable, "connection closed by peer"};
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return {Code::kUnavailable, errno_string("recv")};
+    }
+    p += n;
+    len -= static_cast<size_t>(n);
+  }
+  return Status::Ok();
+}
+
+Status send_frame(int sock, const google::protobuf::MessageLite& msg, int pass_fd) {
+  std::string body;
+  if (!msg.SerializeToString(&body)) return {Code::kInternal, "cannot serialize message"};
+  if (body.size() > kMaxFrameBytes) return {Code::kInvalidArgument, "frame too large"};
+  uint32_t len = static_cast<uint32_t>(body.size());
+  std::string frame(reinterpret_cast<const char*>(&len), sizeof(len));
+  frame += body;
+
+  iovec iov{frame.data(), frame.size()};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  if (pass_fd >= 0) {
+    mh.msg_control = ctrl;
+    mh.msg_controllen = sizeof(ctrl);
+    cmsghdr* c = CMSG_FIRSTHDR(&mh);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+  }
+  ssize_t n;
+  do {
+    n = ::sendmsg(sock, &mh, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return {Code::kUnavailable, errno_string("sendmsg")};
+  // The descriptor travelled with the first byte; the rest is plain data.
+  return write_all(sock, frame.data() + n, frame.size() - static_cast<size_t>(n));
+}
+
+Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, Fd* passed) {
+  GS_RETURN_IF_ERROR(wait_readable(sock, deadline));
+  uint32_t len = 0;
+  iovec iov{&len, sizeof(len)};
+  msghdr mh{};
+  mh.msg_iov = &iov;
+  mh.msg_iovlen = 1;
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  mh.msg_control = ctrl;
+  mh.msg_controllen = sizeof(ctrl);
+  ssize_t n;
+  do {
+    n = ::recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n == 0) return {Code::kUnavailable, "connection closed by peer"};
+  if (n < 0) return {Code::kUnavailable, errno_string("recvmsg")};
+  for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
+      if (passed) passed->reset(fd); else ::close(fd);
+    }
+  }
+  if (static_cast<size_t>(n) < sizeof(len)) {
+    GS_RETURN_IF_ERROR(read_all(sock, reinterpret_cast<char*>(&len) + n, sizeof(len) - n, deadline));
+  }
+  if (len > kMaxFrameBytes) {
+    return {Code::kInternal, "frame of " + std::to_string(len) + " bytes exceeds the limit"};
+  }
+  std::string body(len, '\0');
+  GS_RETURN_IF_ERROR(read_all(sock, body.data(), len, deadline));
+  if (!msg->ParseFromString(body)) return {Code::kInternal, "malformed frame"};
+  return Status::Ok();
+}
+
+}  // namespace gradsync

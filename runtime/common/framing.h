@@ -1,0 +1,27 @@
+// Length-prefixed protobuf frames over a stream socket, with an optional file descriptor
+// attached (SCM_RIGHTS). Used between trainers and their daemon; docs/wire.md has the format.
+#pragma once
+
+#include <google/protobuf/message_lite.h>
+
+#include <cstdint>
+
+#include "common/fd.h"
+
+namespace gradsync {
+
+// A frame larger than this is a protocol error, not a message: 16 MiB.
+constexpr uint32_t kMaxFrameBytes = 16u << 20;
+
+Status send_frame(int sock, const google::protobuf::MessageLite& msg, int pass_fd = -1);
+
+// Reads one frame; fills `*passed` when the sender attached a descriptor. kUnavailable on EOF,
+// kDeadlineExceeded when `deadline` passes first.
+Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline,
+                  Fd* passed = nullptr);
+
+// Writes/reads exactly `len` bytes (retrying on EINTR and short transfers).
+Status write_all(int sock, const void* data, size_t len);
+Status read_all(int sock, void* data, size_t len, Deadline deadline);
+
+}  // namespace gradsync

@@ -1,0 +1,44 @@
+#include "common/log.h"
+
+#include <spdlog/sinks/stdout_color_sinks.h>
+
+#include <cstdlib>
+#include <mutex>
+
+namespace gradsync::log {
+namespace {
+
+std::mutex g_mu;
+spdlog::level::level_enum g_level = spdlog::level::info;
+bool g_level_from_env = false;
+
+spdlog::level::level_enum initial_level() {
+  if (!g_level_from_env) {
+    g_level_from_env = true;
+    if (const char* env = std::getenv("GRADSYNC_LOG_LEVEL")) {
+      g_level = spdlog::level::from_str(env);
+    }
+  }
+  return g_level;
+}
+
+}  // namespace
+
+std::shared_ptr<spdlog::logger> get(const std::string& component) {
+  std::lock_guard lock(g_mu);
+  if (auto existing = spdlog::get(component)) return existing;
+  auto logger = spdlog::stderr_color_mt(component);
+  logger->set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%L%$ [%n] %v");
+  logger->set_level(initial_level());
+  return logger;
+}
+
+void set_level(const std::string& level) {
+  std::lock_guard lock(g_mu);
+  g_level_from_env = true;
+  g_level = spdlog::level::from_str(level);
+  spdlog::set_level(g_level);
+  spdlog::apply_all([](const std::shared_ptr<spdlog::logger>& l) { l->set_level(g_level); });
+}
+
+}  // namespace gradsync::log

@@ -1,0 +1,203 @@
+#include "daemon/coordinator_link.h"
+
+#include "common/fd.h"
+#include "common/log.h"
+
+namespace gradsync {
+namespace {
+
+// Deadline of one short control call (register, heartbeat, peer table, leave, abort).
+constexpr std::chrono::milliseconds kCallTimeout{5'000};
+// Pause before re-opening a broken event stream or retrying registration.
+constexpr std::chrono::milliseconds kRetryPause{500};
+
+void set_deadline(grpc::ClientContext& ctx, std::chrono::milliseconds timeout) {
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+}
+
+Code to_code(grpc::StatusCode c) {
+  switch (c) {
+    case grpc::StatusCode::OK: return Code::kOk;
+    case grpc::StatusCode::INVALID_ARGUMENT: return Code::kInvalidArgument;
+    case grpc::StatusCode::NOT_FOUND: return Code::kNotFound;
+    case grpc::StatusCode::ALREADY_EXISTS: return Code::kAlreadyExists;
+    case grpc::StatusCode::PERMISSION_DENIED: return Code::kPermissionDenied;
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return Code::kDeadlineExceeded;
+    case grpc::StatusCode::UNAVAILABLE: return Code::kUnavailable;
+    case grpc::StatusCode::ABORTED: return Code::kAborted;
+    case grpc::StatusCode::FAILED_PRECONDITION: return Code::kFailedPrecondition;
+    default: return Code::kInternal;
+  }
+}
+
+}  // namespace
+
+CoordinatorLink::CoordinatorLink(std::string address, v1::NodeInfo node, EventHandler on_event)
+    : address_(std::move(address)), node_(std::move(node)), on_event_(std::move(on_event)) {
+  grpc::ChannelArguments args;
+  // Reconnect quickly after a coordinator restart instead of gRPC's default backoff (up to 2 min).
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::Coordinator::NewStub(channel_);
+}
+
+CoordinatorLink::~CoordinatorLink() { stop(); }
+
+Status CoordinatorLink::from_grpc(const grpc::Status& s, const std::string& what) const {
+  if (s.ok()) return Status::Ok();
+  std::string msg = s.error_message();
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    msg = "coordinator at " + address_ + " unreachable during " + what + " (" + msg +
+          "); is gradsync-coordinator running?";
+  } else {
+    msg = what + ": " + msg;
+  }
+  return {to_code(s.error_code()), msg};
+}
+
+Status CoordinatorLink::register_node() {
+  grpc::ClientContext ctx;
+  set_deadline(ctx, kCallTimeout);
+  v1::RegisterNodeRequest req;
+  *req.mutable_node() = node_;
+  v1::RegisterNodeResponse resp;
+  GS_RETURN_IF_ERROR(from_grpc(stub_->RegisterNode(&ctx, req, &resp), "register"));
+  std::lock_guard lock(mu_);
+  node_id_ = resp.node_id();
+  lease_ms_ = std::max<uint32_t>(resp.lease_ms(), 300);
+  log::get("daemon")->info("registered with coordinator {} as node={} lease={}ms", address_,
+                           node_id_, lease_ms_);
+  return Status::Ok();
+}
+
+Status CoordinatorLink::start(std::chrono::milliseconds timeout) {
+  Deadline deadline = deadline_after(timeout);
+  Status s;
+  while (!(s = register_node()).ok()) {
+    if (Clock::now() + kRetryPause >= deadline) return s;
+    std::this_thread::sleep_for(kRetryPause);
+  }
+  heartbeat_ = std::thread([this] { heartbeat_loop(); });
+  watcher_ = std::thread([this] { watch_loop(); });
+  return Status::Ok();
+}
+
+void CoordinatorLink::stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    if (watch_ctx_) watch_ctx_->TryCancel();
+    cv_.notify_all();
+  }
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (watcher_.joinable()) watcher_.join();
+}
+
+std::string CoordinatorLink::node_id() const {
+  std::lock_guard lock(mu_);
+  return node_id_;
+}
+
+void CoordinatorLink::heartbeat_loop() {
+  auto log = log::get("daemon");
+  std::unique_lock lock(mu_);
+  while (!stopping_) {
+    // A third of the lease: two heartbeats may be lost before the lease expires.
+    cv_.wait_for(lock, std::chrono::milliseconds(lease_ms_ / 3));
+    if (stopping_) return;
+    std::string id = node_id_;
+    lock.unlock();
+    grpc::ClientContext ctx;
+    set_deadline(ctx, kCallTimeout);
+    v1::HeartbeatRequest req;
+    req.set_node_id(id);
+    v1::HeartbeatResponse resp;
+    grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      log->warn("coordinator {} forgot node={} (restarted or lease expired); re-registering",
+                address_, id);
+      (void)register_node();
+    } else if (!s.ok()) {
+      log->warn("heartbeat to coordinator {} failed: {}", address_, s.error_message());
+    }
+    lock.lock();
+  }
+}
+
+void CoordinatorLink::watch_loop() {
+  auto log = log::get("daemon");
+  for (;;) {
+    grpc::ClientContext ctx;
+    v1::WatchRequest req;
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) return;
+      req.set_node_id(node_id_);
+      watch_ctx_ = &ctx;
+    }
+    auto reader = stub_->WatchEvents(&ctx, req);
+    v1::Event ev;
+    while (reader->Read(&ev)) on_event_(ev);
+    grpc::Status s = reader->Finish();
+    std::unique_lock lock(mu_);
+    watch_ctx_ = nullptr;
+    if (stopping_) return;
+    log->debug("event stream from {} ended: {}", address_, s.error_message());
+    cv_.wait_for(lock, kRetryPause);
+  }
+}
+
+Result<v1::JoinJobResponse> CoordinatorLink::join(v1::JoinJobRequest req,
+                                                  std::chrono::milliseconds timeout) {
+  grpc::ClientContext ctx;
+  // The coordinator fails the join itself at `timeout`; our deadline is a backstop.
+  set_deadline(ctx, timeout + kCallTimeout);
+  req.set_node_id(node_id());
+  req.set_timeout_ms(static_cast<uint32_t>(timeout.count()));
+  v1::JoinJobResponse resp;
+  Status s = from_grpc(stub_->JoinJob(&ctx, req, &resp), "join of job " + req.job_id());
+  if (!s.ok()) return s;
+  return resp;
+}
+
+Result<v1::PeerTableResponse> CoordinatorLink::peer_table(const std::string& job,
+                                                          uint64_t generation) {
+  grpc::ClientContext ctx;
+  set_deadline(ctx, kCallTimeout);
+  v1::PeerTableRequest req;
+  req.set_job_id(job);
+  req.set_generation(generation);
+  v1::PeerTableResponse resp;
+  Status s = from_grpc(stub_->GetPeerTable(&ctx, req, &resp), "peer table of job " + job);
+  if (!s.ok()) return s;
+  return resp;
+}
+
+Status CoordinatorLink::leave(const std::string& job, uint64_t generation) {
+  grpc::ClientContext ctx;
+  set_deadline(ctx, kCallTimeout);
+  v1::LeaveJobRequest req;
+  req.set_node_id(node_id());
+  req.set_job_id(job);
+  req.set_generation(generation);
+  v1::LeaveJobResponse resp;
+  return from_grpc(stub_->LeaveJob(&ctx, req, &resp), "leave of job " + job);
+}
+
+Status CoordinatorLink::abort(const std::string& job, uint64_t generation, int failed_rank,
+                              const std::string& reason) {
+  grpc::ClientContext ctx;
+  set_deadline(ctx, kCallTimeout);
+  v1::AbortJobRequest req;
+  req.set_node_id(node_id());
+  req.set_job_id(job);
+  req.set_generation(generation);
+  req.set_failed_rank(failed_rank);
+  req.set_reason(reason);
+  v1::AbortJobResponse resp;
+  return from_grpc(stub_->AbortJob(&ctx, req, &resp), "abort of job " + job);
+}
+
+}  // namespace gradsync

@@ -1,0 +1,64 @@
+// gradsyncd's side of the coordinator: registration, the heartbeat lease, the event stream,
+// and the per-node job calls. Every call has a deadline; an unreachable coordinator is an
+// error naming its address, never a hang.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "coordinator.grpc.pb.h"
+#include "gradsync/status.h"
+
+namespace gradsync {
+
+class CoordinatorLink {
+ public:
+  using EventHandler = std::function<void(const v1::Event&)>;
+
+  CoordinatorLink(std::string address, v1::NodeInfo node, EventHandler on_event);
+  ~CoordinatorLink();
+
+  // Registers (retrying until `timeout`), then keeps the lease and the event stream alive in
+  // background threads, re-registering if the coordinator forgot this node.
+  Status start(std::chrono::milliseconds timeout);
+  void stop();
+
+  std::string node_id() const;
+  const std::string& address() const { return address_; }
+
+  Result<v1::JoinJobResponse> join(v1::JoinJobRequest req, std::chrono::milliseconds timeout);
+  Result<v1::PeerTableResponse> peer_table(const std::string& job, uint64_t generation);
+  Status leave(const std::string& job, uint64_t generation);
+  Status abort(const std::string& job, uint64_t generation, int failed_rank,
+               const std::string& reason);
+
+ private:
+  Status register_node();
+  void heartbeat_loop();
+  void watch_loop();
+  Status from_grpc(const grpc::Status& s, const std::string& what) const;
+
+  const std::string address_;
+  const v1::NodeInfo node_;
+  const EventHandler on_event_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::string node_id_;
+  uint32_t lease_ms_ = 5000;
+  bool stopping_ = false;
+  grpc::ClientContext* watch_ctx_ = nullptr;  // to cancel the stream on stop
+  std::thread heartbeat_;
+  std::thread watcher_;
+};
+
+}  // namespace gradsync

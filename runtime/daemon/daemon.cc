@@ -1,0 +1,503 @@
+#include "daemon/daemon.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+#include <algorithm>
+#include <cstring>
+#include <fstream>
+#include <set>
+
+#include "common/framing.h"
+#include "common/log.h"
+#include "topology/node_info.h"
+
+namespace gradsync {
+namespace {
+
+// How long a peer daemon's channel connection may wait for this node's side of the job.
+constexpr std::chrono::milliseconds kPeerAcceptTimeout{30'000};
+// Slack on top of the trainer's join timeout for the coordinator round trips.
+constexpr std::chrono::milliseconds kJoinSlack{5'000};
+// How long a finished job may take to flush its last slots to peers before it is cut.
+constexpr std::chrono::milliseconds kDrainTimeout{30'000};
+
+std::shared_ptr<spdlog::logger> dlog() { return log::get("daemon"); }
+
+v1::DaemonMessage error_message(const Status& s) {
+  v1::DaemonMessage m;
+  m.mutable_error()->set_code(static_cast<uint32_t>(s.code()));
+  m.mutable_error()->set_message(s.message());
+  return m;
+}
+
+bool is_loopback(const std::string& hostport) {
+  return hostport.rfind("127.", 0) == 0 || hostport.rfind("localhost", 0) == 0 ||
+         hostport.rfind("[::1]", 0) == 0;
+}
+
+Status write_file_atomically(const std::string& path, const std::string& text) {
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text << "\n";
+    if (!f) return {Code::kInternal, "cannot write " + tmp};
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) return {Code::kInternal, errno_string("rename")};
+  return Status::Ok();
+}
+
+}  // namespace
+
+Daemon::Daemon(DaemonConfig config) : cfg_(std::move(config)), hostname_(hostname()) {
+  if (cfg_.node_name.empty()) cfg_.node_name = hostname_;
+}
+
+Daemon::~Daemon() { stop(); }
+
+Status Daemon::start() {
+  auto log = dlog();
+  stop_event_.reset(::eventfd(0, EFD_CLOEXEC));
+  topology::NodeInfo topo = topology::discover();
+
+  // Proxy listener first: its port goes into the registration.
+  uint16_t port = 0;
+  auto listener = tcp_listen(cfg_.data_listen, cfg_.data_port, &port);
+  if (!listener.ok()) return listener.status();
+  peer_listener_ = std::move(listener).value();
+  std::string host = cfg_.data_host;
+  if (host.empty()) {
+    host = is_loopback(cfg_.coordinator) ? "127.0.0.1" : hostname_;
+    for (const auto& a : topo.addresses) {
+      // "eth0=10.1.2.3": the first non-loopback IPv4 address, when the coordinator is remote.
+      auto eq = a.find('=');
+      std::string ip = eq == std::string::npos ? a : a.substr(eq + 1);
+      if (!is_loopback(cfg_.coordinator) && ip.find(':') == std::string::npos) {
+        host = ip;
+        break;
+      }
+    }
+  }
+  endpoint_ = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+
+  // Trainer socket: 0660, so only this user and group can reach the daemon.
+  sockaddr_un addr{};
+  if (cfg_.socket_path.size() >= sizeof(addr.sun_path)) {
+    return {Code::kInvalidArgument, "socket path too long: " + cfg_.socket_path};
+  }
+  if (auto slash = cfg_.socket_path.rfind('/'); slash != std::string::npos && slash > 0) {
+    ::mkdir(cfg_.socket_path.substr(0, slash).c_str(), 0750);
+  }
+  ::unlink(cfg_.socket_path.c_str());
+  trainer_listener_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, cfg_.socket_path.data(), cfg_.socket_path.size());
+  if (::bind(trainer_listener_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::chmod(cfg_.socket_path.c_str(), 0660) != 0 || ::listen(trainer_listener_.get(), 128) != 0) {
+    return {Code::kUnavailable, "cannot serve on " + cfg_.socket_path + ": " + errno_string("bind/listen")};
+  }
+
+  v1::NodeInfo node;
+  node.set_hostname(hostname_);
+  node.set_node_name(cfg_.node_name);
+  for (const auto& a : topo.addresses) node.add_addresses(a);
+  node.set_cpus(topo.cpus);
+  for (const auto& g : topo.gpus) node.add_gpus(g);
+  for (const auto& n : topo.nics) node.add_nics(n);
+  node.set_data_endpoint(endpoint_);
+  node.set_pid(static_cast<uint32_t>(::getpid()));
+  link_ = std::make_unique<CoordinatorLink>(cfg_.coordinator, node,
+                                            [this](const v1::Event& ev) { on_event(ev); });
+  GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
+
+  trainer_acceptor_ = std::thread([this] { accept_trainers(); });
+  peer_acceptor_ = std::thread([this] { accept_peers(); });
+  log->info("gradsyncd node={} serving trainers on {} proxy on {} (transport tcp: no verbs device "
+            "in this build) topology: {}",
+            cfg_.node_name, cfg_.socket_path, endpoint_, topology::describe(topo));
+  if (!cfg_.ready_file.empty()) GS_RETURN_IF_ERROR(write_file_atomically(cfg_.ready_file, endpoint_));
+  return Status::Ok();
+}
+
+void Daemon::stop() {
+  {
+    std::lock_guard lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+  }
+  if (stop_event_.valid()) {
+    uint64_t one = 1;
+    if (::write(stop_event_.get(), &one, sizeof(one)) < 0) { /* acceptors also see shutdown */ }
+  }
+  if (trainer_acceptor_.joinable()) trainer_acceptor_.join();
+  if (peer_acceptor_.joinable()) peer_acceptor_.join();
+  std::vector<std::shared_ptr<LocalJob>> jobs;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [id, job] : jobs_) jobs.push_back(job);
+  }
+  for (auto& job : jobs) abort(job, -1, "gradsyncd on " + hostname_ + " is shutting down", true);
+  if (link_) link_->stop();
+  ::unlink(cfg_.socket_path.c_str());
+}
+
+void Daemon::spawn(std::function<void()> fn) { std::thread(std::move(fn)).detach(); }
+
+void Daemon::accept_trainers() {
+  pollfd fds[2] = {{trainer_listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
+  for (;;) {
+    if (::poll(fds, 2, -1) < 0 && errno != EINTR) return;
+    if (fds[1].revents) return;
+    if (!(fds[0].revents & POLLIN)) continue;
+    Fd sock(::accept4(trainer_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!sock.valid()) continue;
+    spawn([this, s = std::make_shared<Fd>(std::move(sock))]() mutable { serve_trainer(std::move(*s)); });
+  }
+}
+
+void Daemon::accept_peers() {
+  pollfd fds[2] = {{peer_listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
+  for (;;) {
+    if (::poll(fds, 2, -1) < 0 && errno != EINTR) return;
+    if (fds[1].revents) return;
+    if (!(fds[0].revents & POLLIN)) continue;
+    Fd sock(::accept4(peer_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!sock.valid()) continue;
+    spawn([this, s = std::make_shared<Fd>(std::move(sock))]() mutable { serve_peer(std::move(*s)); });
+  }
+}
+
+void Daemon::serve_trainer(Fd sock) {
+  auto log = dlog();
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return;
+  if (cred.uid != 0 && cred.uid != ::geteuid() && cred.gid != ::getegid()) {
+    log->warn("refused trainer pid={} uid={}: neither this daemon's user nor group", cred.pid, cred.uid);
+    (void)send_frame(sock.get(), error_message({Code::kPermissionDenied,
+        "gradsyncd on " + hostname_ + " serves only uid " + std::to_string(::geteuid()) +
+        " or gid " + std::to_string(::getegid())}));
+    return;
+  }
+  const uint32_t pid = static_cast<uint32_t>(cred.pid);
+  std::shared_ptr<LocalJob> job;
+  uint32_t rank = 0;
+  for (;;) {
+    v1::ClientMessage msg;
+    Fd ignored;
+    Status s = recv_frame(sock.get(), &msg, Deadline::max(), &ignored);
+    if (!s.ok()) break;  // EOF: the trainer is gone
+    v1::DaemonMessage reply;
+    if (msg.has_attach()) {
+      reply.mutable_attach()->set_node_name(cfg_.node_name);
+      reply.mutable_attach()->set_hostname(hostname_);
+      reply.mutable_attach()->set_protocol_version(msg.attach().protocol_version());
+      s = send_frame(sock.get(), reply);
+    } else if (msg.has_join()) {
+      if (job) {
+        s = send_frame(sock.get(), error_message({Code::kFailedPrecondition,
+                                                  "this connection already joined job " + job->id}));
+        continue;
+      }
+      auto joined = join(msg.join(), pid);
+      if (!joined.ok()) {
+        s = send_frame(sock.get(), error_message(joined.status()));
+        continue;
+      }
+      job = joined.value();
+      rank = msg.join().rank();
+      v1::JoinResponse* jr = reply.mutable_join();
+      {
+        std::lock_guard lock(mu_);
+        jr->set_generation(job->generation);
+        *jr->mutable_ring() = job->table.ring();
+        for (uint32_t r = 0; r < job->world_size; ++r) jr->add_rank_hosts(job->host_of(r));
+        *jr->mutable_setup() = job->setup_for(rank);
+      }
+      s = send_frame(sock.get(), reply, job->shm->fd());
+    } else if (msg.has_leave()) {
+      if (job) {
+        std::lock_guard lock(mu_);
+        job->members[rank].left = true;
+        if (job->all_left()) job->drain.store(true);
+      }
+      reply.mutable_leave();
+      s = send_frame(sock.get(), reply);
+    } else {
+      s = send_frame(sock.get(), error_message({Code::kInvalidArgument, "unknown request"}));
+    }
+    if (!s.ok()) break;
+  }
+  if (job) member_gone(job, rank);
+}
+
+Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint32_t pid) {
+  const std::string who = "job=" + req.job_id() + " rank " + std::to_string(req.rank()) +
+                          " (pid " + std::to_string(pid) + ") on " + hostname_ + ": ";
+  if (req.job_id().empty()) return Status(Code::kInvalidArgument, who + "empty job id");
+  if (req.world_size() == 0) return Status(Code::kInvalidArgument, who + "world size 0");
+  if (req.rank() >= req.world_size()) {
+    return Status(Code::kInvalidArgument, who + "rank >= world size " + std::to_string(req.world_size()));
+  }
+  if (req.local_world_size() == 0 || req.local_world_size() > req.world_size()) {
+    return Status(Code::kInvalidArgument, who + "local world size " +
+                                              std::to_string(req.local_world_size()) + " out of range");
+  }
+  auto timeout = std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 60'000);
+  Deadline deadline = deadline_after(timeout + kJoinSlack);
+
+  std::unique_lock lock(mu_);
+  auto& slot = jobs_[req.job_id()];
+  if (!slot || slot->state == LocalJob::State::kFailed || slot->state == LocalJob::State::kDone ||
+      slot->aborted) {
+    slot = std::make_shared<LocalJob>();
+    slot->id = req.job_id();
+    slot->token = req.token();
+    slot->world_size = req.world_size();
+    slot->local_world_size = req.local_world_size();
+  }
+  std::shared_ptr<LocalJob> job = slot;
+  if (job->state != LocalJob::State::kCollecting) {
+    return Status(Code::kAlreadyExists, who + "job already has its " +
+                                            std::to_string(job->local_world_size) +
+                                            " local ranks on this node and is running");
+  }
+  if (job->token != req.token()) return Status(Code::kPermissionDenied, who + "wrong token for job " + req.job_id());
+  if (job->world_size != req.world_size() || job->local_world_size != req.local_world_size()) {
+    return Status(Code::kInvalidArgument,
+                  who + "world size " + std::to_string(req.world_size()) + " / local world size " +
+                      std::to_string(req.local_world_size()) + " differ from the other local ranks' " +
+                      std::to_string(job->world_size) + " / " + std::to_string(job->local_world_size));
+  }
+  if (auto it = job->members.find(req.rank()); it != job->members.end()) {
+    return Status(Code::kAlreadyExists, who + "rank " + std::to_string(req.rank()) +
+                                            " already claimed by pid " + std::to_string(it->second.pid));
+  }
+  job->members[req.rank()] = LocalMember{req.rank(), pid};
+
+  if (job->members.size() == job->local_world_size) {
+    job->state = LocalJob::State::kJoining;
+    lock.unlock();
+    Status s = connect_job(job, timeout);
+    if (!s.ok()) {
+      abort(job, -1, s.message(), false);
+    }
+    lock.lock();
+    job->state = s.ok() ? LocalJob::State::kReady : LocalJob::State::kFailed;
+    job->failure = s;
+    cv_.notify_all();
+  } else {
+    bool done = cv_.wait_until(lock, deadline, [&] {
+      return job->state != LocalJob::State::kCollecting && job->state != LocalJob::State::kJoining;
+    });
+    if (!done) {
+      std::string missing = std::to_string(job->local_world_size - job->members.size());
+      if (job->state == LocalJob::State::kCollecting) job->members.erase(req.rank());
+      return Status(Code::kDeadlineExceeded,
+                    who + "only " + std::to_string(job->members.size() + 1) + " of " +
+                        std::to_string(job->local_world_size) + " local ranks joined within " +
+                        std::to_string(timeout.count()) + " ms (" + missing +
+                        " missing on this node: check LOCAL_WORLD_SIZE)");
+    }
+  }
+  if (job->state == LocalJob::State::kFailed) return job->failure;
+  return job;
+}
+
+Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::milliseconds timeout) {
+  auto log = dlog();
+  // Shared memory for 2 channels per local rank: see LocalJob::setup_for.
+  std::vector<uint32_t> ranks;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [r, m] : job->members) ranks.push_back(r);
+  }
+  ShmLayout layout;
+  layout.num_channels = 2 * static_cast<uint32_t>(ranks.size());
+  layout.slots = cfg_.slots;
+  layout.slot_bytes = cfg_.slot_bytes;
+  auto shm = SharedMemory::create("gradsync-" + job->id, layout.total_bytes());
+  if (!shm.ok()) return shm.status();
+  init_job_control(shm->data(), layout);
+
+  v1::JoinJobRequest req;
+  req.set_job_id(job->id);
+  req.set_token(job->token);
+  req.set_world_size(job->world_size);
+  for (uint32_t r : ranks) {
+    req.add_ranks(r);
+    req.add_endpoints(endpoint_);
+  }
+  auto joined = link_->join(req, timeout);
+  if (!joined.ok()) return joined.status();
+  auto table = link_->peer_table(job->id, joined->generation());
+  if (!table.ok()) return table.status();
+  if (table->ring_size() != static_cast<int>(job->world_size) ||
+      table->peers_size() != static_cast<int>(job->world_size)) {
+    return {Code::kInternal, "coordinator returned a malformed peer table for job " + job->id};
+  }
+  {
+    std::lock_guard lock(mu_);
+    job->local_ranks = ranks;
+    job->layout = layout;
+    job->shm = std::make_shared<SharedMemory>(std::move(shm).value());
+    job->table = std::move(table).value();
+    job->generation = joined->generation();
+    cv_.notify_all();  // peer daemons waiting to attach their channels
+  }
+  log->info("{} joined: {} local ranks of {}, {} MiB of channels", job->ids(), ranks.size(),
+            job->world_size, layout.total_bytes() >> 20);
+
+  // One outgoing connection per local rank whose ring successor lives on another node.
+  for (uint32_t r : ranks) {
+    v1::ChannelSetup setup = job->setup_for(r);
+    if (!setup.send_is_remote()) continue;
+    const auto& ring = job->table.ring();
+    int pos = static_cast<int>(std::find(ring.begin(), ring.end(), r) - ring.begin());
+    uint32_t next = ring[(pos + 1) % ring.size()];
+    ProxyHello hello{job->id, job->generation, r, next};
+    auto sock = proxy_connect(job->table.peers(next).endpoint(), hello, deadline_after(kPeerAcceptTimeout));
+    if (!sock.ok()) {
+      return {sock.status().code(), job->ids() + " rank " + std::to_string(r) + " -> " +
+                                        job->peer_name(next) + ": " + sock.status().message()};
+    }
+    PumpContext ctx{job->shm, layout, setup.send_channel(), &job->stop, &job->drain,
+                    job->peer_name(next), job->ids() + " ch=" + std::to_string(setup.send_channel())};
+    std::lock_guard lock(mu_);
+    job->pumps.push_back(Pump::start_sender(std::move(ctx), std::move(sock).value(), pump_failure(job)));
+  }
+  return Status::Ok();
+}
+
+void Daemon::serve_peer(Fd sock) {
+  auto log = dlog();
+  auto hello = proxy_read_hello(sock.get(), deadline_after(kPeerAcceptTimeout));
+  if (!hello.ok()) {
+    log->warn("rejected proxy connection: {}", hello.status().message());
+    return;
+  }
+  std::unique_lock lock(mu_);
+  std::shared_ptr<LocalJob> job;
+  bool found = cv_.wait_until(lock, deadline_after(kPeerAcceptTimeout), [&] {
+    auto it = jobs_.find(hello->job);
+    if (it == jobs_.end()) return false;
+    job = it->second;
+    return job->generation == hello->generation && job->shm != nullptr;
+  });
+  int idx = found ? job->local_index(hello->dst_rank) : -1;
+  if (idx < 0) {
+    lock.unlock();
+    std::string why = "no generation " + std::to_string(hello->generation) + " of job " + hello->job +
+                      " with rank " + std::to_string(hello->dst_rank) + " on " + hostname_;
+    log->warn("rejected proxy connection: {}", why);
+    (void)proxy_reply(sock.get(), {Code::kNotFound, why});
+    return;
+  }
+  PumpContext ctx{job->shm, job->layout, static_cast<uint32_t>(idx), &job->stop, &job->drain,
+                  job->peer_name(hello->src_rank), job->ids() + " ch=" + std::to_string(idx)};
+  if (!proxy_reply(sock.get(), Status::Ok()).ok()) return;
+  job->pumps.push_back(Pump::start_receiver(std::move(ctx), std::move(sock), pump_failure(job)));
+}
+
+PumpFailure Daemon::pump_failure(const std::shared_ptr<LocalJob>& job) {
+  std::weak_ptr<LocalJob> weak = job;
+  return [this, weak](int rank, const std::string& why) {
+    if (auto j = weak.lock()) abort(j, rank, j->ids() + " on " + hostname_ + ": " + why, true);
+  };
+}
+
+void Daemon::abort(const std::shared_ptr<LocalJob>& job, int failed_rank, const std::string& reason,
+                   bool tell) {
+  uint64_t generation;
+  {
+    std::lock_guard lock(mu_);
+    if (job->aborted) return;
+    job->aborted = true;
+    generation = job->generation;
+    if (job->shm) abort_job(job->shm->data(), job->layout, failed_rank, reason);
+    job->stop.store(true);
+    cv_.notify_all();
+  }
+  dlog()->error("{} aborted: {}", job->ids(), reason);
+  if (tell && generation != 0) {
+    Status s = link_->abort(job->id, generation, failed_rank, reason);
+    if (!s.ok()) dlog()->warn("{} could not tell the coordinator: {}", job->ids(), s.message());
+  }
+}
+
+void Daemon::member_gone(const std::shared_ptr<LocalJob>& job, uint32_t rank) {
+  bool crashed = false;
+  bool last = false;
+  uint32_t pid = 0;
+  {
+    std::lock_guard lock(mu_);
+    auto& m = job->members[rank];
+    m.connected = false;
+    pid = m.pid;
+    crashed = !m.left && job->state == LocalJob::State::kReady;
+    last = job->all_disconnected();
+  }
+  if (crashed) {
+    abort(job, static_cast<int>(rank),
+          "job=" + job->id + " gen=" + std::to_string(job->generation) + ": rank " +
+              std::to_string(rank) + " (pid " + std::to_string(pid) + ", host " + hostname_ +
+              ") exited without leaving the job (crashed or killed?)",
+          true);
+  }
+  if (last) teardown(job);
+}
+
+void Daemon::teardown(const std::shared_ptr<LocalJob>& job) {
+  std::vector<std::unique_ptr<Pump>> pumps;
+  bool clean;
+  {
+    std::lock_guard lock(mu_);
+    clean = !job->aborted && job->state == LocalJob::State::kReady;
+    job->drain.store(true);
+    pumps = std::move(job->pumps);
+  }
+  if (clean) {
+    // Senders flush their last slots and say Bye before anything is stopped; bounded in case
+    // a peer stopped reading. They notice `drain` within one pump poll period.
+    Deadline deadline = deadline_after(kDrainTimeout);
+    auto senders_done = [&] {
+      return std::all_of(pumps.begin(), pumps.end(),
+                         [](auto& p) { return !p->is_sender() || p->finished(); });
+    };
+    while (!senders_done() && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  job->stop.store(true);
+  for (auto& p : pumps) p->stop_and_join();
+  {
+    std::lock_guard lock(mu_);
+    job->state = LocalJob::State::kDone;
+    auto it = jobs_.find(job->id);
+    if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  }
+  if (clean && job->generation != 0) {
+    Status s = link_->leave(job->id, job->generation);
+    if (!s.ok()) dlog()->warn("{} leave: {}", job->ids(), s.message());
+  }
+  dlog()->info("{} torn down ({})", job->ids(), clean ? "finished" : "aborted");
+}
+
+void Daemon::on_event(const v1::Event& ev) {
+  if (ev.kind() != v1::Event::JOB_ABORTED) return;
+  std::shared_ptr<LocalJob> job;
+  {
+    std::lock_guard lock(mu_);
+    auto it = jobs_.find(ev.job_id());
+    if (it == jobs_.end()) return;
+    job = it->second;
+    if (job->generation != 0 && job->generation != ev.generation()) return;
+    if (job->generation == 0 && job->state == LocalJob::State::kCollecting) return;
+  }
+  abort(job, ev.failed_rank(), ev.reason(), false);
+}
+
+}  // namespace gradsync

@@ -1,0 +1,96 @@
+// gradsyncd: the per-node daemon. See daemon.h and docs/operations.md.
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "common/log.h"
+#include "daemon/daemon.h"
+
+namespace {
+
+void usage(FILE* out) {
+  std::fprintf(out,
+               "usage: gradsyncd [options]\n"
+               "  --coordinator HOST:PORT   coordinator address (default 127.0.0.1:29500, or $GRADSYNC_COORDINATOR)\n"
+               "  --socket PATH             trainer socket (default /run/gradsync/gradsyncd.sock)\n"
+               "  --node-name NAME          name of this node (default: hostname)\n"
+               "  --data-listen HOST        proxy listen address (default 0.0.0.0)\n"
+               "  --data-port N             proxy port (default 0: any free port)\n"
+               "  --data-host HOST          address peers use to reach the proxy (default: derived)\n"
+               "  --slots N                 slots per channel (default 8)\n"
+               "  --slot-bytes N            bytes per slot (default 1048576)\n"
+               "  --ready-file PATH         written with the proxy endpoint once serving\n"
+               "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  gradsync::DaemonConfig cfg;
+  if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "gradsyncd: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    auto number = [&](long lo, long hi) -> long {
+      std::string v = value();
+      char* end = nullptr;
+      long x = std::strtol(v.c_str(), &end, 10);
+      if (!end || *end != '\0' || x < lo || x > hi) {
+        std::fprintf(stderr, "gradsyncd: %s expects a number in [%ld, %ld], got '%s'\n", a.c_str(), lo, hi, v.c_str());
+        std::exit(2);
+      }
+      return x;
+    };
+    if (a == "--coordinator") cfg.coordinator = value();
+    else if (a == "--socket") cfg.socket_path = value();
+    else if (a == "--node-name") cfg.node_name = value();
+    else if (a == "--data-listen") cfg.data_listen = value();
+    else if (a == "--data-port") cfg.data_port = static_cast<uint16_t>(number(0, 65535));
+    else if (a == "--data-host") cfg.data_host = value();
+    else if (a == "--slots") cfg.slots = static_cast<uint32_t>(number(2, gradsync::kMaxSlots));
+    else if (a == "--slot-bytes") cfg.slot_bytes = static_cast<uint32_t>(number(4096, 256 << 20));
+    else if (a == "--ready-file") cfg.ready_file = value();
+    else if (a == "--log-level") gradsync::log::set_level(value());
+    else if (a == "--help" || a == "-h") { usage(stdout); return 0; }
+    else {
+      std::fprintf(stderr, "gradsyncd: unknown option %s\n", a.c_str());
+      usage(stderr);
+      return 2;
+    }
+  }
+  if (cfg.slot_bytes % 64 != 0) {
+    std::fprintf(stderr, "gradsyncd: --slot-bytes must be a multiple of 64\n");
+    return 2;
+  }
+  // Signals are taken synchronously by this thread, so shutdown runs in normal context.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  auto log = gradsync::log::get("daemon");
+  gradsync::Daemon daemon(cfg);
+  gradsync::Status s = daemon.start();
+  if (!s.ok()) {
+    log->critical("cannot start: {}", s.to_string());
+    return 1;
+  }
+  int sig = 0;
+  sigwait(&set, &sig);
+  log->info("signal {}: shutting down", strsignal(sig));
+  daemon.stop();
+  std::fflush(nullptr);
+  // Trainer connection threads are detached; leave without running destructors under them.
+  std::_Exit(0);
+}

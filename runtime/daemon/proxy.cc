@@ -1,0 +1,240 @@
+#include "daemon/proxy.h"
+
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cstring>
+
+#include "common/framing.h"
+#include "common/log.h"
+
+namespace gradsync {
+namespace {
+
+// How often a pump blocked on its socket looks at the stop flag.
+constexpr int kPumpPollMs = 250;
+// Socket buffers: a few slots' worth, so the kernel keeps the loopback/NIC busy.
+constexpr int kSocketBufferBytes = 4 << 20;
+
+struct HelloWire {
+  uint32_t magic;
+  uint32_t version;
+  uint64_t generation;
+  uint32_t src_rank;
+  uint32_t dst_rank;
+  uint32_t job_len;
+};
+
+void tune(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  int buf = kSocketBufferBytes;
+  setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+}
+
+bool split_endpoint(const std::string& ep, std::string* host, std::string* port) {
+  auto colon = ep.rfind(':');
+  if (colon == std::string::npos) return false;
+  *host = ep.substr(0, colon);
+  *port = ep.substr(colon + 1);
+  if (host->size() >= 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  return true;
+}
+
+// Waits until the socket is readable or the pump must stop.
+Status wait_readable_or_stop(int fd, const std::atomic<bool>* stop) {
+  for (;;) {
+    if (stop && stop->load(std::memory_order_acquire)) return {Code::kAborted, "stopped"};
+    pollfd p{fd, POLLIN, 0};
+    int rc = ::poll(&p, 1, kPumpPollMs);
+    if (rc > 0) return Status::Ok();
+    if (rc < 0 && errno != EINTR) return {Code::kInternal, errno_string("poll")};
+  }
+}
+
+}  // namespace
+
+Result<Fd> tcp_listen(const std::string& host, uint16_t port, uint16_t* bound_port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  std::string ps = std::to_string(port);
+  if (int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), ps.c_str(), &hints, &res); rc != 0) {
+    return Status(Code::kInvalidArgument, "cannot resolve listen address " + host + ": " + gai_strerror(rc));
+  }
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return Status(Code::kInternal, errno_string("socket"));
+  int one = 1;
+  setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (::bind(fd.get(), res->ai_addr, res->ai_addrlen) != 0) {
+    return Status(Code::kUnavailable, "cannot listen on " + host + ":" + ps + ": " + errno_string("bind"));
+  }
+  if (::listen(fd.get(), 128) != 0) return Status(Code::kInternal, errno_string("listen"));
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  getsockname(fd.get(), reinterpret_cast<sockaddr*>(&ss), &len);
+  *bound_port = ntohs(ss.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port
+                                               : reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  return fd;
+}
+
+Result<Fd> proxy_connect(const std::string& endpoint, const ProxyHello& hello, Deadline deadline) {
+  std::string host, port;
+  if (!split_endpoint(endpoint, &host, &port)) {
+    return Status(Code::kInvalidArgument, "malformed peer endpoint '" + endpoint + "'");
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return Status(Code::kUnavailable, "cannot resolve gradsyncd endpoint " + endpoint + ": " + gai_strerror(rc));
+  }
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return Status(Code::kInternal, errno_string("socket"));
+  tune(fd.get());
+  if (::connect(fd.get(), res->ai_addr, res->ai_addrlen) != 0) {
+    return Status(Code::kUnavailable, "cannot connect to gradsyncd at " + endpoint + ": " +
+                                          errno_string("connect") + " (peer daemon down?)");
+  }
+  HelloWire w{kProxyMagic, kProxyVersion, hello.generation, hello.src_rank, hello.dst_rank,
+              static_cast<uint32_t>(hello.job.size())};
+  GS_RETURN_IF_ERROR(write_all(fd.get(), &w, sizeof(w)));
+  GS_RETURN_IF_ERROR(write_all(fd.get(), hello.job.data(), hello.job.size()));
+  uint32_t reply[2];
+  Status s = read_all(fd.get(), reply, sizeof(reply), deadline);
+  if (!s.ok()) {
+    return Status(s.code(), "gradsyncd at " + endpoint + " did not accept the channel: " + s.message());
+  }
+  std::string msg(reply[1], '\0');
+  GS_RETURN_IF_ERROR(read_all(fd.get(), msg.data(), msg.size(), deadline));
+  if (reply[0] != 0) return Status(static_cast<Code>(reply[0]), "gradsyncd at " + endpoint + ": " + msg);
+  return fd;
+}
+
+Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline) {
+  HelloWire w{};
+  GS_RETURN_IF_ERROR(read_all(sock, &w, sizeof(w), deadline));
+  if (w.magic != kProxyMagic || w.version != kProxyVersion) {
+    return Status(Code::kInvalidArgument, "not a gradsync proxy connection (bad magic/version)");
+  }
+  constexpr uint32_t kMaxJobIdBytes = 4096;
+  if (w.job_len > kMaxJobIdBytes) return Status(Code::kInvalidArgument, "job id too long");
+  ProxyHello h;
+  h.job.resize(w.job_len);
+  GS_RETURN_IF_ERROR(read_all(sock, h.job.data(), w.job_len, deadline));
+  h.generation = w.generation;
+  h.src_rank = w.src_rank;
+  h.dst_rank = w.dst_rank;
+  tune(sock);
+  return h;
+}
+
+Status proxy_reply(int sock, const Status& status) {
+  uint32_t head[2] = {static_cast<uint32_t>(status.code()), static_cast<uint32_t>(status.message().size())};
+  GS_RETURN_IF_ERROR(write_all(sock, head, sizeof(head)));
+  return write_all(sock, status.message().data(), status.message().size());
+}
+
+std::unique_ptr<Pump> Pump::start_sender(PumpContext ctx, Fd sock, PumpFailure on_failure) {
+  std::unique_ptr<Pump> p(new Pump());
+  p->ctx_ = std::move(ctx);
+  p->sock_ = std::move(sock);
+  p->sender_ = true;
+  p->thread_ = std::thread([raw = p.get(), on_failure] {
+    raw->send_loop(on_failure);
+    raw->finished_.store(true, std::memory_order_release);
+  });
+  return p;
+}
+
+std::unique_ptr<Pump> Pump::start_receiver(PumpContext ctx, Fd sock, PumpFailure on_failure) {
+  std::unique_ptr<Pump> p(new Pump());
+  p->ctx_ = std::move(ctx);
+  p->sock_ = std::move(sock);
+  p->thread_ = std::thread([raw = p.get(), on_failure] {
+    raw->recv_loop(on_failure);
+    raw->finished_.store(true, std::memory_order_release);
+  });
+  return p;
+}
+
+Pump::~Pump() { stop_and_join(); }
+
+void Pump::stop_and_join() {
+  if (!thread_.joinable()) return;
+  // The thread watches ctx_.stop; shutting the socket down unblocks a send() stuck on a peer
+  // that stopped reading.
+  if (ctx_.stop && ctx_.stop->load()) ::shutdown(sock_.get(), SHUT_RDWR);
+  thread_.join();
+}
+
+void Pump::send_loop(PumpFailure on_failure) {
+  Channel ch(ctx_.shm->data(), ctx_.layout, ctx_.channel);
+  WaitContext wait;
+  wait.control = static_cast<const JobControl*>(ctx_.shm->data());
+  wait.local_abort = ctx_.stop;
+  auto log = log::get("proxy");
+  for (;;) {
+    if (ctx_.drain->load(std::memory_order_acquire) && ch.in_flight() == 0) {
+      SlotMeta bye{};
+      bye.bytes = kByeBytes;
+      (void)write_all(sock_.get(), &bye, sizeof(bye));
+      log->debug("{} sender drained, closing", ctx_.ids);
+      return;
+    }
+    // Wake up now and then to notice `drain`, which nobody signals on the channel.
+    wait.deadline = deadline_after(std::chrono::milliseconds(kPumpPollMs));
+    SlotMeta meta{};
+    auto slot = ch.acquire_recv(wait, &meta);
+    if (!slot.ok()) {
+      if (slot.status().code() == Code::kDeadlineExceeded) continue;
+      return;  // aborted or stopped: whoever stopped us reports why
+    }
+    Status s = write_all(sock_.get(), &meta, sizeof(meta));
+    if (s.ok()) s = write_all(sock_.get(), *slot, meta.bytes);
+    if (!s.ok()) {
+      if (!ctx_.stop->load()) on_failure(-1, "lost connection to " + ctx_.peer + ": " + s.message());
+      return;
+    }
+    ch.release();
+  }
+}
+
+void Pump::recv_loop(PumpFailure on_failure) {
+  Channel ch(ctx_.shm->data(), ctx_.layout, ctx_.channel);
+  WaitContext wait;
+  wait.control = static_cast<const JobControl*>(ctx_.shm->data());
+  wait.local_abort = ctx_.stop;
+  auto fail = [&](const std::string& why) {
+    if (!ctx_.stop->load()) on_failure(-1, why);
+  };
+  for (;;) {
+    SlotMeta meta{};
+    if (!wait_readable_or_stop(sock_.get(), ctx_.stop).ok()) return;
+    Status s = read_all(sock_.get(), &meta, sizeof(meta), Deadline::max());
+    if (!s.ok()) {
+      return fail("connection from " + ctx_.peer + " closed mid-job (" + s.message() +
+                  "): its gradsyncd died or the network failed");
+    }
+    if (meta.bytes == kByeBytes) return;
+    if (meta.bytes > ch.slot_bytes()) return fail("protocol error: oversized slot from " + ctx_.peer);
+    auto slot = ch.acquire_send(wait);
+    if (!slot.ok()) return;  // aborted
+    s = read_all(sock_.get(), *slot, meta.bytes, Deadline::max());
+    if (!s.ok()) return fail("connection from " + ctx_.peer + " closed mid-slot (" + s.message() + ")");
+    ch.publish(meta);
+  }
+}
+
+}  // namespace gradsync

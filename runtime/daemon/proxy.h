@@ -1,0 +1,84 @@
+// The daemon's TCP proxy (design §2, §3): pumps channel slots between this node's shared
+// memory and peer daemons. One TCP connection per cross-node channel, so a stalled job never
+// blocks another's.
+//
+// Wire format (docs/wire.md): the connecting (sending) daemon writes a Hello, the accepting
+// daemon answers with a HelloReply; then a stream of frames, each a SlotMeta followed by
+// meta.bytes of payload, ends with a frame whose bytes == kByeBytes (orderly end of the job).
+// A connection that ends without Bye means the peer daemon died or the network failed.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "channel/channel.h"
+#include "channel/shared_memory.h"
+#include "common/fd.h"
+
+namespace gradsync {
+
+constexpr uint32_t kProxyMagic = 0x47535058;  // "GSPX"
+constexpr uint32_t kProxyVersion = 1;
+constexpr uint32_t kByeBytes = 0xFFFFFFFFu;
+
+struct ProxyHello {
+  std::string job;
+  uint64_t generation = 0;
+  uint32_t src_rank = 0;
+  uint32_t dst_rank = 0;
+};
+
+// Reports a broken connection: (failed rank or -1, reason).
+using PumpFailure = std::function<void(int, const std::string&)>;
+
+// What a pump needs of its job: the region, the channel, and flags that stop it.
+struct PumpContext {
+  std::shared_ptr<SharedMemory> shm;
+  ShmLayout layout;
+  uint32_t channel = 0;
+  const std::atomic<bool>* stop = nullptr;   // the job is over (aborted or torn down)
+  const std::atomic<bool>* drain = nullptr;  // every local rank left: send what is queued, then Bye
+  std::string peer;                          // "rank 3 (host h, gradsyncd h:port)" for errors
+  std::string ids;                           // "job=x gen=1 ch=2" for logs
+};
+
+// One cross-node channel end, with its thread.
+class Pump {
+ public:
+  // Sending side: staging channel -> socket.
+  static std::unique_ptr<Pump> start_sender(PumpContext ctx, Fd sock, PumpFailure on_failure);
+  // Receiving side: socket -> the local rank's incoming channel.
+  static std::unique_ptr<Pump> start_receiver(PumpContext ctx, Fd sock, PumpFailure on_failure);
+  ~Pump();
+
+  // Unblocks the thread (it also watches the stop flag) and joins it.
+  void stop_and_join();
+  bool is_sender() const { return sender_; }
+  bool finished() const { return finished_.load(std::memory_order_acquire); }
+
+ private:
+  Pump() = default;
+  void send_loop(PumpFailure on_failure);
+  void recv_loop(PumpFailure on_failure);
+
+  PumpContext ctx_;
+  Fd sock_;
+  bool sender_ = false;
+  std::atomic<bool> finished_{false};
+  std::thread thread_;
+};
+
+// Client side of the handshake; kUnavailable naming the address when nobody answers.
+Result<Fd> proxy_connect(const std::string& endpoint, const ProxyHello& hello, Deadline deadline);
+// Server side: reads the Hello of an accepted connection.
+Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline);
+Status proxy_reply(int sock, const Status& status);
+
+// A listening TCP socket on `host:port` (port 0: any); returns the bound port.
+Result<Fd> tcp_listen(const std::string& host, uint16_t port, uint16_t* bound_port);
+
+}  // namespace gradsync

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages gradsync builds with, when missing, then configures and
+# builds into ./build. Safe to run again: it skips what is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(build-essential cmake pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
+          protobuf-compiler libspdlog-dev libgtest-dev libgmock-dev libibverbs-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -qq
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+build=${GRADSYNC_BUILD_DIR:-build}
+jobs=${GRADSYNC_JOBS:-$(nproc)}
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo ${GRADSYNC_CMAKE_ARGS:-} >/dev/null
+cmake --build "$build" -j "$jobs"

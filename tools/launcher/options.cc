@@ -1,0 +1,174 @@
+#include "launcher/options.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <climits>
+#include <cstdlib>
+#include <random>
+
+namespace gradsync::launcher {
+namespace {
+
+constexpr int kUsageExit = 2;                       // like getopt-based tools: bad command line
+constexpr double kMaxTimeoutS = 365.0 * 24 * 3600;  // keeps the deadline arithmetic finite
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? value : fallback;
+}
+
+std::string random_hex(int bytes) {
+  std::random_device rd;  // getrandom(2) on Linux: fine for a job token
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string out;
+  for (int i = 0; i < bytes; ++i) {
+    const unsigned byte = rd() & 0xffu;
+    out += kDigits[byte >> 4];
+    out += kDigits[byte & 0xfu];
+  }
+  return out;
+}
+
+std::string local_hostname() {
+  char buf[HOST_NAME_MAX + 1] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0 || buf[0] == '\0') return "localhost";
+  return buf;
+}
+
+bool parse_int(const std::string& text, int min, int* out) {
+  int value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < min) return false;
+  *out = value;
+  return true;
+}
+
+ParseOutcome fail(const std::string& message) {
+  return {std::nullopt, "gradsyncrun: " + message + "\n" + usage(), kUsageExit};
+}
+
+// Fills defaults that depend on the mode and checks that the flags fit together.
+ParseOutcome finish(Options o) {
+  if (o.program.empty()) return fail("missing PROGRAM");
+  if (o.standalone) {
+    if (!o.coordinator.empty())
+      return fail("--standalone starts its own coordinator; drop --coordinator");
+    if (!o.daemon_socket.empty()) return fail("--standalone starts its own daemon; drop --daemon");
+    if (o.nnodes != 1 || o.node_rank != 0)
+      return fail("--standalone runs one node: --nnodes 1 --node-rank 0");
+    if (o.job_id.empty()) o.job_id = env_or("GRADSYNC_JOB_ID", "");
+    if (o.job_id.empty()) o.job_id = "job-" + std::to_string(getpid()) + "-" + random_hex(4);
+    if (o.token.empty()) o.token = env_or("GRADSYNC_JOB_TOKEN", "");
+    if (o.token.empty()) o.token = random_hex(16);
+  } else {
+    if (o.coordinator.empty())
+      return fail("give --standalone, or --coordinator HOST:PORT for a multi-node job");
+    if (o.node_rank >= o.nnodes) return fail("--node-rank must be below --nnodes");
+    if (o.job_id.empty()) o.job_id = env_or("GRADSYNC_JOB_ID", "");
+    if (o.job_id.empty())
+      return fail("a multi-node job needs --job-id (or $GRADSYNC_JOB_ID), the same on every node");
+    if (o.token.empty()) o.token = env_or("GRADSYNC_JOB_TOKEN", "");
+  }
+  if (o.node_name.empty()) o.node_name = local_hostname();
+  return {std::move(o), "", 0};
+}
+
+}  // namespace
+
+std::string usage() {
+  return R"(usage: gradsyncrun [options] PROGRAM [ARGS...]
+
+Runs PROGRAM once per local rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GRADSYNC_DAEMON, GRADSYNC_JOB_ID, GRADSYNC_JOB_TOKEN and GRADSYNC_COORDINATOR set.
+
+  --standalone              start a coordinator and a daemon for a one-node job
+  -n, --nproc-per-node N    ranks on this node (default 1)
+  --coordinator HOST:PORT   coordinator of a multi-node job
+  --nnodes M                nodes in the job (default 1)
+  --node-rank I             this node's index, 0..M-1 (default 0)
+  --daemon SOCKET           use a running gradsyncd instead of starting one
+  --job-id ID               job name (default $GRADSYNC_JOB_ID; generated in standalone)
+  --token T                 job token (default $GRADSYNC_JOB_TOKEN; generated in standalone)
+  --node-name NAME          name of this node (default: hostname)
+  --log-level L             trace|debug|info|warn|error|off, for the launcher and children
+  --timeout-s S             stop everything after S seconds and exit 124
+  --no-prefix               do not prefix rank output with "[rank R] "
+  -h, --help                this text
+)";
+}
+
+ParseOutcome parse_options(int argc, char** argv) {
+  Options o;
+  int i = 1;
+  // Value of "--flag V" or "--flag=V"; nullopt when missing.
+  auto value_of = [&](const std::string& arg,
+                      const std::string& flag) -> std::optional<std::string> {
+    if (arg.size() > flag.size() && arg.compare(0, flag.size() + 1, flag + "=") == 0) {
+      return arg.substr(flag.size() + 1);
+    }
+    if (i + 1 >= argc) return std::nullopt;
+    return std::string(argv[++i]);
+  };
+  for (; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg.empty() || arg[0] != '-') break;  // PROGRAM: everything after it is its own
+    if (arg == "-h" || arg == "--help") return {std::nullopt, usage(), 0};
+    if (arg == "--standalone") {
+      o.standalone = true;
+      continue;
+    }
+    if (arg == "--no-prefix") {
+      o.no_prefix = true;
+      continue;
+    }
+
+    const std::string flag = arg.substr(0, arg.find('='));
+    static const char* kValueFlags[] = {
+        "-n",       "--nproc-per-node", "--coordinator", "--nnodes",    "--node-rank", "--daemon",
+        "--job-id", "--token",          "--node-name",   "--log-level", "--timeout-s"};
+    bool known = false;
+    for (const char* f : kValueFlags) known = known || flag == f;
+    if (!known) return fail("unknown option " + arg);
+    const auto value = value_of(arg, flag);
+    if (!value) return fail(flag + " needs a value");
+
+    if (flag == "-n" || flag == "--nproc-per-node") {
+      if (!parse_int(*value, 1, &o.nproc_per_node)) return fail(flag + " needs an integer >= 1");
+    } else if (flag == "--nnodes") {
+      if (!parse_int(*value, 1, &o.nnodes)) return fail("--nnodes needs an integer >= 1");
+    } else if (flag == "--node-rank") {
+      if (!parse_int(*value, 0, &o.node_rank)) return fail("--node-rank needs an integer >= 0");
+    } else if (flag == "--timeout-s") {
+      char* end = nullptr;
+      const double s = std::strtod(value->c_str(), &end);
+      if (value->empty() || *end != '\0' || !(s > 0)) return fail("--timeout-s needs seconds > 0");
+      o.timeout_s = std::min(s, kMaxTimeoutS);
+    } else if (flag == "--coordinator") {
+      o.coordinator = *value;
+    } else if (flag == "--daemon") {
+      o.daemon_socket = *value;
+    } else if (flag == "--job-id") {
+      o.job_id = *value;
+    } else if (flag == "--token") {
+      o.token = *value;
+    } else if (flag == "--node-name") {
+      o.node_name = *value;
+    } else if (flag == "--log-level") {
+      static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+      if (std::find(std::begin(kLevels), std::end(kLevels), *value) == std::end(kLevels)) {
+        return fail("--log-level must be one of trace|debug|info|warn|error|critical|off");
+      }
+      o.log_level = *value;
+    }
+  }
+  for (; i < argc; ++i) o.program.emplace_back(argv[i]);
+  return finish(std::move(o));
+}
+
+}  // namespace gradsync::launcher
