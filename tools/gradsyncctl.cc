@@ -1,0 +1,116 @@
+// gradsyncctl: an operator's view into the coordinator.
+//
+//   gradsyncctl [--coordinator HOST:PORT] jobs
+//   gradsyncctl [--coordinator HOST:PORT] describe JOB
+//   gradsyncctl [--coordinator HOST:PORT] abort JOB [--reason TEXT]
+//
+// The address defaults to $GRADSYNC_COORDINATOR, else 127.0.0.1:29500.
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "coordinator.grpc.pb.h"
+
+namespace {
+
+constexpr std::chrono::seconds kCallTimeout{10};
+
+int usage(FILE* out, int rc) {
+  std::fprintf(out,
+               "usage: gradsyncctl [--coordinator HOST:PORT] COMMAND\n"
+               "  jobs                      list jobs: id, generation, state, joined/world, reason\n"
+               "  describe JOB              ring order, ranks with their nodes, node details\n"
+               "  abort JOB [--reason TEXT] abort the job's current generation\n");
+  return rc;
+}
+
+int fail(const std::string& what, const grpc::Status& s, const std::string& address) {
+  std::fprintf(stderr, "gradsyncctl: %s: %s%s\n", what.c_str(), s.error_message().c_str(),
+               s.error_code() == grpc::StatusCode::UNAVAILABLE
+                   ? (" (is gradsync-coordinator running at " + address + "?)").c_str()
+                   : "");
+  return 1;
+}
+
+void with_deadline(grpc::ClientContext& ctx) {
+  ctx.set_deadline(std::chrono::system_clock::now() + kCallTimeout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string address = "127.0.0.1:29500";
+  if (const char* env = std::getenv("GRADSYNC_COORDINATOR"); env && *env) address = env;
+  std::vector<std::string> args;
+  std::string reason = "aborted by an operator (gradsyncctl)";
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--coordinator" && i + 1 < argc) address = argv[++i];
+    else if (a == "--reason" && i + 1 < argc) reason = argv[++i];
+    else if (a == "--help" || a == "-h") return usage(stdout, 0);
+    else if (a.rfind("--", 0) == 0) return usage(stderr, 2);
+    else args.push_back(a);
+  }
+  if (args.empty()) return usage(stderr, 2);
+  auto stub = gradsync::v1::Coordinator::NewStub(
+      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+
+  if (args[0] == "jobs" && args.size() == 1) {
+    grpc::ClientContext ctx;
+    with_deadline(ctx);
+    gradsync::v1::ListJobsResponse resp;
+    grpc::Status s = stub->ListJobs(&ctx, {}, &resp);
+    if (!s.ok()) return fail("jobs", s, address);
+    std::printf("%-24s %5s %-9s %9s  %s\n", "JOB", "GEN", "STATE", "JOINED", "REASON");
+    for (const auto& j : resp.jobs()) {
+      std::printf("%-24s %5llu %-9s %4u/%-4u  %s\n", j.job_id().c_str(),
+                  static_cast<unsigned long long>(j.generation()), j.state().c_str(), j.joined(),
+                  j.world_size(), j.reason().c_str());
+    }
+    return 0;
+  }
+  if (args[0] == "describe" && args.size() == 2) {
+    grpc::ClientContext ctx;
+    with_deadline(ctx);
+    gradsync::v1::DescribeJobRequest req;
+    req.set_job_id(args[1]);
+    gradsync::v1::DescribeJobResponse resp;
+    grpc::Status s = stub->DescribeJob(&ctx, req, &resp);
+    if (!s.ok()) return fail("describe " + args[1], s, address);
+    const auto& j = resp.summary();
+    std::printf("job %s generation %llu: %s, %u of %u ranks joined%s%s\n", j.job_id().c_str(),
+                static_cast<unsigned long long>(j.generation()), j.state().c_str(), j.joined(),
+                j.world_size(), j.reason().empty() ? "" : "; ", j.reason().c_str());
+    std::printf("ring:");
+    for (uint32_t r : resp.ring()) std::printf(" %u", r);
+    std::printf("\n%-6s %-16s %-20s %s\n", "RANK", "NODE", "HOST", "ENDPOINT");
+    for (const auto& p : resp.peers()) {
+      std::printf("%-6u %-16s %-20s %s\n", p.rank(), p.node_id().c_str(), p.hostname().c_str(),
+                  p.endpoint().c_str());
+    }
+    for (const auto& n : resp.nodes()) {
+      std::printf("node %s host %s: %u cpus, %d gpus, %d nics, proxy %s\n", n.node_name().c_str(),
+                  n.hostname().c_str(), n.cpus(), n.gpus_size(), n.nics_size(),
+                  n.data_endpoint().c_str());
+    }
+    return 0;
+  }
+  if (args[0] == "abort" && args.size() == 2) {
+    grpc::ClientContext ctx;
+    with_deadline(ctx);
+    gradsync::v1::AbortJobRequest req;
+    req.set_job_id(args[1]);
+    req.set_reason(reason);
+    req.set_failed_rank(-1);
+    gradsync::v1::AbortJobResponse resp;
+    grpc::Status s = stub->AbortJob(&ctx, req, &resp);
+    if (!s.ok()) return fail("abort " + args[1], s, address);
+    std::printf("aborted job %s\n", args[1].c_str());
+    return 0;
+  }
+  return usage(stderr, 2);
+}
