@@ -1,16 +1,51 @@
-// Host reduction loops. Plain loops over contiguous arrays that the compiler vectorises
-// (built with -O3; see kernels/CMakeLists.txt). Outputs may alias inputs element for element
-// (in-place collectives), so no __restrict here.
+// Host reduction loops: element-wise combine of two buffers of any gradsync DataType.
+//
+// Numeric rules (the contract in gradsync/gradsync.h, same on every path):
+// - float32, float64: native arithmetic.
+// - float16, bfloat16: both inputs converted to float32, combined in float32, rounded to
+//   nearest even once when stored (kernels/half.h).
+// - integers: sum and prod wrap in two's complement; min/max compare as the type (signed or
+//   unsigned).
+// - min/max propagate NaN: if either input is NaN the result is NaN (the first NaN input,
+//   quieted when stored as float16/bfloat16). min/max of +0 and -0 may return either zero.
+// - kAvg is a sum while reducing; the division by the world size happens once, in
+//   reduce_final or finish_avg: (a+b)/world computed in float32 (float32, float16, bfloat16)
+//   or float64 (float64), rounded once when stored; integers divide the wrapped sum by
+//   world, truncating toward zero (-7/2 = -3).
+//
+// Aliasing: an output may be the same buffer as an input (out == a or out == b, element i
+// over element i: in-place collectives); partially overlapping buffers are not allowed.
+// Preconditions: `type` and `op` are valid values (the communicator validates them; unknown
+// values leave the output untouched) and world >= 1.
+//
+// The loops are simple indexed loops that GCC vectorises at -O3; on x86-64 a second copy
+// built for AVX2+F16C is picked at run time where the CPU has them (host_reduce.cc).
 #pragma once
 
 #include <cstddef>
 
+#include "gradsync/gradsync.h"
+
 namespace gradsync::kernels {
 
-// out[i] = a[i] + b[i]
-void sum_f32(float* out, const float* a, const float* b, size_t n);
-// out1[i] = out2[i] = a[i] + b[i]: the reduced chunk goes to the user's buffer and the
-// outgoing slot in one pass.
-void sum2_f32(float* out1, float* out2, const float* a, const float* b, size_t n);
+// out[i] = op(a[i], b[i]) for i < n; kAvg sums.
+void reduce(DataType type, ReduceOp op, void* out, const void* a, const void* b, size_t n);
+
+// The last reduction step of a collective: v = op(a[i], b[i]), for kAvg (a[i]+b[i])/world;
+// v goes to out1[i] and, when out2 is not null, to out2[i] (the user's buffer and the
+// outgoing slot in one pass). out1 may alias a or b; out2 must not alias anything.
+void reduce_final(DataType type, ReduceOp op, void* out1, void* out2, const void* a,
+                  const void* b, size_t n, int world);
+
+// buf[i] /= world for kAvg results with no final reduction step (e.g. world size 1).
+void finish_avg(DataType type, void* buf, size_t n, int world);
+
+// float32 sum shorthands, kept for existing callers.
+inline void sum_f32(float* out, const float* a, const float* b, size_t n) {
+  reduce(DataType::kFloat32, ReduceOp::kSum, out, a, b, n);
+}
+inline void sum2_f32(float* out1, float* out2, const float* a, const float* b, size_t n) {
+  reduce_final(DataType::kFloat32, ReduceOp::kSum, out1, out2, a, b, n, 1);
+}
 
 }  // namespace gradsync::kernels

@@ -12,7 +12,9 @@
 #include "channel/channel.h"
 #include "channel/shared_memory.h"
 #include "client/daemon_client.h"
-#include "collectives/ring.h"
+#include "client/links.h"
+#include "collectives/collective.h"
+#include "collectives/cost_model.h"
 #include "common/log.h"
 #include "gradsync/gradsync.h"
 
@@ -86,45 +88,39 @@ bool Work::done() const {
 class CommunicatorImpl {
  public:
   CommunicatorImpl(JoinOptions opts, DaemonClient daemon, SharedMemory shm, ShmLayout layout,
-                   v1::JoinResponse join)
+                   v1::JoinResponse join, RankLinks links)
       : opts_(std::move(opts)),
         daemon_(std::move(daemon)),
         shm_(std::move(shm)),
         layout_(layout),
         join_(std::move(join)),
-        log_(log::get("client")) {
-    const auto& ring = join_.ring();
-    const int n = ring.size();
-    peers_.job = opts_.job;
-    peers_.rank = opts_.rank;
-    peers_.world_size = n;
-    for (int i = 0; i < n; ++i) {
-      if (int(ring[i]) == opts_.rank) peers_.position = i;
+        log_(log::get("client")),
+        links_(std::move(links)),
+        model_(CostModel::prior(links_.world_size)) {
+    if (const char* a = std::getenv("GRADSYNC_ALGO"); a && *a) {
+      std::string v = a;
+      forced_ = v == "ring" ? Algorithm::kRing : v == "tree" ? Algorithm::kTree : Algorithm::kAuto;
+      if (forced_ == Algorithm::kAuto && v != "auto") {
+        log_->warn("GRADSYNC_ALGO={} is not ring, tree or auto; using auto", v);
+      }
     }
-    peers_.prev_rank = ring[(peers_.position + n - 1) % n];
-    peers_.next_rank = ring[(peers_.position + 1) % n];
-    peers_.prev_host = join_.rank_hosts(peers_.prev_rank);
-    peers_.next_host = join_.rank_hosts(peers_.next_rank);
-    send_ = Channel(shm_.data(), layout_, join_.setup().send_channel());
-    recv_ = Channel(shm_.data(), layout_, join_.setup().recv_channel());
     wait_.control = static_cast<const JobControl*>(shm_.data());
     wait_.local_abort = &lost_daemon_;
     wait_.local_abort_reason = &lost_daemon_reason_;
     wake_.reset(::eventfd(0, EFD_CLOEXEC));
     monitor_ = std::thread([this] { monitor_daemon(); });
-    worker_ = std::thread([this] { run_worker(); });
   }
 
   ~CommunicatorImpl() { (void)leave(); }
 
   Work enqueue(CollectiveCall call) {
     auto work = std::make_shared<WorkImpl>(call);
-    Status bad = validate_allreduce(call);
+    Status bad = validate(call, links_.world_size, links_.rank);
     std::lock_guard lock(mu_);
     if (!bad.ok()) {
       // Refused before anything was sent: the communicator stays healthy.
-      work->finish({bad.code(), "job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
-                                    ": allreduce refused: " + bad.message()});
+      work->finish({bad.code(), "job=" + opts_.job + " rank " + std::to_string(opts_.rank) + ": " +
+                                    to_string(call.kind) + " refused: " + bad.message()});
     } else if (left_) {
       work->finish({Code::kFailedPrecondition, "communicator already left job " + opts_.job});
     } else {
@@ -171,13 +167,14 @@ class CommunicatorImpl {
     }
   }
 
-  Status run(const CollectiveCall& call) {
+  Status run(CollectiveCall call) {
     if (!failed_.ok()) {
       return {Code::kFailedPrecondition, "communicator failed earlier: " + failed_.to_string()};
     }
+    call.algorithm = resolve(call);
     WaitContext wait = wait_;
     wait.deadline = deadline_after(opts_.op_timeout);
-    Status s = ring_allreduce(peers_, send_, recv_, wait, call);
+    Status s = run_collective(links_, wait, call);
     if (!s.ok()) {
       // A failed collective leaves channels mid-stream: the communicator stays failed.
       failed_ = s;
@@ -187,6 +184,65 @@ class CommunicatorImpl {
     return s;
   }
 
+  Algorithm resolve(const CollectiveCall& call) const {
+    if (call.algorithm != Algorithm::kAuto) return call.algorithm;
+    if (call.kind != CollectiveKind::kAllreduce && call.kind != CollectiveKind::kBarrier) {
+      return Algorithm::kRing;
+    }
+    if (forced_ != Algorithm::kAuto) return forced_;
+    return model_.choose(call.count * element_size(call.type));
+  }
+
+ public:
+  // Measures the cost model's constants on this communicator and agrees on them (max over
+  // ranks). Runs before the worker starts, as collectives every rank performs identically.
+  Status calibrate() {
+    if (links_.world_size == 1) return Status::Ok();
+    const char* tune = std::getenv("GRADSYNC_TUNE");
+    if (tune && std::string(tune) == "0") return Status::Ok();
+    // Two sizes: latency-bound and bandwidth-bound (one slot per ring chunk or more).
+    const size_t sizes[2] = {size_t{4} << 10, size_t{4} << 20};
+    constexpr int kWarmup = 1, kIters = 3;
+    std::vector<float> buf(sizes[1] / sizeof(float), 1.0f);
+    double measured[2][2];  // [algo][size] in us, fastest of kIters
+    for (int a = 0; a < 2; ++a) {
+      for (int z = 0; z < 2; ++z) {
+        double best = 1e30;
+        for (int i = 0; i < kWarmup + kIters; ++i) {
+          CollectiveCall c{CollectiveKind::kAllreduce, buf.data(), buf.data(), sizes[z] / sizeof(float),
+                           DataType::kFloat32, ReduceOp::kMax, 0, a == 0 ? Algorithm::kRing : Algorithm::kTree,
+                           next_seq_++};
+          auto t0 = Clock::now();
+          GS_RETURN_IF_ERROR(run(c));
+          double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+          if (i >= kWarmup) best = std::min(best, us);
+        }
+        measured[a][z] = best;
+      }
+    }
+    // Agree: every rank takes the slowest rank's figure.
+    double agreed[4] = {measured[0][0], measured[0][1], measured[1][0], measured[1][1]};
+    CollectiveCall c{CollectiveKind::kAllreduce, agreed, agreed, 4, DataType::kFloat64, ReduceOp::kMax, 0,
+                     Algorithm::kRing, next_seq_++};
+    GS_RETURN_IF_ERROR(run(c));
+    model_.fit(0, sizes[0], agreed[0], sizes[1], agreed[1]);
+    model_.fit(1, sizes[0], agreed[2], sizes[1], agreed[3]);
+    model_.measured = true;
+    if (opts_.rank == 0) log_->info("job={} cost model {}", opts_.job, model_.describe());
+    return Status::Ok();
+  }
+
+  void start_worker() { worker_ = std::thread([this] { run_worker(); }); }
+
+  Communicator::Prediction predict(size_t count, DataType type) const {
+    size_t bytes = count * element_size(type);
+    return {model_.predict_us(Algorithm::kRing, bytes), model_.predict_us(Algorithm::kTree, bytes),
+            model_.choose(bytes)};
+  }
+  std::string describe_model() const { return model_.describe(); }
+  int world_size() const { return links_.world_size; }
+
+ private:
   // Watches the daemon connection: the daemon never writes to it unasked after the join, so
   // any readiness here means it closed (the daemon died).
   void monitor_daemon() {
@@ -201,8 +257,7 @@ class CommunicatorImpl {
                           ": lost the connection to gradsyncd at " + daemon_.socket_path() +
                           " (the daemon died or was stopped)";
     lost_daemon_.store(true, std::memory_order_release);
-    send_.wake_all();
-    recv_.wake_all();
+    // Sleeping waiters notice the flag within one wait slice (channel.cc).
   }
 
   JoinOptions opts_;
@@ -211,8 +266,9 @@ class CommunicatorImpl {
   ShmLayout layout_;
   v1::JoinResponse join_;
   std::shared_ptr<spdlog::logger> log_;
-  RingPeers peers_;
-  Channel send_, recv_;
+  RankLinks links_;
+  CostModel model_;
+  Algorithm forced_ = Algorithm::kAuto;
   WaitContext wait_;
   std::atomic<bool> lost_daemon_{false};
   std::string lost_daemon_reason_;
@@ -238,21 +294,65 @@ int Communicator::world_size() const { return impl_->options().world_size; }
 uint64_t Communicator::generation() const { return impl_->generation(); }
 const std::string& Communicator::job() const { return impl_->options().job; }
 
-Status Communicator::allreduce(const void* send, void* recv, size_t count, DataType type,
-                               ReduceOp op) {
-  return allreduce_async(send, recv, count, type, op).wait();
+namespace {
+CollectiveCall make_call(CollectiveKind kind, const void* send, void* recv, size_t count, DataType type,
+                         ReduceOp op, int root, CallOptions opts) {
+  CollectiveCall c;
+  c.kind = kind;
+  c.send = send;
+  c.recv = recv;
+  c.count = count;
+  c.type = type;
+  c.op = op;
+  c.root = root;
+  c.algorithm = opts.algorithm;
+  return c;
 }
+}  // namespace
 
 Work Communicator::allreduce_async(const void* send, void* recv, size_t count, DataType type,
-                                   ReduceOp op) {
-  CollectiveCall call;
-  call.send = send;
-  call.recv = recv;
-  call.count = count;
-  call.type = type;
-  call.op = op;
-  return impl_->enqueue(call);
+                                   ReduceOp op, CallOptions opts) {
+  return impl_->enqueue(make_call(CollectiveKind::kAllreduce, send, recv, count, type, op, 0, opts));
 }
+Status Communicator::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                               CallOptions opts) {
+  return allreduce_async(send, recv, count, type, op, opts).wait();
+}
+Work Communicator::reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType type,
+                                        ReduceOp op, CallOptions opts) {
+  return impl_->enqueue(make_call(CollectiveKind::kReduceScatter, send, recv, recv_count, type, op, 0, opts));
+}
+Status Communicator::reduce_scatter(const void* send, void* recv, size_t recv_count, DataType type,
+                                    ReduceOp op, CallOptions opts) {
+  return reduce_scatter_async(send, recv, recv_count, type, op, opts).wait();
+}
+Work Communicator::all_gather_async(const void* send, void* recv, size_t send_count, DataType type,
+                                    CallOptions opts) {
+  return impl_->enqueue(
+      make_call(CollectiveKind::kAllGather, send, recv, send_count, type, ReduceOp::kSum, 0, opts));
+}
+Status Communicator::all_gather(const void* send, void* recv, size_t send_count, DataType type,
+                                CallOptions opts) {
+  return all_gather_async(send, recv, send_count, type, opts).wait();
+}
+Work Communicator::broadcast_async(void* buf, size_t count, DataType type, int root, CallOptions opts) {
+  return impl_->enqueue(make_call(CollectiveKind::kBroadcast, buf, buf, count, type, ReduceOp::kSum, root, opts));
+}
+Status Communicator::broadcast(void* buf, size_t count, DataType type, int root, CallOptions opts) {
+  return broadcast_async(buf, count, type, root, opts).wait();
+}
+Status Communicator::barrier() {
+  // One byte through the whole ring (or both trees): nobody returns before everybody entered.
+  auto token = std::make_shared<uint8_t>(0);
+  Work w = impl_->enqueue(make_call(CollectiveKind::kBarrier, token.get(), token.get(), 1,
+                                    DataType::kUInt8, ReduceOp::kSum, 0, {}));
+  return w.wait();
+}
+
+Communicator::Prediction Communicator::predict_allreduce(size_t count, DataType type) const {
+  return impl_->predict(count, type);
+}
+std::string Communicator::cost_model() const { return impl_->describe_model(); }
 
 Status Communicator::leave() { return impl_ ? impl_->leave() : Status::Ok(); }
 
@@ -310,15 +410,24 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   layout.slots = setup.slots();
   layout.slot_bytes = setup.slot_bytes();
   layout.num_channels = setup.num_channels();
-  if (layout.total_bytes() != setup.shm_bytes() || setup.send_channel() >= layout.num_channels ||
-      setup.recv_channel() >= layout.num_channels) {
+  if (layout.total_bytes() != setup.shm_bytes()) {
     return Status(Code::kInternal, "gradsyncd's channel set-up does not match its layout");
   }
   auto shm = SharedMemory::map(std::move(shm_fd), setup.shm_bytes());
   if (!shm.ok()) return shm.status();
   GS_RETURN_IF_ERROR(check_job_control(shm->data(), layout));
+  const v1::JoinResponse& jr = reply->join();
+  std::vector<uint32_t> ring(jr.ring().begin(), jr.ring().end());
+  std::vector<std::string> hosts(jr.rank_hosts().begin(), jr.rank_hosts().end());
+  if (ring.size() != size_t(o.world_size) || hosts.size() != ring.size()) {
+    return Status(Code::kInternal, "gradsyncd returned a ring of the wrong size");
+  }
+  auto links = build_links(o.job, o.rank, ring, hosts, setup, shm->data(), layout);
+  if (!links.ok()) return links.status();
   auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon).value(), std::move(shm).value(),
-                                                 layout, reply->join());
+                                                 layout, jr, std::move(links).value());
+  GS_RETURN_IF_ERROR(impl->calibrate());
+  impl->start_worker();
   return Communicator(impl);
 }
 

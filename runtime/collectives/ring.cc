@@ -1,185 +1,245 @@
-#include "collectives/ring.h"
-
+// Ring algorithms: allreduce (reduce-scatter then all-gather, fused), reduce-scatter,
+// all-gather and a pipelined broadcast chain, over `rings` rings that one thread drives in
+// lockstep so that several channels (and proxy streams) are in flight at once.
+//
+// Deadlock freedom: every rank walks the same sequence of (iteration, step, ring) positions.
+// A receive waits for the predecessor to publish at the same position; a send waits for a
+// credit the successor returns at an earlier position (slots >= 2). Waits therefore never
+// form a cycle.
 #include <algorithm>
 #include <cstring>
-#include <limits>
 
+#include "collectives/link.h"
 #include "kernels/host_reduce.h"
 
 namespace gradsync {
 namespace {
 
-constexpr uint32_t kKindAllreduce = 1;
+struct Span {
+  size_t begin = 0;  // element offset
+  size_t len = 0;
+};
 
-std::string describe(const CollectiveCall& call) {
-  return "allreduce #" + std::to_string(call.seq) + " (count=" + std::to_string(call.count) +
-         " type=" + to_string(call.type) + " op=" + to_string(call.op) + ")";
-}
+// The part of the data one ring works on, cut into iterations of pipeline pieces.
+struct RingPart {
+  size_t lo = 0, hi = 0;  // element range handled by this ring (of the buffer or of each block)
+  size_t cursor = 0;      // start of the current iteration
+  size_t per_chunk = 0;   // elements per chunk in the current iteration
+  bool active() const { return cursor < hi; }
+};
 
-// Turns a failed channel wait into an error naming the peer and the likely cause.
-Status peer_error(const RingPeers& p, const CollectiveCall& call, Status s, bool sending,
-                  uint64_t step) {
-  if (s.code() == Code::kDeadlineExceeded) {
-    std::string what = sending ? "a free slot at rank " + std::to_string(p.next_rank) + " (host " +
-                                     p.next_host + ")"
-                               : "data from rank " + std::to_string(p.prev_rank) + " (host " +
-                                     p.prev_host + ")";
-    return {Code::kDeadlineExceeded,
-            "job=" + p.job + " rank " + std::to_string(p.rank) + " timed out waiting for " + what +
-                " at step " + std::to_string(step) + " of " + describe(call) +
-                "; that rank may be stuck, not calling this collective, or dead"};
+int mod(int a, int n) { return ((a % n) + n) % n; }
+
+class RingRunner {
+ public:
+  explicit RingRunner(RunContext& rc) : rc_(rc), l_(rc.links), n_(l_.world_size), pos_(l_.position) {
+    for (uint32_t r = 0; r < l_.rings; ++r) {
+      send_.emplace_back(rc, l_.ring_send[r], l_.next_rank());
+      recv_.emplace_back(rc, l_.ring_recv[r], l_.prev_rank());
+    }
   }
-  return {s.code(), "job=" + p.job + " rank " + std::to_string(p.rank) + ": " + describe(call) +
-                        " failed: " + s.message()};
-}
 
-// One pipeline piece: which elements of chunk `c` the current iteration covers.
-struct Piece {
-  size_t begin;
-  size_t len;
+  Status run() {
+    const CollectiveCall& c = rc_.call;
+    switch (c.kind) {
+      case CollectiveKind::kAllreduce:
+      case CollectiveKind::kBarrier: return reduce_phases(true);
+      case CollectiveKind::kReduceScatter: return reduce_phases(false);
+      case CollectiveKind::kAllGather: return gather();
+      case CollectiveKind::kBroadcast: return broadcast();
+    }
+    return {Code::kInvalidArgument, "unknown collective"};
+  }
+
+ private:
+  const uint8_t* in(size_t elem) const { return static_cast<const uint8_t*>(rc_.call.send) + elem * rc_.esize; }
+  uint8_t* out(size_t elem) const { return static_cast<uint8_t*>(rc_.call.recv) + elem * rc_.esize; }
+  size_t bytes(size_t elems) const { return elems * rc_.esize; }
+
+  // Splits [0, total) among the rings.
+  std::vector<RingPart> split(size_t total) const {
+    std::vector<RingPart> parts(l_.rings);
+    for (uint32_t r = 0; r < l_.rings; ++r) {
+      parts[r].lo = parts[r].cursor = total * r / l_.rings;
+      parts[r].hi = total * (r + 1) / l_.rings;
+    }
+    return parts;
+  }
+
+  // Allreduce (all-gather follows) or reduce-scatter (stops after the reduction).
+  Status reduce_phases(bool allreduce) {
+    const CollectiveCall& c = rc_.call;
+    const ReduceOp op = c.kind == CollectiveKind::kBarrier ? ReduceOp::kSum : c.op;
+    // Allreduce cuts each iteration of the whole buffer into n chunks; reduce-scatter cuts
+    // the same offsets out of each rank's block. Chunk j finishes at position j-1, so for
+    // reduce-scatter it is the block of ring[j-1].
+    std::vector<RingPart> parts = split(c.count);
+    const int last_step = allreduce ? 2 * n_ - 2 : n_ - 1;
+    auto chunk = [&](const RingPart& p, int j) -> std::pair<Span, size_t> {
+      if (allreduce) {
+        size_t b = std::min(p.hi, p.cursor + p.per_chunk * size_t(mod(j, n_)));
+        return {{b, std::min(p.hi, b + p.per_chunk) - b}, b};
+      }
+      size_t block = l_.ring[mod(j - 1, n_)];
+      size_t len = std::min(p.per_chunk, p.hi - p.cursor);
+      // input offset in the full send buffer; output offset in this rank's recv block
+      return {{block * c.count + p.cursor, len}, p.cursor};
+    };
+    for (;;) {
+      bool any = false;
+      for (auto& p : parts) {
+        if (!p.active()) continue;
+        any = true;
+        p.per_chunk = allreduce ? std::min(rc_.slot_elems, (p.hi - p.cursor + n_ - 1) / n_)
+                                : std::min(rc_.slot_elems, p.hi - p.cursor);
+      }
+      if (!any) return Status::Ok();
+      for (int s = 0; s <= last_step; ++s) {
+        for (uint32_t r = 0; r < l_.rings; ++r) {
+          if (!parts[r].active()) continue;
+          auto [span, out_at] = chunk(parts[r], pos_ - s);
+          GS_RETURN_IF_ERROR(reduce_step(r, s, last_step, allreduce, op, span, out_at));
+        }
+      }
+      for (auto& p : parts) {
+        if (p.active()) p.cursor += allreduce ? p.per_chunk * n_ : p.per_chunk;
+      }
+    }
+  }
+
+  Status reduce_step(uint32_t r, int s, int last_step, bool allreduce, ReduceOp op, Span span,
+                     size_t out_at) {
+    const CollectiveCall& c = rc_.call;
+    const bool receives = s >= 1;
+    const bool sends = s < last_step;
+    const uint8_t* src = nullptr;
+    uint8_t* dst = nullptr;
+    if (receives) {
+      auto slot = recv_[r].acquire(span.len);
+      if (!slot.ok()) return slot.status();
+      src = *slot;
+    }
+    if (sends) {
+      auto slot = send_[r].acquire();
+      if (!slot.ok()) return slot.status();
+      dst = *slot;
+    }
+    if (s == 0) {
+      std::memcpy(dst, in(span.begin), bytes(span.len));
+    } else if (s < n_ - 1) {
+      kernels::reduce(c.type, op, dst, in(span.begin), src, span.len);  // partial, onward only
+    } else if (s == n_ - 1) {
+      // The final value: kept (and passed on for the all-gather of an allreduce).
+      kernels::reduce_final(c.type, op, out(out_at), allreduce ? dst : nullptr, in(span.begin), src,
+                            span.len, n_);
+    } else {
+      std::memcpy(out(out_at), src, bytes(span.len));
+      if (dst) std::memcpy(dst, src, bytes(span.len));
+    }
+    if (receives) recv_[r].release();
+    if (sends) send_[r].publish(span.len);
+    return Status::Ok();
+  }
+
+  // All-gather: chunk j is the block of ring[j]; step 0 sends the own block.
+  Status gather() {
+    const CollectiveCall& c = rc_.call;
+    std::vector<RingPart> parts = split(c.count);
+    for (;;) {
+      bool any = false;
+      for (auto& p : parts) {
+        if (p.active()) any = true, p.per_chunk = std::min(rc_.slot_elems, p.hi - p.cursor);
+      }
+      if (!any) return Status::Ok();
+      for (int s = 0; s <= n_ - 1; ++s) {
+        for (uint32_t r = 0; r < l_.rings; ++r) {
+          RingPart& p = parts[r];
+          if (!p.active()) continue;
+          size_t block = l_.ring[mod(pos_ - s, n_)];
+          size_t len = p.per_chunk;
+          uint8_t* o = out(block * c.count + p.cursor);
+          const uint8_t* src = nullptr;
+          if (s == 0) {
+            src = in(p.cursor);
+            if (src != o) std::memmove(o, src, bytes(len));
+          } else {
+            auto slot = recv_[r].acquire(len);
+            if (!slot.ok()) return slot.status();
+            src = *slot;
+            std::memcpy(o, src, bytes(len));
+          }
+          if (s < n_ - 1) {
+            auto slot = send_[r].acquire();
+            if (!slot.ok()) return slot.status();
+            std::memcpy(*slot, src, bytes(len));
+            send_[r].publish(len);
+          }
+          if (s > 0) recv_[r].release();
+        }
+      }
+      for (auto& p : parts) {
+        if (p.active()) p.cursor += p.per_chunk;
+      }
+    }
+  }
+
+  // Broadcast: a chain along the ring from the root; each piece is passed on as it arrives.
+  Status broadcast() {
+    const CollectiveCall& c = rc_.call;
+    int root_pos = int(std::find(l_.ring.begin(), l_.ring.end(), uint32_t(c.root)) - l_.ring.begin());
+    int dist = mod(pos_ - root_pos, n_);
+    std::vector<RingPart> parts = split(c.count);
+    for (;;) {
+      bool any = false;
+      for (uint32_t r = 0; r < l_.rings; ++r) {
+        RingPart& p = parts[r];
+        if (!p.active()) continue;
+        any = true;
+        size_t len = std::min(rc_.slot_elems, p.hi - p.cursor);
+        const uint8_t* src = out(p.cursor);
+        if (dist > 0) {
+          auto slot = recv_[r].acquire(len);
+          if (!slot.ok()) return slot.status();
+          src = *slot;
+          std::memcpy(out(p.cursor), src, bytes(len));
+        }
+        if (dist < n_ - 1) {
+          auto slot = send_[r].acquire();
+          if (!slot.ok()) return slot.status();
+          std::memcpy(*slot, src, bytes(len));
+          send_[r].publish(len);
+        }
+        if (dist > 0) recv_[r].release();
+        p.cursor += len;
+      }
+      if (!any) return Status::Ok();
+    }
+  }
+
+  RunContext& rc_;
+  const RankLinks& l_;
+  const int n_;
+  const int pos_;
+  std::vector<SendLink> send_;
+  std::vector<RecvLink> recv_;
 };
 
 }  // namespace
 
-size_t element_size(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return 4;
-  }
-  return 0;
-}
-
-const char* to_string(DataType type) {
-  switch (type) {
-    case DataType::kFloat32: return "float32";
-  }
-  return "unknown";
-}
-
-const char* to_string(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return "sum";
-  }
-  return "unknown";
-}
-
-uint32_t collective_signature(const CollectiveCall& call) {
-  return (kKindAllreduce << 16) | (uint32_t(call.type) << 8) | uint32_t(call.op);
-}
-
-Status validate_allreduce(const CollectiveCall& call) {
-  size_t esize = element_size(call.type);
-  if (esize == 0) {
-    return {Code::kInvalidArgument, "unknown data type " + std::to_string(int(call.type))};
-  }
-  if (std::string(to_string(call.op)) == "unknown") {
-    return {Code::kInvalidArgument, "unknown reduce op " + std::to_string(int(call.op))};
-  }
-  if (call.count > std::numeric_limits<size_t>::max() / esize) {
-    return {Code::kInvalidArgument, "count " + std::to_string(call.count) + " of " +
-                                        to_string(call.type) + " overflows the byte size"};
-  }
-  if (call.count > 0 && (call.send == nullptr || call.recv == nullptr)) {
-    return {Code::kInvalidArgument, std::string(call.send == nullptr ? "send" : "recv") +
-                                        " buffer is null with count " + std::to_string(call.count)};
-  }
-  auto misaligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % esize != 0; };
-  if (call.count > 0 && (misaligned(call.send) || misaligned(call.recv))) {
-    return {Code::kInvalidArgument, "buffer is not aligned to its element size (" +
-                                        std::to_string(esize) + " bytes)"};
-  }
-  return Status::Ok();
-}
-
-Status ring_allreduce(const RingPeers& p, Channel& send, Channel& recv, const WaitContext& wait,
-                      const CollectiveCall& call) {
-  const int n = p.world_size;
-  const size_t esize = element_size(call.type);
-  const auto* in = static_cast<const float*>(call.send);
-  auto* out = static_cast<float*>(call.recv);
-  if (call.count == 0) return Status::Ok();
+Status run_ring(RunContext& rc) {
+  const CollectiveCall& c = rc.call;
+  const int n = rc.links.world_size;
   if (n == 1) {
-    if (in != out) std::memmove(out, in, call.count * esize);
+    // Alone: the result is the input (avg divides by 1, a no-op kept for uniformity).
+    size_t elems = c.count;
+    if (c.kind != CollectiveKind::kBroadcast && c.kind != CollectiveKind::kBarrier && elems > 0 &&
+        c.send != c.recv) {
+      std::memmove(c.recv, c.send, elems * rc.esize);
+    }
     return Status::Ok();
   }
-  const uint32_t sig = collective_signature(call);
-  const size_t slot_elems = send.slot_bytes() / esize;
-  const int pos = p.position;
-  uint64_t step = 0;  // counts every slot this rank sends (and receives) in this collective
-
-  auto chunk = [&](size_t base, size_t per_chunk, int c) -> Piece {
-    int idx = ((c % n) + n) % n;
-    size_t b = std::min(call.count, base + per_chunk * idx);
-    size_t e = std::min(call.count, b + per_chunk);
-    return {b, e - b};
-  };
-  auto receive = [&](Piece piece, uint64_t s) -> Result<const float*> {
-    SlotMeta meta{};
-    auto slot = recv.acquire_recv(wait, &meta);
-    if (!slot.ok()) return peer_error(p, call, slot.status(), false, s);
-    if (meta.seq != call.seq || meta.signature != sig || meta.count != call.count ||
-        meta.step != s || meta.bytes != piece.len * esize) {
-      return Status(Code::kMismatch,
-                    "job=" + p.job + " rank " + std::to_string(p.rank) + " expected step " +
-                        std::to_string(s) + " of " + describe(call) + " from rank " +
-                        std::to_string(p.prev_rank) + " (host " + p.prev_host + ") but got step " +
-                        std::to_string(meta.step) + " of collective #" + std::to_string(meta.seq) +
-                        " (count=" + std::to_string(meta.count) +
-                        "): ranks called different collectives");
-    }
-    return reinterpret_cast<const float*>(*slot);
-  };
-  auto acquire = [&](uint64_t s) -> Result<float*> {
-    auto slot = send.acquire_send(wait);
-    if (!slot.ok()) return peer_error(p, call, slot.status(), true, s);
-    return reinterpret_cast<float*>(*slot);
-  };
-  auto publish = [&](Piece piece, uint64_t s) {
-    send.publish(SlotMeta{uint32_t(piece.len * esize), call.seq, call.count, sig, uint32_t(s)});
-  };
-
-  for (size_t base = 0; base < call.count;) {
-    size_t remaining = call.count - base;
-    size_t per_chunk = std::min(slot_elems, (remaining + n - 1) / n);
-    // Step 0: send my own chunk.
-    {
-      Piece mine = chunk(base, per_chunk, pos);
-      auto dst = acquire(step);
-      if (!dst.ok()) return dst.status();
-      std::memcpy(*dst, in + mine.begin, mine.len * esize);
-      publish(mine, step);
-      ++step;
-    }
-    // Steps 1 .. 2n-2: receive, combine, pass on.
-    for (int s = 1; s <= 2 * n - 2; ++s) {
-      Piece piece = chunk(base, per_chunk, pos - s);
-      auto src = receive(piece, step - 1);
-      if (!src.ok()) return src.status();
-      const bool last = s == 2 * n - 2;
-      float* dst = nullptr;
-      if (!last) {
-        auto slot = acquire(step);
-        if (!slot.ok()) return slot.status();
-        dst = *slot;
-      }
-      const float* a = in + piece.begin;
-      float* o = out + piece.begin;
-      if (s < n - 1) {
-        kernels::sum_f32(dst, a, *src, piece.len);           // partial sum, onward only
-      } else if (s == n - 1) {
-        kernels::sum2_f32(o, dst, a, *src, piece.len);       // final sum: keep and pass on
-      } else {
-        std::memcpy(o, *src, piece.len * esize);             // all-gather: keep ...
-        if (dst) std::memcpy(dst, *src, piece.len * esize);  // ... and pass on
-      }
-      recv.release();
-      if (!last) {
-        publish(piece, step);
-        ++step;
-      }
-    }
-    base += per_chunk * n;
-  }
-  return Status::Ok();
+  if (c.count == 0 && c.kind != CollectiveKind::kBarrier) return Status::Ok();
+  return RingRunner(rc).run();
 }
 
 }  // namespace gradsync

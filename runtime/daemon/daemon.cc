@@ -20,8 +20,11 @@ namespace {
 
 // How long a peer daemon's channel connection may wait for this node's side of the job.
 constexpr std::chrono::milliseconds kPeerAcceptTimeout{30'000};
-// Slack on top of the trainer's join timeout for the coordinator round trips.
-constexpr std::chrono::milliseconds kJoinSlack{5'000};
+// The least time the coordinator is given to complete a join whose local ranks came late.
+constexpr std::chrono::milliseconds kMinCoordinatorJoin{1'000};
+// How long local ranks wait past their deadline for the leader's coordinator answer; less than
+// the slack trainers add to their own deadline (Session::join), so they get the answer.
+constexpr std::chrono::milliseconds kLeaderSlack{3'000};
 // How long a finished job may take to flush its last slots to peers before it is cut.
 constexpr std::chrono::milliseconds kDrainTimeout{30'000};
 
@@ -247,7 +250,6 @@ Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint3
                                               std::to_string(req.local_world_size()) + " out of range");
   }
   auto timeout = std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 60'000);
-  Deadline deadline = deadline_after(timeout + kJoinSlack);
 
   std::unique_lock lock(mu_);
   auto& slot = jobs_[req.job_id()];
@@ -258,8 +260,12 @@ Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint3
     slot->token = req.token();
     slot->world_size = req.world_size();
     slot->local_world_size = req.local_world_size();
+    slot->join_deadline = deadline_after(timeout);
   }
   std::shared_ptr<LocalJob> job = slot;
+  // The whole join, local collection and coordinator rendezvous, fits in the first local
+  // rank's timeout, so trainers (who wait a little longer) hear the reason, not a timeout.
+  const Deadline deadline = job->join_deadline;
   if (job->state != LocalJob::State::kCollecting) {
     return Status(Code::kAlreadyExists, who + "job already has its " +
                                             std::to_string(job->local_world_size) +
@@ -276,12 +282,13 @@ Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint3
     return Status(Code::kAlreadyExists, who + "rank " + std::to_string(req.rank()) +
                                             " already claimed by pid " + std::to_string(it->second.pid));
   }
-  job->members[req.rank()] = LocalMember{req.rank(), pid};
+  job->members[req.rank()] = LocalMember{req.rank(), pid, req.local_rank()};
 
   if (job->members.size() == job->local_world_size) {
     job->state = LocalJob::State::kJoining;
     lock.unlock();
-    Status s = connect_job(job, timeout);
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    Status s = connect_job(job, std::max(left, kMinCoordinatorJoin));
     if (!s.ok()) {
       abort(job, -1, s.message(), false);
     }
@@ -290,17 +297,26 @@ Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint3
     job->failure = s;
     cv_.notify_all();
   } else {
-    bool done = cv_.wait_until(lock, deadline, [&] {
+    auto finished = [&] {
       return job->state != LocalJob::State::kCollecting && job->state != LocalJob::State::kJoining;
-    });
+    };
+    bool done = cv_.wait_until(lock, deadline, finished);
+    if (!done && job->state == LocalJob::State::kJoining) {
+      // Every local rank came; the leader is at the coordinator, whose answer (naming the
+      // ranks that never came) is due at the same deadline. Wait for it a little longer.
+      done = cv_.wait_until(lock, deadline + kLeaderSlack, finished);
+    }
     if (!done) {
-      std::string missing = std::to_string(job->local_world_size - job->members.size());
+      std::string missing = job->missing_local_ranks();
+      std::string present;
+      for (auto& [r, m] : job->members) present += (present.empty() ? "" : ",") + std::to_string(r);
+      size_t count = job->members.size();
       if (job->state == LocalJob::State::kCollecting) job->members.erase(req.rank());
       return Status(Code::kDeadlineExceeded,
-                    who + "only " + std::to_string(job->members.size() + 1) + " of " +
-                        std::to_string(job->local_world_size) + " local ranks joined within " +
-                        std::to_string(timeout.count()) + " ms (" + missing +
-                        " missing on this node: check LOCAL_WORLD_SIZE)");
+                    who + "join timed out after " + std::to_string(timeout.count()) + " ms: only " +
+                        std::to_string(count) + " of the " + std::to_string(job->local_world_size) +
+                        " local ranks of this node (LOCAL_WORLD_SIZE) joined (" + present + ")" +
+                        (missing.empty() ? "" : "; ranks that never joined: " + missing));
     }
   }
   if (job->state == LocalJob::State::kFailed) return job->failure;
@@ -309,27 +325,23 @@ Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint3
 
 Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::milliseconds timeout) {
   auto log = dlog();
-  // Shared memory for 2 channels per local rank: see LocalJob::setup_for.
   std::vector<uint32_t> ranks;
   {
     std::lock_guard lock(mu_);
     for (auto& [r, m] : job->members) ranks.push_back(r);
   }
-  ShmLayout layout;
-  layout.num_channels = 2 * static_cast<uint32_t>(ranks.size());
-  layout.slots = cfg_.slots;
-  layout.slot_bytes = cfg_.slot_bytes;
-  auto shm = SharedMemory::create("gradsync-" + job->id, layout.total_bytes());
-  if (!shm.ok()) return shm.status();
-  init_job_control(shm->data(), layout);
-
+  v1::ChannelEndpoint mine;
+  mine.set_proxy(endpoint_);
+  mine.set_rings(cfg_.rings);
+  mine.set_slots(cfg_.slots);
+  mine.set_slot_bytes(cfg_.slot_bytes);
   v1::JoinJobRequest req;
   req.set_job_id(job->id);
   req.set_token(job->token);
   req.set_world_size(job->world_size);
   for (uint32_t r : ranks) {
     req.add_ranks(r);
-    req.add_endpoints(endpoint_);
+    req.add_endpoints(mine.SerializeAsString());
   }
   auto joined = link_->join(req, timeout);
   if (!joined.ok()) return joined.status();
@@ -339,33 +351,52 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
       table->peers_size() != static_cast<int>(job->world_size)) {
     return {Code::kInternal, "coordinator returned a malformed peer table for job " + job->id};
   }
+  std::vector<v1::ChannelEndpoint> endpoints(job->world_size);
+  for (const auto& peer : table->peers()) {
+    auto& ep = endpoints.at(peer.rank());
+    if (!ep.ParseFromString(peer.endpoint()) || ep.rings() != cfg_.rings ||
+        ep.slots() != cfg_.slots || ep.slot_bytes() != cfg_.slot_bytes) {
+      return {Code::kInvalidArgument,
+              "job=" + job->id + ": rank " + std::to_string(peer.rank()) + " (host " +
+                  peer.hostname() + ") has channel geometry rings=" + std::to_string(ep.rings()) +
+                  " slots=" + std::to_string(ep.slots()) + " slot_bytes=" + std::to_string(ep.slot_bytes()) +
+                  " but this node (" + hostname_ + ") has rings=" + std::to_string(cfg_.rings) +
+                  " slots=" + std::to_string(cfg_.slots) + " slot_bytes=" + std::to_string(cfg_.slot_bytes) +
+                  ": start every gradsyncd with the same --rings/--slots/--slot-bytes"};
+    }
+  }
   {
     std::lock_guard lock(mu_);
     job->local_ranks = ranks;
-    job->layout = layout;
-    job->shm = std::make_shared<SharedMemory>(std::move(shm).value());
+    job->rings = cfg_.rings;
     job->table = std::move(table).value();
+    job->endpoints = std::move(endpoints);
+    job->plan_channels(cfg_.slots, cfg_.slot_bytes);
+  }
+  auto shm = SharedMemory::create("gradsync-" + job->id, job->layout.total_bytes());
+  if (!shm.ok()) return shm.status();
+  init_job_control(shm->data(), job->layout);
+  {
+    std::lock_guard lock(mu_);
+    job->shm = std::make_shared<SharedMemory>(std::move(shm).value());
     job->generation = joined->generation();
     cv_.notify_all();  // peer daemons waiting to attach their channels
   }
-  log->info("{} joined: {} local ranks of {}, {} MiB of channels", job->ids(), ranks.size(),
-            job->world_size, layout.total_bytes() >> 20);
+  log->info("{} joined: {} local ranks of {}, {} channels ({} through the proxy), {} MiB", job->ids(),
+            ranks.size(), job->world_size, job->layout.num_channels, job->staging.size(),
+            job->layout.total_bytes() >> 20);
 
-  // One outgoing connection per local rank whose ring successor lives on another node.
-  for (uint32_t r : ranks) {
-    v1::ChannelSetup setup = job->setup_for(r);
-    if (!setup.send_is_remote()) continue;
-    const auto& ring = job->table.ring();
-    int pos = static_cast<int>(std::find(ring.begin(), ring.end(), r) - ring.begin());
-    uint32_t next = ring[(pos + 1) % ring.size()];
-    ProxyHello hello{job->id, job->generation, r, next};
-    auto sock = proxy_connect(job->table.peers(next).endpoint(), hello, deadline_after(kPeerAcceptTimeout));
+  // One outgoing connection per channel whose destination lives on another node.
+  for (const auto& [key, index] : job->staging) {
+    auto [tag, src, dst] = key;
+    ProxyHello hello{job->id, job->generation, tag, src, dst};
+    auto sock = proxy_connect(job->endpoints[dst].proxy(), hello, deadline_after(kPeerAcceptTimeout));
     if (!sock.ok()) {
-      return {sock.status().code(), job->ids() + " rank " + std::to_string(r) + " -> " +
-                                        job->peer_name(next) + ": " + sock.status().message()};
+      return {sock.status().code(), job->ids() + " rank " + std::to_string(src) + " -> " +
+                                        job->peer_name(dst) + ": " + sock.status().message()};
     }
-    PumpContext ctx{job->shm, layout, setup.send_channel(), &job->stop, &job->drain,
-                    job->peer_name(next), job->ids() + " ch=" + std::to_string(setup.send_channel())};
+    PumpContext ctx{job->shm, job->layout, index, &job->stop, &job->drain, job->peer_name(dst),
+                    job->ids() + " ch=" + std::to_string(index)};
     std::lock_guard lock(mu_);
     job->pumps.push_back(Pump::start_sender(std::move(ctx), std::move(sock).value(), pump_failure(job)));
   }
@@ -387,11 +418,16 @@ void Daemon::serve_peer(Fd sock) {
     job = it->second;
     return job->generation == hello->generation && job->shm != nullptr;
   });
-  int idx = found ? job->local_index(hello->dst_rank) : -1;
+  int idx = -1;
+  if (found) {
+    auto it = job->incoming.find({hello->tag, hello->src_rank, hello->dst_rank});
+    if (it != job->incoming.end()) idx = static_cast<int>(it->second);
+  }
   if (idx < 0) {
     lock.unlock();
     std::string why = "no generation " + std::to_string(hello->generation) + " of job " + hello->job +
-                      " with rank " + std::to_string(hello->dst_rank) + " on " + hostname_;
+                      " with a channel " + std::to_string(hello->src_rank) + " -> " +
+                      std::to_string(hello->dst_rank) + " (tag " + std::to_string(hello->tag) + ") on " + hostname_;
     log->warn("rejected proxy connection: {}", why);
     (void)proxy_reply(sock.get(), {Code::kNotFound, why});
     return;

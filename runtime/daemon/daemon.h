@@ -24,6 +24,7 @@ struct DaemonConfig {
   std::string data_host;         // advertised to peers; default chosen from the coordinator address
   uint32_t slots = kDefaultSlots;
   uint32_t slot_bytes = kDefaultSlotBytes;
+  uint32_t rings = 1;            // parallel rings; must match on every node of a job
   std::string ready_file;        // written once serving
   std::chrono::milliseconds register_timeout{30'000};
 };

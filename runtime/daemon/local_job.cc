@@ -4,38 +4,48 @@
 
 namespace gradsync {
 
-int LocalJob::local_index(uint32_t rank) const {
-  auto it = std::find(local_ranks.begin(), local_ranks.end(), rank);
-  return it == local_ranks.end() ? -1 : static_cast<int>(it - local_ranks.begin());
+bool LocalJob::is_local(uint32_t rank) const {
+  return std::binary_search(local_ranks.begin(), local_ranks.end(), rank);
+}
+
+void LocalJob::plan_channels(uint32_t slots, uint32_t slot_bytes) {
+  std::vector<uint32_t> ring(table.ring().begin(), table.ring().end());
+  uint32_t next = 0;
+  incoming.clear();
+  staging.clear();
+  for (const Edge& e : channel_edges(ring, rings)) {
+    EdgeKey key{e.tag, e.src, e.dst};
+    if (is_local(e.dst)) incoming[key] = next++;
+    else if (is_local(e.src)) staging[key] = next++;
+  }
+  layout.num_channels = next;
+  layout.slots = slots;
+  layout.slot_bytes = slot_bytes;
 }
 
 v1::ChannelSetup LocalJob::setup_for(uint32_t rank) const {
-  // Channels 0..L-1: incoming channel of local rank i (written by its ring predecessor, or by
-  // the proxy when that predecessor is on another node). Channels L..2L-1: outgoing staging
-  // channel of local rank i, drained by the proxy when its successor is remote.
-  const uint32_t L = static_cast<uint32_t>(local_ranks.size());
-  const auto& ring = table.ring();
-  const int n = ring.size();
-  int pos = 0;
-  for (int i = 0; i < n; ++i) {
-    if (ring[i] == rank) pos = i;
-  }
-  uint32_t next = ring[(pos + 1) % n];
-  int me = local_index(rank);
-  int next_local = local_index(next);
   v1::ChannelSetup s;
   s.set_shm_bytes(layout.total_bytes());
   s.set_slots(layout.slots);
   s.set_slot_bytes(layout.slot_bytes);
   s.set_num_channels(layout.num_channels);
-  s.set_recv_channel(static_cast<uint32_t>(me));
-  if (next_local >= 0) {
-    s.set_send_channel(static_cast<uint32_t>(next_local));
-    s.set_send_is_remote(false);
-  } else {
-    s.set_send_channel(L + static_cast<uint32_t>(me));
-    s.set_send_is_remote(true);
-  }
+  s.set_rings(rings);
+  // A local destination owns the channel; the sender writes straight into it. A remote one
+  // is reached through this node's staging channel and the proxy.
+  auto add = [&](const std::map<EdgeKey, uint32_t>& from, bool remote) {
+    for (const auto& [key, index] : from) {
+      auto [tag, src, dst] = key;
+      if (src != rank && dst != rank) continue;
+      auto* ref = s.add_channels();
+      ref->set_tag(tag);
+      ref->set_send(src == rank);
+      ref->set_peer(src == rank ? dst : src);
+      ref->set_index(index);
+      ref->set_remote(remote);
+    }
+  };
+  add(incoming, false);
+  add(staging, true);
   return s;
 }
 
@@ -45,13 +55,27 @@ std::string LocalJob::host_of(uint32_t rank) const {
 }
 
 std::string LocalJob::peer_name(uint32_t rank) const {
-  std::string ep;
-  if (rank < static_cast<uint32_t>(table.peers_size())) ep = table.peers(rank).endpoint();
+  std::string ep = rank < endpoints.size() ? endpoints[rank].proxy() : "?";
   return "rank " + std::to_string(rank) + " (host " + host_of(rank) + ", gradsyncd " + ep + ")";
 }
 
 bool LocalJob::all_left() const {
   return std::all_of(members.begin(), members.end(), [](auto& m) { return m.second.left; });
+}
+
+std::string LocalJob::missing_local_ranks() const {
+  if (members.empty()) return "";
+  int64_t base = int64_t(members.begin()->second.rank) - members.begin()->second.local_rank;
+  for (const auto& [r, m] : members) {
+    if (int64_t(r) - m.local_rank != base) return "";  // not contiguous: cannot tell
+  }
+  std::string out;
+  for (uint32_t i = 0; i < local_world_size; ++i) {
+    int64_t r = base + i;
+    if (r < 0 || members.count(uint32_t(r))) continue;
+    out += (out.empty() ? "" : ",") + std::to_string(r);
+  }
+  return out;
 }
 
 bool LocalJob::all_disconnected() const {

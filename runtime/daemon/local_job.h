@@ -7,10 +7,12 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "channel/channel.h"
 #include "channel/shared_memory.h"
+#include "collectives/topology.h"
 #include "coordinator.pb.h"
 #include "daemon.pb.h"
 #include "daemon/proxy.h"
@@ -20,6 +22,7 @@ namespace gradsync {
 struct LocalMember {
   uint32_t rank = 0;
   uint32_t pid = 0;
+  uint32_t local_rank = 0;
   bool left = false;       // sent Leave: its collectives are done
   bool connected = true;   // its connection to us is open
 };
@@ -32,27 +35,40 @@ struct LocalJob {
   uint32_t world_size = 0;
   uint32_t local_world_size = 0;
   State state = State::kCollecting;
+  Deadline join_deadline;               // first local arrival + its join timeout
   Status failure;                       // why kFailed
   uint64_t generation = 0;
   std::map<uint32_t, LocalMember> members;  // by rank
 
-  // Set when the job reaches kJoining.
-  std::vector<uint32_t> local_ranks;    // sorted; index = local channel index
+  // Set once the coordinator completed the generation.
+  std::vector<uint32_t> local_ranks;    // sorted
   std::shared_ptr<SharedMemory> shm;
   ShmLayout layout;
+  uint32_t rings = 1;
   v1::PeerTableResponse table;
+  std::vector<v1::ChannelEndpoint> endpoints;  // by rank
+  // Channel index of every edge with a local end: incoming (dst local) and staging (src
+  // local, dst remote). Key: (tag, src, dst).
+  using EdgeKey = std::tuple<uint32_t, uint32_t, uint32_t>;
+  std::map<EdgeKey, uint32_t> incoming;
+  std::map<EdgeKey, uint32_t> staging;
   std::atomic<bool> stop{false};        // aborted or torn down: pumps exit
   std::atomic<bool> drain{false};       // every local rank left: senders flush, then Bye
   bool aborted = false;
   std::vector<std::unique_ptr<Pump>> pumps;
 
   std::string ids() const { return "job=" + id + " gen=" + std::to_string(generation); }
-  int local_index(uint32_t rank) const;
-  // Channel set-up for one local rank (ring neighbours from `table`).
+  bool is_local(uint32_t rank) const;
+  // Lays out the channels of every edge with a local end; needs local_ranks and table.
+  void plan_channels(uint32_t slots, uint32_t slot_bytes);
+  // Channel set-up for one local rank.
   v1::ChannelSetup setup_for(uint32_t rank) const;
   std::string host_of(uint32_t rank) const;
   std::string peer_name(uint32_t rank) const;  // "rank 3 (host h, gradsyncd h:p)"
   bool all_left() const;
+  // While collecting: the local ranks that have not come, assuming this node's ranks are
+  // contiguous (rank - local_rank is the same for all), as launchers place them.
+  std::string missing_local_ranks() const;
   bool all_disconnected() const;
 };
 

@@ -1,12 +1,14 @@
 // gradsyncd: the per-node daemon. See daemon.h and docs/operations.md.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "common/log.h"
+#include "collectives/topology.h"
 #include "daemon/daemon.h"
 
 namespace {
@@ -22,6 +24,7 @@ void usage(FILE* out) {
                "  --data-host HOST          address peers use to reach the proxy (default: derived)\n"
                "  --slots N                 slots per channel (default 8)\n"
                "  --slot-bytes N            bytes per slot (default 1048576)\n"
+               "  --rings N                 parallel rings per job (default 1, or $GRADSYNC_NRINGS)\n"
                "  --ready-file PATH         written with the proxy endpoint once serving\n"
                "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n");
 }
@@ -31,6 +34,7 @@ void usage(FILE* out) {
 int main(int argc, char** argv) {
   gradsync::DaemonConfig cfg;
   if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
+  if (const char* r = std::getenv("GRADSYNC_NRINGS"); r && *r) cfg.rings = static_cast<uint32_t>(std::clamp(std::atoi(r), 1, int(gradsync::kMaxRings)));
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -58,6 +62,7 @@ int main(int argc, char** argv) {
     else if (a == "--data-host") cfg.data_host = value();
     else if (a == "--slots") cfg.slots = static_cast<uint32_t>(number(2, gradsync::kMaxSlots));
     else if (a == "--slot-bytes") cfg.slot_bytes = static_cast<uint32_t>(number(4096, 256 << 20));
+    else if (a == "--rings") cfg.rings = static_cast<uint32_t>(number(1, gradsync::kMaxRings));
     else if (a == "--ready-file") cfg.ready_file = value();
     else if (a == "--log-level") gradsync::log::set_level(value());
     else if (a == "--help" || a == "-h") { usage(stdout); return 0; }

@@ -23,6 +23,7 @@ struct HelloWire {
   uint32_t magic;
   uint32_t version;
   uint64_t generation;
+  uint32_t tag;
   uint32_t src_rank;
   uint32_t dst_rank;
   uint32_t job_len;
@@ -107,7 +108,7 @@ Result<Fd> proxy_connect(const std::string& endpoint, const ProxyHello& hello, D
     return Status(Code::kUnavailable, "cannot connect to gradsyncd at " + endpoint + ": " +
                                           errno_string("connect") + " (peer daemon down?)");
   }
-  HelloWire w{kProxyMagic, kProxyVersion, hello.generation, hello.src_rank, hello.dst_rank,
+  HelloWire w{kProxyMagic, kProxyVersion, hello.generation, hello.tag, hello.src_rank, hello.dst_rank,
               static_cast<uint32_t>(hello.job.size())};
   GS_RETURN_IF_ERROR(write_all(fd.get(), &w, sizeof(w)));
   GS_RETURN_IF_ERROR(write_all(fd.get(), hello.job.data(), hello.job.size()));
@@ -134,6 +135,7 @@ Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline) {
   h.job.resize(w.job_len);
   GS_RETURN_IF_ERROR(read_all(sock, h.job.data(), w.job_len, deadline));
   h.generation = w.generation;
+  h.tag = w.tag;
   h.src_rank = w.src_rank;
   h.dst_rank = w.dst_rank;
   tune(sock);

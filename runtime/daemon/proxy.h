@@ -22,12 +22,13 @@
 namespace gradsync {
 
 constexpr uint32_t kProxyMagic = 0x47535058;  // "GSPX"
-constexpr uint32_t kProxyVersion = 1;
+constexpr uint32_t kProxyVersion = 2;
 constexpr uint32_t kByeBytes = 0xFFFFFFFFu;
 
 struct ProxyHello {
   std::string job;
   uint64_t generation = 0;
+  uint32_t tag = 0;  // which channel between the two ranks (collectives/topology.h)
   uint32_t src_rank = 0;
   uint32_t dst_rank = 0;
 };

@@ -3,15 +3,24 @@
 //   check COUNTS   allreduce every count (comma list), in-place and out-of-place, checking
 //                  exact results (integer-valued floats); prints "PASS" at the end
 //   loop COUNT N   N allreduces of COUNT elements (for kill tests); prints each failure
-//   idle           allreduce of 1 element only on rank 0... every rank blocks in it
-// Exit code 0 on success, 1 on any failure; errors go to stderr with the Status text.
+//   idle           rank 0 enters a 1-element allreduce at once; the other ranks first read
+//                  stdin to EOF, then enter it too (so the test decides how long rank 0 idles)
+//   badinput       allreduce calls the library must refuse with INVALID_ARGUMENT before
+//                  sending anything (null pointers, overflowing count, misaligned buffer,
+//                  unknown type/op), each printed as "refused WHAT: STATUS"; then `check 1000`
+//   rawjoin        joins by talking the daemon protocol directly, skipping the library's own
+//                  argument checks, to test the daemon's; prints "join: STATUS" on failure
+// Exit code 0 on success, 1 on any failure; errors go to stderr with the Status text
+// (e.g. "join: INVALID_ARGUMENT: ...").
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "client/daemon_client.h"  // rawjoin only: the library's internal daemon connection
 #include "gradsync/gradsync.h"
 
 namespace {
@@ -77,15 +86,82 @@ int loop(gradsync::Communicator& comm, size_t count, int iters) {
   return 0;
 }
 
+int bad_input(gradsync::Communicator& comm) {
+  using gradsync::DataType;
+  using gradsync::ReduceOp;
+  bool ok = true;
+  auto expect_invalid = [&](const char* what, const gradsync::Status& s) {
+    std::printf("refused %s: %s\n", what, s.to_string().c_str());
+    if (s.code() != gradsync::Code::kInvalidArgument) {
+      std::fprintf(stderr, "UNEXPECTED: %s returned %s, expected INVALID_ARGUMENT\n", what,
+                   s.to_string().c_str());
+      ok = false;
+    }
+  };
+  std::vector<float> buf(64, 5.0f);
+  float* p = buf.data();
+  expect_invalid("null buffer count=5", comm.allreduce(nullptr, 5, DataType::kFloat32, ReduceOp::kSum));
+  expect_invalid("count=SIZE_MAX/2",
+                 comm.allreduce(p, SIZE_MAX / 2, DataType::kFloat32, ReduceOp::kSum));
+  expect_invalid("null send count=5", comm.allreduce(nullptr, p, 5, DataType::kFloat32, ReduceOp::kSum));
+  expect_invalid("null recv count=5", comm.allreduce(p, nullptr, 5, DataType::kFloat32, ReduceOp::kSum));
+  expect_invalid("misaligned buffer",
+                 comm.allreduce(reinterpret_cast<char*>(p) + 1, 5, DataType::kFloat32, ReduceOp::kSum));
+  expect_invalid("unknown data type", comm.allreduce(p, 5, static_cast<DataType>(200), ReduceOp::kSum));
+  expect_invalid("unknown reduce op", comm.allreduce(p, 5, DataType::kFloat32, static_cast<ReduceOp>(200)));
+  expect_invalid("async null buffer",
+                 comm.allreduce_async(nullptr, nullptr, 5, DataType::kFloat32, ReduceOp::kSum)
+                     .wait(std::chrono::seconds(10)));
+  for (float v : buf) {
+    if (v != 5.0f) {
+      std::fprintf(stderr, "UNEXPECTED: a refused allreduce wrote into the buffer\n");
+      return 1;
+    }
+  }
+  if (!ok) return 1;
+  // The refused calls sent nothing: the next collective lines up with the peers' exactly.
+  return check(comm, {1000});
+}
+
+// Joins without the library's checks (the daemon must refuse bad requests on its own).
+int raw_join() {
+  gradsync::JoinOptions o = gradsync::JoinOptions::from_env();
+  auto deadline = gradsync::deadline_after(o.join_timeout + std::chrono::seconds(5));
+  auto client = gradsync::DaemonClient::connect(gradsync::default_daemon_socket(), deadline);
+  if (!client.ok()) {
+    std::fprintf(stderr, "connect: %s\n", client.status().to_string().c_str());
+    return 1;
+  }
+  gradsync::v1::ClientMessage req;
+  auto* j = req.mutable_join();
+  j->set_job_id(o.job);
+  j->set_token(o.token);
+  j->set_rank(static_cast<uint32_t>(o.rank));
+  j->set_world_size(static_cast<uint32_t>(o.world_size));
+  j->set_local_rank(static_cast<uint32_t>(o.local_rank));
+  j->set_local_world_size(static_cast<uint32_t>(o.local_world_size));
+  j->set_timeout_ms(static_cast<uint32_t>(o.join_timeout.count()));
+  gradsync::Fd shm;
+  auto reply = client->call(req, deadline, &shm);
+  if (!reply.ok()) {
+    std::fprintf(stderr, "join: %s\n", reply.status().to_string().c_str());
+    return 1;
+  }
+  std::printf("JOINED raw\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: allreduce_worker check COUNTS | loop COUNT ITERS | idle\n");
+    std::fprintf(stderr,
+                 "usage: allreduce_worker check COUNTS | loop COUNT ITERS | idle | badinput | rawjoin\n");
     return 2;
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string mode = argv[1];
+  if (mode == "rawjoin") return raw_join();
   auto session = gradsync::Session::connect();
   if (!session.ok()) {
     std::fprintf(stderr, "connect: %s\n", session.status().to_string().c_str());
@@ -101,15 +177,24 @@ int main(int argc, char** argv) {
   int rc = 2;
   if (mode == "check" && argc >= 3) rc = check(*comm, parse_counts(argv[2]));
   else if (mode == "loop" && argc >= 4) rc = loop(*comm, std::stoull(argv[2]), std::atoi(argv[3]));
+  else if (mode == "badinput") rc = bad_input(*comm);
   else if (mode == "idle") {
     // Rank 0 enters a 1-element allreduce that nobody else joins until stdin closes.
-    float x = 1;
-    if (comm->rank() == 0) {
-      rc = comm->allreduce(&x, 1, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum).ok() ? 0 : 1;
-    } else {
+    if (comm->rank() != 0) {
       char c;
       while (std::fread(&c, 1, 1, stdin) == 1) {}
-      rc = comm->allreduce(&x, 1, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum).ok() ? 0 : 1;
+    }
+    float x = 1;
+    gradsync::Status s = comm->allreduce(&x, 1, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
+    if (!s.ok()) {
+      std::fprintf(stderr, "idle allreduce failed: %s\n", s.to_string().c_str());
+      rc = 1;
+    } else if (x != static_cast<float>(comm->world_size())) {
+      std::fprintf(stderr, "idle allreduce: got %g, expected %d\n", x, comm->world_size());
+      rc = 1;
+    } else {
+      std::printf("PASS\n");
+      rc = 0;
     }
   }
   gradsync::Status s = comm->leave();

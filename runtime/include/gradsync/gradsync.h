@@ -21,12 +21,39 @@
 
 namespace gradsync {
 
-enum class DataType : uint8_t { kFloat32 = 0 };
-enum class ReduceOp : uint8_t { kSum = 0 };
+// Element types. Numeric rules, the same on every path:
+// - float16 and bfloat16 are added/multiplied/compared in float32 and rounded to nearest
+//   even when stored, once per reduction step;
+// - integers wrap in two's complement (sum, prod); avg of integers divides the wrapped sum by
+//   the world size rounding toward zero; avg of floating types divides in float32/float64.
+enum class DataType : uint8_t {
+  kFloat32 = 0,
+  kFloat64 = 1,
+  kFloat16 = 2,
+  kBFloat16 = 3,
+  kInt8 = 4,
+  kUInt8 = 5,
+  kInt32 = 6,
+  kInt64 = 7,
+};
+constexpr int kNumDataTypes = 8;
 
-size_t element_size(DataType type);
+enum class ReduceOp : uint8_t { kSum = 0, kProd = 1, kMin = 2, kMax = 3, kAvg = 4 };
+constexpr int kNumReduceOps = 5;
+
+// Which algorithm a collective uses. kAuto asks the cost model (docs/algorithms.md); the
+// environment variable GRADSYNC_ALGO=ring|tree overrides kAuto for every call.
+enum class Algorithm : uint8_t { kAuto = 0, kRing = 1, kTree = 2 };
+
+size_t element_size(DataType type);  // 0 for an unknown type
 const char* to_string(DataType type);
 const char* to_string(ReduceOp op);
+const char* to_string(Algorithm algo);
+
+// Per-call options; one struct for every collective.
+struct CallOptions {
+  Algorithm algorithm = Algorithm::kAuto;
+};
 
 struct JoinOptions {
   std::string job;               // job id shared by every rank
@@ -74,14 +101,50 @@ class Communicator {
   uint64_t generation() const;
   const std::string& job() const;
 
-  // Blocking allreduce; `send == recv` is in-place. Returns when `recv` holds the result.
-  Status allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op);
-  Status allreduce(void* buf, size_t count, DataType type, ReduceOp op) {
-    return allreduce(buf, buf, count, type, op);
+  // Every collective has a blocking form, which returns when the result is in place, and an
+  // _async form, which queues it on the communicator's worker and returns a Work; buffers
+  // must stay valid until the Work completes. Collectives run in the order they were called,
+  // and every rank must call the same collectives in the same order with matching arguments
+  // (a mismatch is reported as kMismatch, not reduced). `send == recv` is in-place.
+
+  // recv[i] = op over ranks of send[i], i < count.
+  Status allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                   CallOptions opts = {});
+  Status allreduce(void* buf, size_t count, DataType type, ReduceOp op, CallOptions opts = {}) {
+    return allreduce(buf, buf, count, type, op, opts);
   }
-  // Queues the allreduce on the communicator's worker; buffers must stay valid until the
-  // returned Work completes. Collectives run in the order they were queued.
-  Work allreduce_async(const void* send, void* recv, size_t count, DataType type, ReduceOp op);
+  Work allreduce_async(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                       CallOptions opts = {});
+
+  // send holds world_size * recv_count elements; rank r receives block r of the reduction.
+  Status reduce_scatter(const void* send, void* recv, size_t recv_count, DataType type,
+                        ReduceOp op, CallOptions opts = {});
+  Work reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType type,
+                            ReduceOp op, CallOptions opts = {});
+
+  // recv holds world_size * send_count elements: block r is rank r's send.
+  Status all_gather(const void* send, void* recv, size_t send_count, DataType type,
+                    CallOptions opts = {});
+  Work all_gather_async(const void* send, void* recv, size_t send_count, DataType type,
+                        CallOptions opts = {});
+
+  // Every rank's buf ends equal to the root's.
+  Status broadcast(void* buf, size_t count, DataType type, int root, CallOptions opts = {});
+  Work broadcast_async(void* buf, size_t count, DataType type, int root, CallOptions opts = {});
+
+  // Returns once every rank has entered the barrier.
+  Status barrier();
+
+  // What the cost model predicts for an allreduce of `count` elements, and what kAuto picks
+  // (GRADSYNC_ALGO aside). Every rank of the communicator predicts the same.
+  struct Prediction {
+    double ring_us = 0;
+    double tree_us = 0;
+    Algorithm choice = Algorithm::kRing;
+  };
+  Prediction predict_allreduce(size_t count, DataType type) const;
+  // The model's constants in one line, for logs and gradsync-bench --model.
+  std::string cost_model() const;
 
   // Leaves the job; also done by the destructor.
   Status leave();

@@ -1,0 +1,62 @@
+#include "client/links.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+namespace gradsync {
+
+Result<RankLinks> build_links(const std::string& job, int rank, const std::vector<uint32_t>& ring,
+                              const std::vector<std::string>& hosts, const v1::ChannelSetup& setup,
+                              void* base, const ShmLayout& layout) {
+  RankLinks l;
+  l.job = job;
+  l.rank = rank;
+  l.world_size = static_cast<int>(ring.size());
+  l.ring = ring;
+  l.hosts = hosts;
+  l.rings = std::max<uint32_t>(1, setup.rings());
+  auto it = std::find(ring.begin(), ring.end(), uint32_t(rank));
+  if (it == ring.end()) return Status(Code::kInternal, "rank missing from the ring order");
+  l.position = static_cast<int>(it - ring.begin());
+  if (l.world_size == 1) return l;
+
+  // (tag, peer, send) -> channel index, as the daemon laid them out.
+  std::map<std::tuple<uint32_t, uint32_t, bool>, uint32_t> index;
+  for (const auto& ref : setup.channels()) {
+    if (ref.index() >= layout.num_channels) return Status(Code::kInternal, "channel index out of range");
+    index[{ref.tag(), ref.peer(), ref.send()}] = ref.index();
+  }
+  auto find = [&](uint32_t tag, int peer, bool send, Channel* out) -> Status {
+    auto f = index.find({tag, uint32_t(peer), send});
+    if (f == index.end()) {
+      return {Code::kInternal, "gradsyncd gave rank " + std::to_string(rank) + " no " +
+                                   (send ? "send" : "receive") + " channel tag " + std::to_string(tag) +
+                                   " for peer " + std::to_string(peer) + " (daemon of another version?)"};
+    }
+    *out = Channel(base, layout, f->second);
+    return Status::Ok();
+  };
+  l.ring_send.resize(l.rings);
+  l.ring_recv.resize(l.rings);
+  for (uint32_t r = 0; r < l.rings; ++r) {
+    GS_RETURN_IF_ERROR(find(ring_tag(r), l.next_rank(), true, &l.ring_send[r]));
+    GS_RETURN_IF_ERROR(find(ring_tag(r), l.prev_rank(), false, &l.ring_recv[r]));
+  }
+  for (uint32_t t = 0; t < kNumTrees; ++t) {
+    TreeLinks tl = tree_links(ring, uint32_t(rank), t);
+    l.trees[t] = tl;
+    if (tl.parent >= 0) {
+      GS_RETURN_IF_ERROR(find(tree_up_tag(t), tl.parent, true, &l.up_send[t]));
+      GS_RETURN_IF_ERROR(find(tree_down_tag(t), tl.parent, false, &l.down_recv[t]));
+    }
+    for (int c = 0; c < 2; ++c) {
+      if (tl.children[c] < 0) continue;
+      GS_RETURN_IF_ERROR(find(tree_up_tag(t), tl.children[c], false, &l.up_recv[t][c]));
+      GS_RETURN_IF_ERROR(find(tree_down_tag(t), tl.children[c], true, &l.down_send[t][c]));
+    }
+  }
+  return l;
+}
+
+}  // namespace gradsync

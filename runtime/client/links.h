@@ -1,0 +1,16 @@
+// Turns the daemon's channel set-up into the channel ends one rank's algorithms use.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "collectives/collective.h"
+#include "daemon.pb.h"
+
+namespace gradsync {
+
+Result<RankLinks> build_links(const std::string& job, int rank, const std::vector<uint32_t>& ring,
+                              const std::vector<std::string>& hosts, const v1::ChannelSetup& setup,
+                              void* base, const ShmLayout& layout);
+
+}  // namespace gradsync

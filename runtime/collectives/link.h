@@ -1,0 +1,49 @@
+// One channel end as an algorithm sees it: acquire/publish/release with the slot metadata
+// checks and error messages that name the peer. Internal to runtime/collectives.
+#pragma once
+
+#include "collectives/collective.h"
+
+namespace gradsync {
+
+// State shared by the links of one running collective.
+struct RunContext {
+  const RankLinks& links;
+  const WaitContext& wait;
+  const CollectiveCall& call;
+  uint32_t signature;
+  size_t esize;
+  size_t slot_elems;
+};
+
+class SendLink {
+ public:
+  SendLink(RunContext& rc, Channel ch, int peer) : rc_(rc), ch_(ch), peer_(peer) {}
+  Result<uint8_t*> acquire();
+  void publish(size_t elems);
+
+ private:
+  RunContext& rc_;
+  Channel ch_;
+  int peer_;
+  uint32_t step_ = 0;
+};
+
+class RecvLink {
+ public:
+  RecvLink(RunContext& rc, Channel ch, int peer) : rc_(rc), ch_(ch), peer_(peer) {}
+  // Waits for the next slot and checks it carries `elems` elements of this very call.
+  Result<const uint8_t*> acquire(size_t elems);
+  void release() { ch_.release(); }
+
+ private:
+  RunContext& rc_;
+  Channel ch_;
+  int peer_;
+  uint32_t step_ = 0;
+};
+
+// Turns a failed wait into an error naming the peer and the likely cause.
+Status link_error(const RunContext& rc, const Status& s, bool sending, int peer, uint32_t step);
+
+}  // namespace gradsync
