@@ -55,6 +55,46 @@ Status write_file_atomically(const std::string& path, const std::string& text) {
 
 }  // namespace
 
+Result<std::string> Daemon::choose_data_host(const topology::NodeInfo& topo, std::string* why) const {
+  if (!cfg_.data_host.empty()) {
+    *why = "--data-host";
+    return cfg_.data_host;
+  }
+  // "eth0=10.1.2.3" -> ("eth0", "10.1.2.3"); IPv4 first, then global IPv6 (not fe80::).
+  auto pick = [&](const std::string& ifname) -> std::string {
+    std::string v6;
+    for (const auto& a : topo.addresses) {
+      auto eq = a.find('=');
+      if (eq == std::string::npos || (!ifname.empty() && a.substr(0, eq) != ifname)) continue;
+      std::string ip = a.substr(eq + 1);
+      if (ip.find(':') == std::string::npos) return ip;
+      if (v6.empty() && ip.rfind("fe80", 0) != 0) v6 = ip;
+    }
+    return v6;
+  };
+  if (!cfg_.ifname.empty()) {
+    std::string ip = pick(cfg_.ifname);
+    if (ip.empty()) {
+      return Status(Code::kInvalidArgument, "GRADSYNC_SOCKET_IFNAME/--ifname " + cfg_.ifname +
+                                                ": no usable address on that interface (have: " +
+                                                topology::describe(topo) + ")");
+    }
+    *why = "address of interface " + cfg_.ifname;
+    return ip;
+  }
+  if (is_loopback(cfg_.coordinator)) {
+    *why = "the coordinator is on loopback, so every node is this machine";
+    return std::string("127.0.0.1");
+  }
+  std::string ip = pick("");
+  if (!ip.empty()) {
+    *why = "first non-loopback address; set GRADSYNC_SOCKET_IFNAME or --data-host to choose";
+    return ip;
+  }
+  *why = "no non-loopback address: advertising the hostname";
+  return hostname_;
+}
+
 Daemon::Daemon(DaemonConfig config) : cfg_(std::move(config)), hostname_(hostname()) {
   if (cfg_.node_name.empty()) cfg_.node_name = hostname_;
 }
@@ -66,25 +106,18 @@ Status Daemon::start() {
   stop_event_.reset(::eventfd(0, EFD_CLOEXEC));
   topology::NodeInfo topo = topology::discover();
 
-  // Proxy listener first: its port goes into the registration.
+  // Proxy listener first: its port goes into the registration. The default listens on every
+  // IPv6 and IPv4 address ("::" is dual-stack on Linux), falling back to IPv4 only.
   uint16_t port = 0;
-  auto listener = tcp_listen(cfg_.data_listen, cfg_.data_port, &port);
+  auto listener = tcp_listen(cfg_.data_listen.empty() ? "::" : cfg_.data_listen, cfg_.data_port, &port);
+  if (!listener.ok() && cfg_.data_listen.empty()) listener = tcp_listen("0.0.0.0", cfg_.data_port, &port);
   if (!listener.ok()) return listener.status();
   peer_listener_ = std::move(listener).value();
-  std::string host = cfg_.data_host;
-  if (host.empty()) {
-    host = is_loopback(cfg_.coordinator) ? "127.0.0.1" : hostname_;
-    for (const auto& a : topo.addresses) {
-      // "eth0=10.1.2.3": the first non-loopback IPv4 address, when the coordinator is remote.
-      auto eq = a.find('=');
-      std::string ip = eq == std::string::npos ? a : a.substr(eq + 1);
-      if (!is_loopback(cfg_.coordinator) && ip.find(':') == std::string::npos) {
-        host = ip;
-        break;
-      }
-    }
-  }
-  endpoint_ = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+  std::string why;
+  auto host = choose_data_host(topo, &why);
+  if (!host.ok()) return host.status();
+  endpoint_ = (host->find(':') != std::string::npos ? "[" + *host + "]" : *host) + ":" + std::to_string(port);
+  log->info("proxy endpoint {} ({})", endpoint_, why);
 
   // Trainer socket: 0660, so only this user and group can reach the daemon.
   sockaddr_un addr{};

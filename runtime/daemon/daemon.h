@@ -12,6 +12,7 @@
 
 #include "daemon/coordinator_link.h"
 #include "daemon/local_job.h"
+#include "topology/node_info.h"
 
 namespace gradsync {
 
@@ -19,7 +20,8 @@ struct DaemonConfig {
   std::string coordinator = "127.0.0.1:29500";
   std::string socket_path = "/run/gradsync/gradsyncd.sock";
   std::string node_name;         // default: hostname
-  std::string data_listen = "0.0.0.0";  // proxy listen host
+  std::string data_listen;       // proxy listen host; default "::" (dual stack), else 0.0.0.0
+  std::string ifname;            // interface whose address peers use (GRADSYNC_SOCKET_IFNAME)
   uint16_t data_port = 0;        // 0: any free port
   std::string data_host;         // advertised to peers; default chosen from the coordinator address
   uint32_t slots = kDefaultSlots;
@@ -42,6 +44,7 @@ class Daemon {
   std::string data_endpoint() const { return endpoint_; }
 
  private:
+  Result<std::string> choose_data_host(const topology::NodeInfo& topo, std::string* why) const;
   void accept_trainers();
   void accept_peers();
   void serve_trainer(Fd sock);

@@ -19,7 +19,8 @@ void usage(FILE* out) {
                "  --coordinator HOST:PORT   coordinator address (default 127.0.0.1:29500, or $GRADSYNC_COORDINATOR)\n"
                "  --socket PATH             trainer socket (default /run/gradsync/gradsyncd.sock)\n"
                "  --node-name NAME          name of this node (default: hostname)\n"
-               "  --data-listen HOST        proxy listen address (default 0.0.0.0)\n"
+               "  --data-listen HOST        proxy listen address (default :: and 0.0.0.0)\n"
+               "  --ifname NAME             advertise this interface's address ($GRADSYNC_SOCKET_IFNAME)\n"
                "  --data-port N             proxy port (default 0: any free port)\n"
                "  --data-host HOST          address peers use to reach the proxy (default: derived)\n"
                "  --slots N                 slots per channel (default 8)\n"
@@ -34,6 +35,7 @@ void usage(FILE* out) {
 int main(int argc, char** argv) {
   gradsync::DaemonConfig cfg;
   if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
+  if (const char* i = std::getenv("GRADSYNC_SOCKET_IFNAME"); i && *i) cfg.ifname = i;
   if (const char* r = std::getenv("GRADSYNC_NRINGS"); r && *r) cfg.rings = static_cast<uint32_t>(std::clamp(std::atoi(r), 1, int(gradsync::kMaxRings)));
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -60,6 +62,7 @@ int main(int argc, char** argv) {
     else if (a == "--data-listen") cfg.data_listen = value();
     else if (a == "--data-port") cfg.data_port = static_cast<uint16_t>(number(0, 65535));
     else if (a == "--data-host") cfg.data_host = value();
+    else if (a == "--ifname") cfg.ifname = value();
     else if (a == "--slots") cfg.slots = static_cast<uint32_t>(number(2, gradsync::kMaxSlots));
     else if (a == "--slot-bytes") cfg.slot_bytes = static_cast<uint32_t>(number(4096, 256 << 20));
     else if (a == "--rings") cfg.rings = static_cast<uint32_t>(number(1, gradsync::kMaxRings));
