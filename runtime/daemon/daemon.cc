@@ -149,8 +149,8 @@ Status Daemon::start() {
                                             [this](const v1::Event& ev) { on_event(ev); });
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
 
-  trainer_acceptor_ = std::thread([this] { accept_trainers(); });
-  peer_acceptor_ = std::thread([this] { accept_peers(); });
+  trainer_acceptor_ = std::thread([this] { accept_loop(trainer_listener_.get(), &Daemon::serve_trainer); });
+  peer_acceptor_ = std::thread([this] { accept_loop(peer_listener_.get(), &Daemon::serve_peer); });
   log->info("gradsyncd node={} serving trainers on {} proxy on {} (transport tcp: no verbs device "
             "in this build) topology: {}",
             cfg_.node_name, cfg_.socket_path, endpoint_, topology::describe(topo));
@@ -182,27 +182,15 @@ void Daemon::stop() {
 
 void Daemon::spawn(std::function<void()> fn) { std::thread(std::move(fn)).detach(); }
 
-void Daemon::accept_trainers() {
-  pollfd fds[2] = {{trainer_listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
+void Daemon::accept_loop(int listener, void (Daemon::*serve)(Fd)) {
+  pollfd fds[2] = {{listener, POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
   for (;;) {
     if (::poll(fds, 2, -1) < 0 && errno != EINTR) return;
     if (fds[1].revents) return;
     if (!(fds[0].revents & POLLIN)) continue;
-    Fd sock(::accept4(trainer_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    Fd sock(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
     if (!sock.valid()) continue;
-    spawn([this, s = std::make_shared<Fd>(std::move(sock))]() mutable { serve_trainer(std::move(*s)); });
-  }
-}
-
-void Daemon::accept_peers() {
-  pollfd fds[2] = {{peer_listener_.get(), POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
-  for (;;) {
-    if (::poll(fds, 2, -1) < 0 && errno != EINTR) return;
-    if (fds[1].revents) return;
-    if (!(fds[0].revents & POLLIN)) continue;
-    Fd sock(::accept4(peer_listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!sock.valid()) continue;
-    spawn([this, s = std::make_shared<Fd>(std::move(sock))]() mutable { serve_peer(std::move(*s)); });
+    spawn([this, serve, s = std::make_shared<Fd>(std::move(sock))]() mutable { (this->*serve)(std::move(*s)); });
   }
 }
 

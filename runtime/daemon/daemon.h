@@ -45,8 +45,8 @@ class Daemon {
 
  private:
   Result<std::string> choose_data_host(const topology::NodeInfo& topo, std::string* why) const;
-  void accept_trainers();
-  void accept_peers();
+  // Accepts on `listener` until stop(), serving each connection on its own thread.
+  void accept_loop(int listener, void (Daemon::*serve)(Fd));
   void serve_trainer(Fd sock);
   void serve_peer(Fd sock);
   void spawn(std::function<void()> fn);

@@ -148,27 +148,24 @@ Status proxy_reply(int sock, const Status& status) {
   return write_all(sock, status.message().data(), status.message().size());
 }
 
-std::unique_ptr<Pump> Pump::start_sender(PumpContext ctx, Fd sock, PumpFailure on_failure) {
+std::unique_ptr<Pump> Pump::start(PumpContext ctx, Fd sock, PumpFailure on_failure, bool sender) {
   std::unique_ptr<Pump> p(new Pump());
   p->ctx_ = std::move(ctx);
   p->sock_ = std::move(sock);
-  p->sender_ = true;
+  p->sender_ = sender;
   p->thread_ = std::thread([raw = p.get(), on_failure] {
-    raw->send_loop(on_failure);
+    if (raw->sender_) raw->send_loop(on_failure); else raw->recv_loop(on_failure);
     raw->finished_.store(true, std::memory_order_release);
   });
   return p;
 }
 
+std::unique_ptr<Pump> Pump::start_sender(PumpContext ctx, Fd sock, PumpFailure on_failure) {
+  return start(std::move(ctx), std::move(sock), std::move(on_failure), true);
+}
+
 std::unique_ptr<Pump> Pump::start_receiver(PumpContext ctx, Fd sock, PumpFailure on_failure) {
-  std::unique_ptr<Pump> p(new Pump());
-  p->ctx_ = std::move(ctx);
-  p->sock_ = std::move(sock);
-  p->thread_ = std::thread([raw = p.get(), on_failure] {
-    raw->recv_loop(on_failure);
-    raw->finished_.store(true, std::memory_order_release);
-  });
-  return p;
+  return start(std::move(ctx), std::move(sock), std::move(on_failure), false);
 }
 
 Pump::~Pump() { stop_and_join(); }

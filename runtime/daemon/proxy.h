@@ -63,6 +63,7 @@ class Pump {
 
  private:
   Pump() = default;
+  static std::unique_ptr<Pump> start(PumpContext ctx, Fd sock, PumpFailure on_failure, bool sender);
   void send_loop(PumpFailure on_failure);
   void recv_loop(PumpFailure on_failure);
 
