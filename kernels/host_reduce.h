@@ -16,10 +16,10 @@
 // Aliasing: an output may be the same buffer as an input (out == a or out == b, element i
 // over element i: in-place collectives); partially overlapping buffers are not allowed.
 // Preconditions: `type` and `op` are valid values (the communicator validates them; unknown
-// values leave the output untouched) and world >= 1.
+// values leave the output untouched); world >= 1 (smaller counts as 1: no division).
 //
-// The loops are simple indexed loops that GCC vectorises at -O3; on x86-64 a second copy
-// built for AVX2+F16C is picked at run time where the CPU has them (host_reduce.cc).
+// The loops are simple indexed loops that GCC vectorises at -O3 (host_reduce_loops.h); on
+// x86-64 a second copy built for AVX2+F16C is picked at run time where the CPU has both.
 #pragma once
 
 #include <cstddef>
@@ -39,6 +39,12 @@ void reduce_final(DataType type, ReduceOp op, void* out1, void* out2, const void
 
 // buf[i] /= world for kAvg results with no final reduction step (e.g. world size 1).
 void finish_avg(DataType type, void* buf, size_t n, int world);
+
+// The loop set in use: "avx2" or "generic" (baseline ISA, portable float16 converters).
+const char* loop_set();
+// Forces the generic loops even where AVX2 is available, for every thread: tests and
+// benchmarks only.
+void use_generic_loops_only(bool on);
 
 // float32 sum shorthands, kept for existing callers.
 inline void sum_f32(float* out, const float* a, const float* b, size_t n) {

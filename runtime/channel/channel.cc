@@ -14,8 +14,12 @@ namespace {
 // A sleeping waiter looks at its abort flags and deadline at least this often, so a missed
 // wake-up costs at most this much latency, and an idle rank wakes 4 times a second.
 constexpr int kWaitSliceMs = 250;
-// Spin this many polls before sleeping: a few microseconds, well under a context switch.
-constexpr int kSpinPolls = 200;
+// Spin this long before sleeping: about the cost of a futex sleep and wake-up pair, so a
+// peer that answers within it is seen without a context switch, and a waiter that has to
+// wait longer wastes at most this much CPU.
+constexpr auto kSpin = std::chrono::microseconds(30);
+// Polls between two clock reads while spinning.
+constexpr int kPollsPerClockRead = 32;
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int timeout_ms) {
   timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1'000'000L};
@@ -42,9 +46,13 @@ inline void cpu_relax() {
 template <typename Ready>
 Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, const WaitContext& ctx,
                 Ready ready) {
-  for (int i = 0; i < kSpinPolls; ++i) {
-    if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
-    cpu_relax();
+  const auto spin_until = Clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < kPollsPerClockRead; ++i) {
+      if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
+      cpu_relax();
+    }
+    if (Clock::now() >= spin_until) break;
   }
   for (;;) {
     if (stopped(ctx)) return aborted_status(ctx);

@@ -118,17 +118,36 @@ class CommunicatorImpl {
     Status bad = validate(call, links_.world_size, links_.rank);
     std::lock_guard lock(mu_);
     if (!bad.ok()) {
-      // Refused before anything was sent: the communicator stays healthy.
-      work->finish({bad.code(), "job=" + opts_.job + " rank " + std::to_string(opts_.rank) + ": " +
-                                    to_string(call.kind) + " refused: " + bad.message()});
+      work->finish(refused(call, bad));
     } else if (left_) {
-      work->finish({Code::kFailedPrecondition, "communicator already left job " + opts_.job});
+      work->finish(already_left());
     } else {
       work->call.seq = next_seq_++;
       queue_.push_back(work);
-      cv_.notify_one();
+      cv_.notify_all();
     }
     return Work(work);
+  }
+
+  // A blocking call runs on the caller's thread when nothing is queued before it: two thread
+  // hand-offs (to the worker and back) would cost more than a small collective.
+  Status execute(CollectiveCall call) {
+    Status bad = validate(call, links_.world_size, links_.rank);
+    if (!bad.ok()) return refused(call, bad);
+    std::unique_lock lock(mu_);
+    if (left_) return already_left();
+    if (!queue_.empty() || busy_) {
+      lock.unlock();
+      return enqueue(call).wait();
+    }
+    busy_ = true;
+    call.seq = next_seq_++;
+    lock.unlock();
+    Status s = run(call);
+    lock.lock();
+    busy_ = false;
+    cv_.notify_all();
+    return s;
   }
 
   Status leave() {
@@ -158,13 +177,29 @@ class CommunicatorImpl {
       std::shared_ptr<WorkImpl> work;
       {
         std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return left_ || !queue_.empty(); });
+        cv_.wait(lock, [&] { return (left_ && !busy_) || (!queue_.empty() && !busy_); });
         if (queue_.empty()) return;
         work = queue_.front();
         queue_.pop_front();
+        busy_ = true;
       }
-      work->finish(run(work->call));
+      Status s = run(work->call);
+      {
+        std::lock_guard lock(mu_);
+        busy_ = false;
+        cv_.notify_all();
+      }
+      work->finish(std::move(s));
     }
+  }
+
+  Status refused(const CollectiveCall& call, const Status& bad) const {
+    // Refused before anything was sent: the communicator stays healthy.
+    return {bad.code(), "job=" + opts_.job + " rank " + std::to_string(opts_.rank) + ": " +
+                            to_string(call.kind) + " refused: " + bad.message()};
+  }
+  Status already_left() const {
+    return {Code::kFailedPrecondition, "communicator already left job " + opts_.job};
   }
 
   Status run(CollectiveCall call) {
@@ -279,6 +314,7 @@ class CommunicatorImpl {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<WorkImpl>> queue_;
   uint32_t next_seq_ = 0;
+  bool busy_ = false;  // a collective is running (on the worker or a blocking caller)
   bool left_ = false;
   std::thread monitor_;
   std::thread worker_;
@@ -316,7 +352,7 @@ Work Communicator::allreduce_async(const void* send, void* recv, size_t count, D
 }
 Status Communicator::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                                CallOptions opts) {
-  return allreduce_async(send, recv, count, type, op, opts).wait();
+  return impl_->execute(make_call(CollectiveKind::kAllreduce, send, recv, count, type, op, 0, opts));
 }
 Work Communicator::reduce_scatter_async(const void* send, void* recv, size_t recv_count, DataType type,
                                         ReduceOp op, CallOptions opts) {
@@ -324,7 +360,7 @@ Work Communicator::reduce_scatter_async(const void* send, void* recv, size_t rec
 }
 Status Communicator::reduce_scatter(const void* send, void* recv, size_t recv_count, DataType type,
                                     ReduceOp op, CallOptions opts) {
-  return reduce_scatter_async(send, recv, recv_count, type, op, opts).wait();
+  return impl_->execute(make_call(CollectiveKind::kReduceScatter, send, recv, recv_count, type, op, 0, opts));
 }
 Work Communicator::all_gather_async(const void* send, void* recv, size_t send_count, DataType type,
                                     CallOptions opts) {
@@ -333,20 +369,20 @@ Work Communicator::all_gather_async(const void* send, void* recv, size_t send_co
 }
 Status Communicator::all_gather(const void* send, void* recv, size_t send_count, DataType type,
                                 CallOptions opts) {
-  return all_gather_async(send, recv, send_count, type, opts).wait();
+  return impl_->execute(
+      make_call(CollectiveKind::kAllGather, send, recv, send_count, type, ReduceOp::kSum, 0, opts));
 }
 Work Communicator::broadcast_async(void* buf, size_t count, DataType type, int root, CallOptions opts) {
   return impl_->enqueue(make_call(CollectiveKind::kBroadcast, buf, buf, count, type, ReduceOp::kSum, root, opts));
 }
 Status Communicator::broadcast(void* buf, size_t count, DataType type, int root, CallOptions opts) {
-  return broadcast_async(buf, count, type, root, opts).wait();
+  return impl_->execute(make_call(CollectiveKind::kBroadcast, buf, buf, count, type, ReduceOp::kSum, root, opts));
 }
 Status Communicator::barrier() {
   // One byte through the whole ring (or both trees): nobody returns before everybody entered.
-  auto token = std::make_shared<uint8_t>(0);
-  Work w = impl_->enqueue(make_call(CollectiveKind::kBarrier, token.get(), token.get(), 1,
-                                    DataType::kUInt8, ReduceOp::kSum, 0, {}));
-  return w.wait();
+  uint8_t token = 0;
+  return impl_->execute(
+      make_call(CollectiveKind::kBarrier, &token, &token, 1, DataType::kUInt8, ReduceOp::kSum, 0, {}));
 }
 
 Communicator::Prediction Communicator::predict_allreduce(size_t count, DataType type) const {
