@@ -172,7 +172,16 @@ void Daemon::stop() {
   if (peer_acceptor_.joinable()) peer_acceptor_.join();
   std::vector<std::shared_ptr<LocalJob>> jobs;
   {
-    std::lock_guard lock(mu_);
+    // Jobs whose ranks all left are finishing: let them flush their last slots to peers and
+    // leave at the coordinator, instead of aborting them under ranks still in their last
+    // collective on other nodes. Jobs with ranks still inside are aborted: the daemon goes.
+    std::unique_lock lock(mu_);
+    cv_.wait_until(lock, deadline_after(kDrainTimeout), [&] {
+      return std::none_of(jobs_.begin(), jobs_.end(), [](const auto& kv) {
+        const LocalJob& j = *kv.second;
+        return j.state == LocalJob::State::kReady && !j.aborted && j.all_left();
+      });
+    });
     for (auto& [id, job] : jobs_) jobs.push_back(job);
   }
   for (auto& job : jobs) abort(job, -1, "gradsyncd on " + hostname_ + " is shutting down", true);
@@ -530,16 +539,17 @@ void Daemon::teardown(const std::shared_ptr<LocalJob>& job) {
   }
   job->stop.store(true);
   for (auto& p : pumps) p->stop_and_join();
+  if (clean && job->generation != 0) {
+    Status s = link_->leave(job->id, job->generation);
+    if (!s.ok()) dlog()->warn("{} leave: {}", job->ids(), s.message());
+  }
   {
     std::lock_guard lock(mu_);
     job->state = LocalJob::State::kDone;
     auto it = jobs_.find(job->id);
     if (it != jobs_.end() && it->second == job) jobs_.erase(it);
   }
-  if (clean && job->generation != 0) {
-    Status s = link_->leave(job->id, job->generation);
-    if (!s.ok()) dlog()->warn("{} leave: {}", job->ids(), s.message());
-  }
+  cv_.notify_all();  // stop() may be waiting for finishing jobs
   dlog()->info("{} torn down ({})", job->ids(), clean ? "finished" : "aborted");
 }
 
