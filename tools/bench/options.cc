@@ -1,0 +1,207 @@
+#include "bench/options.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+
+namespace bench {
+namespace {
+
+using gradsync::DataType;
+using gradsync::ReduceOp;
+
+constexpr TypeName kTypes[] = {
+    {DataType::kFloat32, "float"},     {DataType::kFloat64, "double"}, {DataType::kFloat16, "half"},
+    {DataType::kBFloat16, "bfloat16"}, {DataType::kInt8, "int8"},      {DataType::kUInt8, "uint8"},
+    {DataType::kInt32, "int32"},       {DataType::kInt64, "int64"},
+};
+constexpr OpName kOps[] = {{ReduceOp::kSum, "sum"},
+                           {ReduceOp::kProd, "prod"},
+                           {ReduceOp::kMin, "min"},
+                           {ReduceOp::kMax, "max"},
+                           {ReduceOp::kAvg, "avg"}};
+
+constexpr const char* kUsage =
+    "usage: gradsyncrun [...] gradsync-bench [options]\n"
+    "  -b, --minbytes N        smallest size in bytes, K/M/G suffixes (default 32M)\n"
+    "  -e, --maxbytes N        largest size (default 32M)\n"
+    "  -f, --stepfactor F      multiply the size by F each step (default 2)\n"
+    "  -d, --datatype T        float double half bfloat16 int8 uint8 int32 int64 | all\n"
+    "  -o, --op OP             sum prod min max avg | all (reducing collectives only)\n"
+    "  -n, --iters N           timed iterations per size (default 20)\n"
+    "  -w, --warmup_iters N    untimed iterations first (default 5)\n"
+    "  -c, --check 0|1         check results against a reference (default 1)\n"
+    "  -r, --root R            root of broadcast (default 0)\n"
+    "      --collective C      allreduce reduce_scatter all_gather broadcast barrier\n"
+    "      --algo A            ring tree auto (default auto)\n"
+    "      --inplace 0|1       only out-of-place (0) or in-place (1); default both\n"
+    "size is the bytes of the full buffer (reduce_scatter's input, all_gather's output);\n"
+    "time is the mean per iteration, max over ranks; busbw = algbw x 2(n-1)/n for\n"
+    "allreduce, (n-1)/n for reduce_scatter and all_gather, 1 for broadcast.\n";
+
+bool parse_size(const char* s, size_t* out) {
+  char* end = nullptr;
+  double v = std::strtod(s, &end);
+  if (end == s || v < 0) return false;
+  switch (*end) {  // nccl-tests: binary multiples
+    case 'k':
+    case 'K':
+      v *= 1024.0;
+      ++end;
+      break;
+    case 'm':
+    case 'M':
+      v *= 1024.0 * 1024;
+      ++end;
+      break;
+    case 'g':
+    case 'G':
+      v *= 1024.0 * 1024 * 1024;
+      ++end;
+      break;
+  }
+  if (*end != '\0') return false;
+  *out = static_cast<size_t>(v);
+  return true;
+}
+
+bool parse_int(const char* s, int lo, int hi, int* out) {
+  char* end = nullptr;
+  long v = std::strtol(s, &end, 10);
+  if (end == s || *end != '\0' || v < lo || v > hi) return false;
+  *out = static_cast<int>(v);
+  return true;
+}
+
+// nccl-tests' type names, plus the spellings gradsync's own to_string uses.
+std::string_view alias(std::string_view v) {
+  if (v == "float32") return "float";
+  if (v == "float64") return "double";
+  if (v == "float16") return "half";
+  if (v == "bf16") return "bfloat16";
+  return v;
+}
+
+template <class Table, class Out>
+bool pick(std::string_view v, const Table& table, std::vector<Out>* out) {
+  out->clear();
+  for (const auto& e : table) {
+    if (v == "all" || alias(v) == e.name) out->push_back(e);
+  }
+  return !out->empty();
+}
+
+}  // namespace
+
+const char* name(Collective c) {
+  switch (c) {
+    case Collective::kAllreduce:
+      return "allreduce";
+    case Collective::kReduceScatter:
+      return "reduce_scatter";
+    case Collective::kAllGather:
+      return "all_gather";
+    case Collective::kBroadcast:
+      return "broadcast";
+    case Collective::kBarrier:
+      return "barrier";
+  }
+  return "?";
+}
+
+const char* name(gradsync::Algorithm a) {
+  switch (a) {
+    case gradsync::Algorithm::kAuto:
+      return "auto";
+    case gradsync::Algorithm::kRing:
+      return "ring";
+    case gradsync::Algorithm::kTree:
+      return "tree";
+  }
+  return "?";
+}
+
+bool parse_options(int argc, char** argv, Options* o, bool* help) {
+  *help = false;
+  o->types = {kTypes[0]};
+  o->ops = {kOps[0]};
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i], v;
+    if (a == "-h" || a == "--help") {
+      *help = true;
+      std::fputs(kUsage, stderr);
+      return false;
+    }
+    if (auto eq = a.find('='); a.rfind("--", 0) == 0 && eq != std::string::npos) {
+      v = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    } else if (i + 1 < argc) {
+      v = argv[++i];
+    } else {
+      std::fprintf(stderr, "gradsync-bench: %s needs a value\n%s", a.c_str(), kUsage);
+      return false;
+    }
+    const char* s = v.c_str();
+    int flag = 0;
+    bool ok = true;
+    if (a == "-b" || a == "--minbytes")
+      ok = parse_size(s, &o->min_bytes);
+    else if (a == "-e" || a == "--maxbytes")
+      ok = parse_size(s, &o->max_bytes);
+    else if (a == "-f" || a == "--stepfactor")
+      ok = parse_size(s, &o->factor) && o->factor >= 2;
+    else if (a == "-d" || a == "--datatype")
+      ok = pick(v, kTypes, &o->types);
+    else if (a == "-o" || a == "--op")
+      ok = pick(v, kOps, &o->ops);
+    else if (a == "-n" || a == "--iters")
+      ok = parse_int(s, 1, 1 << 30, &o->iters);
+    else if (a == "-w" || a == "--warmup_iters")
+      ok = parse_int(s, 0, 1 << 30, &o->warmup);
+    else if (a == "-c" || a == "--check")
+      ok = parse_int(s, 0, 1, &flag), o->check = flag;
+    else if (a == "-r" || a == "--root")
+      ok = parse_int(s, 0, 1 << 30, &o->root);
+    else if (a == "--inplace") {
+      ok = parse_int(s, 0, 1, &flag);
+      o->in_place = flag == 1;
+      o->out_of_place = flag == 0;
+    } else if (a == "--algo") {
+      ok = v == "auto" || v == "ring" || v == "tree";
+      o->algo = v == "ring"   ? gradsync::Algorithm::kRing
+                : v == "tree" ? gradsync::Algorithm::kTree
+                              : gradsync::Algorithm::kAuto;
+    } else if (a == "--collective") {
+      ok = false;
+      for (auto c : {Collective::kAllreduce, Collective::kReduceScatter, Collective::kAllGather,
+                     Collective::kBroadcast, Collective::kBarrier}) {
+        if (v == name(c)) o->collective = c, ok = true;
+      }
+    } else {
+      std::fprintf(stderr, "gradsync-bench: unknown option %s\n%s", a.c_str(), kUsage);
+      return false;
+    }
+    if (!ok) {
+      std::fprintf(stderr, "gradsync-bench: bad value '%s' for %s\n%s", s, a.c_str(), kUsage);
+      return false;
+    }
+  }
+  if (o->min_bytes > o->max_bytes) {
+    std::fprintf(stderr, "gradsync-bench: -b %zu is larger than -e %zu\n", o->min_bytes,
+                 o->max_bytes);
+    return false;
+  }
+  return true;
+}
+
+std::vector<size_t> sizes(const Options& o) {
+  std::vector<size_t> out;
+  for (size_t b = o.min_bytes; b <= o.max_bytes; b *= o.factor) {
+    out.push_back(b);
+    if (b == 0) break;  // -b 0: one size, then stop (0 * f stays 0)
+  }
+  return out;
+}
+
+}  // namespace bench

@@ -1,0 +1,46 @@
+// gradsync-bench command line: nccl-tests' flag names, plus --collective, --algo, --inplace.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "gradsync/gradsync.h"
+
+namespace bench {
+
+enum class Collective { kAllreduce, kReduceScatter, kAllGather, kBroadcast, kBarrier };
+
+struct TypeName {
+  gradsync::DataType type;
+  const char* name;  // as nccl-tests prints it
+};
+struct OpName {
+  gradsync::ReduceOp op;
+  const char* name;
+};
+
+struct Options {
+  size_t min_bytes = 32u << 20;  // nccl-tests' defaults
+  size_t max_bytes = 32u << 20;
+  size_t factor = 2;
+  std::vector<TypeName> types;  // -d, default float
+  std::vector<OpName> ops;      // -o, default sum
+  int iters = 20;
+  int warmup = 5;
+  bool check = true;
+  int root = 0;
+  gradsync::Algorithm algo = gradsync::Algorithm::kAuto;
+  Collective collective = Collective::kAllreduce;
+  bool out_of_place = true;  // --inplace 1 leaves only the in-place group
+  bool in_place = true;      // --inplace 0 leaves only the out-of-place group
+};
+
+// Parses argv; on a bad or help argument prints to stderr and returns false.
+bool parse_options(int argc, char** argv, Options* o, bool* help);
+std::vector<size_t> sizes(const Options& o);
+
+const char* name(Collective c);
+const char* name(gradsync::Algorithm a);
+
+}  // namespace bench

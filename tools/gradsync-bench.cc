@@ -1,0 +1,192 @@
+// gradsync-bench: nccl-tests' all_reduce_perf table for gradsync's collectives.
+//
+//   gradsyncrun --standalone -n 4 gradsync-bench -b 1K -e 256M -f 4 -c 1
+//
+// Every rank runs every size; rank 0 prints one line per size with the slowest rank's mean
+// time per iteration and the #wrong elements summed over ranks. Exits 1 when anything was
+// wrong or a call failed, 2 on a bad command line. Flags: gradsync-bench --help.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+
+#include "bench/collective.h"
+#include "bench/data.h"
+#include "bench/options.h"
+
+namespace {
+
+using bench::Collective;
+
+// Per group on every rank: time, wrong count in two float-exact halves, failed flag.
+constexpr int kFields = 4;
+constexpr double kHalf = 1 << 20;
+
+std::string time_str(double us) {  // nccl-tests' widths
+  char b[32];
+  std::snprintf(b, sizeof b, us >= 10000 ? "%7.0f" : us >= 100 ? "%7.1f" : "%7.2f", us);
+  return b;
+}
+
+struct Group {
+  bool in_place;
+  const char* title;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench::Options opt;
+  bool help = false;
+  if (!bench::parse_options(argc, argv, &opt, &help)) return help ? 0 : 2;
+
+  auto session = gradsync::Session::connect();
+  if (!session.ok()) {
+    std::fprintf(stderr, "gradsync-bench: connect: %s\n", session.status().to_string().c_str());
+    return 1;
+  }
+  auto comm = session->join(gradsync::JoinOptions::from_env());
+  if (!comm.ok()) {
+    std::fprintf(stderr, "gradsync-bench: join: %s\n", comm.status().to_string().c_str());
+    return 1;
+  }
+  const int rank = comm->rank(), n = comm->world_size();
+  const bool root0 = rank == 0;
+  const Collective coll = opt.collective;
+  const bool reduces = coll == Collective::kAllreduce || coll == Collective::kReduceScatter;
+
+  std::vector<Group> groups;
+  if (coll == Collective::kBarrier) {
+    groups.push_back({false, "barrier"});
+  } else if (coll == Collective::kBroadcast) {
+    // One buffer in gradsync's broadcast: there is no out-of-place form to time.
+    if (!opt.in_place) {
+      if (root0)
+        std::fprintf(stderr, "gradsync-bench: broadcast is in-place only; drop --inplace 0\n");
+      return 2;
+    }
+    groups.push_back({true, "in-place"});
+  } else {
+    if (opt.out_of_place) groups.push_back({false, "out-of-place"});
+    if (opt.in_place) groups.push_back({true, "in-place"});
+  }
+  if (coll == Collective::kBroadcast && opt.root >= n) {
+    if (root0) std::fprintf(stderr, "gradsync-bench: root %d is not a rank of %d\n", opt.root, n);
+    return 2;
+  }
+  std::vector<size_t> sizes = bench::sizes(opt);
+  if (coll == Collective::kBarrier) sizes = {0};
+  if (!reduces) opt.ops.resize(1);  // one pass; redop prints as "none"
+  if (coll == Collective::kBarrier) opt.types.resize(1), opt.check = false;  // nothing to check
+
+  if (root0) {
+    std::printf("# gradsync-bench %s  nranks %d  node %s  pid %d\n", bench::name(coll), n,
+                session->node_name().c_str(), int(getpid()));
+    std::string types, ops;
+    for (const auto& t : opt.types) types += std::string(types.empty() ? "" : ",") + t.name;
+    for (const auto& o : opt.ops) ops += std::string(ops.empty() ? "" : ",") + o.name;
+    std::printf(
+        "# minBytes %zu maxBytes %zu step: %zu(factor) warmup iters: %d iters: %d "
+        "validation: %d\n# type %s  redop %s  algo %s\n#\n",
+        opt.min_bytes, opt.max_bytes, opt.factor, opt.warmup, opt.iters, int(opt.check),
+        types.c_str(), reduces ? ops.c_str() : "none", bench::name(opt.algo));
+    std::printf("# %10s  %12s  %8s  %6s  %6s", "", "", "", "", "");
+    for (const auto& g : groups) std::printf("  %-31s", g.title);
+    std::printf("\n# %10s  %12s  %8s  %6s  %6s", "size", "count", "type", "redop", "root");
+    for (size_t i = 0; i < groups.size(); ++i)
+      std::printf("  %7s  %6s  %6s  %6s", "time", "algbw", "busbw", "#wrong");
+    std::printf("\n# %10s  %12s  %8s  %6s  %6s", "(B)", "(elements)", "", "", "");
+    for (size_t i = 0; i < groups.size(); ++i)
+      std::printf("  %7s  %6s  %6s  %6s", "(us)", "(GB/s)", "(GB/s)", "");
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+
+  double bw_sum = 0;
+  int bw_lines = 0;
+  size_t total_wrong = 0;
+  int failures = 0;
+  for (const auto& t : opt.types) {
+    for (const auto& o : opt.ops) {
+      for (size_t bytes : sizes) {
+        bench::Case c{coll, t.type, o.op, opt.root, {opt.algo}, {}, 0};
+        c.g = bench::geometry(coll, bytes, bench::esize_of(t.type), n);
+        c.seed = (uint64_t(bytes) << 16) ^ (uint64_t(t.type) << 8) ^ (uint64_t(o.op) << 4) ^
+                 uint64_t(coll);
+        bench::Buffers buf(c.g, bench::esize_of(t.type));
+        const char* type_name = coll == Collective::kBarrier ? "none" : t.name;
+        const char* op_name = reduces ? o.name : "none";
+        const std::string label = std::string(bench::name(coll)) + " " + type_name + " " + op_name;
+        std::vector<double> mine;
+        for (const auto& g : groups) {
+          bench::Outcome r =
+              bench::run_group(*comm, c, g.in_place, opt.check, opt.warmup, opt.iters, buf);
+          if (!r.status.ok()) {
+            std::fprintf(stderr, "gradsync-bench: rank %d: %s %zu B %s failed: %s\n", rank,
+                         label.c_str(), c.g.bytes, g.title, r.status.to_string().c_str());
+            std::fflush(stderr);
+          }
+          mine.insert(mine.end(), {r.time_us, double(r.wrong / size_t(kHalf)),
+                                   double(r.wrong % size_t(kHalf)), r.status.ok() ? 0.0 : 1.0});
+        }
+        auto all = bench::gather(*comm, mine);
+        if (!all.ok()) {
+          std::fprintf(stderr, "gradsync-bench: rank %d: gathering results failed: %s\n", rank,
+                       all.status().to_string().c_str());
+          if (root0)
+            std::printf("# %s %zu B: the job failed; see stderr\n", label.c_str(), c.g.bytes);
+          return 1;
+        }
+        // Rank 0 prints; every rank takes the same decisions from the same gathered numbers.
+        std::string line;
+        bool failed = false;
+        for (size_t gi = 0; gi < groups.size(); ++gi) {
+          double t_us = 0, wrong = 0;
+          bool group_failed = false;
+          for (int r = 0; r < n; ++r) {
+            const double* f = &(*all)[(r * groups.size() + gi) * kFields];
+            t_us = std::max(t_us, f[0]);
+            wrong += f[1] * kHalf + f[2];
+            group_failed |= f[3] != 0;
+          }
+          total_wrong += size_t(wrong);
+          char cells[96];
+          if (group_failed) {
+            failed = true;
+            std::snprintf(cells, sizeof cells, "  %7s  %6s  %6s  %6s", "FAILED", "-", "-", "-");
+          } else {
+            double algbw = t_us > 0 ? double(c.g.bytes) / t_us / 1e3 : 0;  // B/us/1e3 = GB/s
+            double busbw = algbw * c.g.bus_factor;
+            bw_sum += busbw;
+            ++bw_lines;
+            std::snprintf(cells, sizeof cells, "  %7s  %6.2f  %6.2f  %6s", time_str(t_us).c_str(),
+                          algbw, busbw, opt.check ? std::to_string(size_t(wrong)).c_str() : "N/A");
+          }
+          line += cells;
+        }
+        if (root0) {
+          std::printf("%12zu  %12zu  %8s  %6s  %6d%s\n", c.g.bytes, c.g.count, type_name, op_name,
+                      coll == Collective::kBroadcast ? opt.root : -1, line.c_str());
+          if (failed) {
+            std::printf(
+                "# %s failed (each failing rank printed why on stderr); "
+                "skipping its larger sizes\n",
+                label.c_str());
+          }
+          std::fflush(stdout);
+        }
+        if (failed) {
+          ++failures;
+          break;
+        }
+      }
+    }
+  }
+  if (root0) {
+    std::printf("# Errors: %zu wrong elements, %d failed runs\n", total_wrong, failures);
+    std::printf("# Avg bus bandwidth    : %.4f \n#\n", bw_lines ? bw_sum / bw_lines : 0.0);
+  }
+  (void)comm->leave();
+  return (total_wrong > 0 || failures > 0) ? 1 : 0;
+}
