@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 
@@ -33,6 +34,55 @@ struct Group {
   bool in_place;
   const char* title;
 };
+
+// --model: times ring and tree allreduce (out-of-place) at every size and prints them beside
+// the cost model's predictions and choice; counts the sizes where the choice was the faster.
+int model_table(gradsync::Communicator& comm, const bench::Options& opt,
+                const std::vector<size_t>& sizes) {
+  const bool root0 = comm.rank() == 0;
+  const auto type = opt.types[0];
+  if (root0) {
+    std::printf("#\n# cost model: %s\n", comm.cost_model().c_str());
+    std::printf("# %10s  %9s  %9s  %6s  %9s  %9s  %6s  %s\n", "size", "ring(us)", "tree(us)", "faster",
+                "pred ring", "pred tree", "model", "right");
+  }
+  int right = 0, total = 0;
+  for (size_t bytes : sizes) {
+    double t[2];
+    for (int a = 0; a < 2; ++a) {
+      bench::Case c{bench::Collective::kAllreduce, type.type, opt.ops[0].op, 0,
+                    {a == 0 ? gradsync::Algorithm::kRing : gradsync::Algorithm::kTree}, {}, 0};
+      c.g = bench::geometry(c.collective, bytes, bench::esize_of(type.type), comm.world_size());
+      bench::Buffers buf(c.g, bench::esize_of(type.type));
+      bench::Outcome r = bench::run_group(comm, c, false, false, opt.warmup, opt.iters, buf);
+      if (!r.status.ok()) {
+        std::fprintf(stderr, "gradsync-bench: --model %zu B failed: %s\n", bytes, r.status.to_string().c_str());
+        return 1;
+      }
+      auto all = bench::gather(comm, {r.time_us});
+      if (!all.ok()) return 1;
+      t[a] = *std::max_element(all->begin(), all->end());
+    }
+    size_t count = bytes / bench::esize_of(type.type);
+    auto p = comm.predict_allreduce(count, type.type);
+    bool tree_faster = t[1] < t[0];
+    bool picks_tree = p.choice == gradsync::Algorithm::kTree;
+    // A choice within 5% of the faster time is as good as right: the two are a tie.
+    bool ok = picks_tree == tree_faster || std::abs(t[0] - t[1]) <= 0.05 * std::min(t[0], t[1]);
+    right += ok;
+    ++total;
+    if (root0) {
+      std::printf("  %10zu  %9.1f  %9.1f  %6s  %9.1f  %9.1f  %6s  %s\n", bytes, t[0], t[1],
+                  tree_faster ? "tree" : "ring", p.ring_us, p.tree_us, picks_tree ? "tree" : "ring",
+                  ok ? "yes" : "NO");
+    }
+  }
+  if (root0) {
+    std::printf("# selection picked the faster algorithm (or a tie within 5%%) at %d of %d sizes (%.0f%%)\n",
+                right, total, total ? 100.0 * right / total : 0.0);
+  }
+  return 0;
+}
 
 }  // namespace
 
@@ -186,7 +236,9 @@ int main(int argc, char** argv) {
   if (root0) {
     std::printf("# Errors: %zu wrong elements, %d failed runs\n", total_wrong, failures);
     std::printf("# Avg bus bandwidth    : %.4f \n#\n", bw_lines ? bw_sum / bw_lines : 0.0);
+    std::fflush(stdout);
   }
+  if (opt.model && coll == Collective::kAllreduce && model_table(*comm, opt, sizes) != 0) failures++;
   (void)comm->leave();
   return (total_wrong > 0 || failures > 0) ? 1 : 0;
 }

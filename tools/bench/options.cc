@@ -35,6 +35,8 @@ constexpr const char* kUsage =
     "  -r, --root R            root of broadcast (default 0)\n"
     "      --collective C      allreduce reduce_scatter all_gather broadcast barrier\n"
     "      --algo A            ring tree auto (default auto)\n"
+    "      --model 0|1         allreduce: also time ring and tree at every size and print\n"
+    "                          the cost model's predictions and choice beside them\n"
     "      --inplace 0|1       only out-of-place (0) or in-place (1); default both\n"
     "size is the bytes of the full buffer (reduce_scatter's input, all_gather's output);\n"
     "time is the mean per iteration, max over ranks; busbw = algbw x 2(n-1)/n for\n"
@@ -172,6 +174,8 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
       o->algo = v == "ring"   ? gradsync::Algorithm::kRing
                 : v == "tree" ? gradsync::Algorithm::kTree
                               : gradsync::Algorithm::kAuto;
+    } else if (a == "--model") {
+      ok = parse_int(s, 0, 1, &flag), o->model = flag;
     } else if (a == "--collective") {
       ok = false;
       for (auto c : {Collective::kAllreduce, Collective::kReduceScatter, Collective::kAllGather,

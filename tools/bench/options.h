@@ -34,6 +34,7 @@ struct Options {
   Collective collective = Collective::kAllreduce;
   bool out_of_place = true;  // --inplace 1 leaves only the in-place group
   bool in_place = true;      // --inplace 0 leaves only the out-of-place group
+  bool model = false;        // --model 1: the selection table after the main one
 };
 
 // Parses argv; on a bad or help argument prints to stderr and returns false.
