@@ -42,6 +42,24 @@ Status write_all(int sock, const void* data, size_t len) {
   return Status::Ok();
 }
 
+Status write_two(int sock, const void* head, size_t head_len, const void* body, size_t body_len) {
+  iovec iov[2] = {{const_cast<void*>(head), head_len}, {const_cast<void*>(body), body_len}};
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = 2;
+  ssize_t n;
+  do {
+    n = ::sendmsg(sock, &mh, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return {Code::kUnavailable, errno_string("sendmsg")};
+  size_t sent = static_cast<size_t>(n);
+  if (sent < head_len) {
+    GS_RETURN_IF_ERROR(write_all(sock, static_cast<const char*>(head) + sent, head_len - sent));
+    sent = head_len;
+  }
+  return write_all(sock, static_cast<const char*>(body) + (sent - head_len), body_len - (sent - head_len));
+}
+
 Status read_all(int sock, void* data, size_t len, Deadline deadline) {
   auto* p = static_cast<char*>(data);
   while (len > 0) {

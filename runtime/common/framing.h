@@ -22,6 +22,8 @@ Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadlin
 
 // Writes/reads exactly `len` bytes (retrying on EINTR and short transfers).
 Status write_all(int sock, const void* data, size_t len);
+// Writes a header and a payload with one sendmsg where the socket takes both at once.
+Status write_two(int sock, const void* head, size_t head_len, const void* body, size_t body_len);
 Status read_all(int sock, void* data, size_t len, Deadline deadline);
 
 }  // namespace gradsync

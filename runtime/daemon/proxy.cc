@@ -200,8 +200,7 @@ void Pump::send_loop(PumpFailure on_failure) {
       if (slot.status().code() == Code::kDeadlineExceeded) continue;
       return;  // aborted or stopped: whoever stopped us reports why
     }
-    Status s = write_all(sock_.get(), &meta, sizeof(meta));
-    if (s.ok()) s = write_all(sock_.get(), *slot, meta.bytes);
+    Status s = write_two(sock_.get(), &meta, sizeof(meta), *slot, meta.bytes);
     if (!s.ok()) {
       if (!ctx_.stop->load()) on_failure(-1, "lost connection to " + ctx_.peer + ": " + s.message());
       return;
