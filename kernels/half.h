@@ -78,10 +78,11 @@ inline uint16_t float_to_bf16_rne(float f) {
   // Round the 16 dropped bits to nearest even; a carry into the exponent is correct, up to
   // infinity. NaN would round into infinity or change sign, so it is handled apart: keep
   // sign and top payload bits and set the quiet bit.
-  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const uint32_t nan = (x >> 16) | 0x0040u;
+  const uint32_t rounded = x + 0x7fffu + ((x >> 16) & 1u);
+  const uint32_t nan = x | 0x00400000u;
   const bool is_nan = static_cast<int32_t>(x & 0x7fffffffu) > 0x7f800000;
-  return static_cast<uint16_t>(half_detail::select(is_nan, nan, rounded));
+  // Select in 32 bits and shift once: GCC then narrows one vector instead of both cases.
+  return static_cast<uint16_t>(half_detail::select(is_nan, nan, rounded) >> 16);
 }
 
 inline float bf16_to_float(uint16_t h) {

@@ -19,6 +19,11 @@ using namespace gradsync;
 
 namespace {
 
+struct Buf {
+  uint8_t* p;
+  uint8_t* data() const { return p; }
+};
+
 struct Case {
   const char* name;
   DataType type;
@@ -48,7 +53,13 @@ void fill(DataType t, uint8_t* p, size_t bytes, int seed) {
 int main(int argc, char** argv) {
   const size_t bytes = (argc > 2 ? size_t(std::atol(argv[2])) : size_t{65536}) << 10;
   const int reps = int(std::max<size_t>(15, (size_t{1} << 30) / bytes));
-  std::vector<uint8_t> a(bytes), b(bytes), o(bytes), o2(bytes);
+  // 64-byte aligned like the collectives' slots and framework tensors (32-byte vectors then
+  // never straddle cache lines), staggered by 1 KiB so no two buffers share page offsets
+  // (4K aliasing would slow some pairs and not others).
+  std::vector<uint8_t> storage(4 * (bytes + 4096) + 64);
+  uint8_t* base = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64);
+  const Buf a{base}, b{base + (bytes + 4096) + 1024}, o{base + 2 * (bytes + 4096) + 2048},
+      o2{base + 3 * (bytes + 4096) + 3072};
   const Case cases[] = {
       {"f32 sum", DataType::kFloat32, ReduceOp::kSum, 4, 0},
       {"f32 sum in-place", DataType::kFloat32, ReduceOp::kSum, 4, 1},
