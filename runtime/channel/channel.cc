@@ -5,7 +5,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
+#include <thread>
 #include <cstring>
 
 namespace gradsync {
@@ -14,10 +16,6 @@ namespace {
 // A sleeping waiter looks at its abort flags and deadline at least this often, so a missed
 // wake-up costs at most this much latency, and an idle rank wakes 4 times a second.
 constexpr int kWaitSliceMs = 250;
-// Spin this long before sleeping: about the cost of a futex sleep and wake-up pair, so a
-// peer that answers within it is seen without a context switch, and a waiter that has to
-// wait longer wastes at most this much CPU.
-constexpr auto kSpin = std::chrono::microseconds(30);
 // Polls between two clock reads while spinning.
 constexpr int kPollsPerClockRead = 32;
 
@@ -46,7 +44,7 @@ inline void cpu_relax() {
 template <typename Ready>
 Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, const WaitContext& ctx,
                 Ready ready) {
-  const auto spin_until = Clock::now() + kSpin;
+  const auto spin_until = Clock::now() + ctx.spin;
   for (;;) {
     for (int i = 0; i < kPollsPerClockRead; ++i) {
       if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
@@ -80,6 +78,14 @@ void advance(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters) {
 }
 
 }  // namespace
+
+std::chrono::microseconds spin_for(int local_ranks) {
+  // A futex sleep and wake-up pair costs about 6 us one way on the 2-core machine
+  // (gradsync-limits); spinning 30 us catches a peer that answers within a few hand-offs.
+  // With more ranks than cores (the daemon's pumps need a core too), spin only briefly.
+  unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  return unsigned(local_ranks) <= cores ? std::chrono::microseconds(30) : std::chrono::microseconds(2);
+}
 
 void init_job_control(void* base, const ShmLayout& layout) {
   auto* control = new (base) JobControl{};

@@ -84,7 +84,14 @@ struct WaitContext {
   const std::atomic<bool>* local_abort = nullptr;
   const std::string* local_abort_reason = nullptr;
   Deadline deadline = Deadline::max();
+  // How long to spin before sleeping on the futex: about a sleep/wake pair when every waiter
+  // has a core of its own; short when ranks outnumber cores, where spinning only steals the
+  // time slice of the peer being waited for.
+  std::chrono::microseconds spin{30};
 };
+
+// The spin a rank should use when `local_ranks` share this node's cores.
+std::chrono::microseconds spin_for(int local_ranks);
 
 // A view of one channel in a mapped region. Cheap to copy.
 class Channel {

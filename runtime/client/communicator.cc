@@ -107,6 +107,8 @@ class CommunicatorImpl {
     wait_.control = static_cast<const JobControl*>(shm_.data());
     wait_.local_abort = &lost_daemon_;
     wait_.local_abort_reason = &lost_daemon_reason_;
+    wait_.spin = spin_for(opts_.local_world_size);
+    if (const char* s = std::getenv("GRADSYNC_SPIN_US"); s && *s) wait_.spin = std::chrono::microseconds(std::atol(s));
     wake_.reset(::eventfd(0, EFD_CLOEXEC));
     monitor_ = std::thread([this] { monitor_daemon(); });
   }

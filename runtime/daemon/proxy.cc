@@ -16,6 +16,9 @@ namespace {
 
 // How often a pump blocked on its socket looks at the stop flag.
 constexpr int kPumpPollMs = 250;
+// Pumps do not spin on channel counters: they share the cores with the ranks they serve, and a
+// spinning pump steals the time slice of the rank it waits for.
+constexpr std::chrono::microseconds kPumpSpin{0};
 // Socket buffers: a few slots' worth, so the kernel keeps the loopback/NIC busy.
 constexpr int kSocketBufferBytes = 4 << 20;
 
@@ -183,6 +186,7 @@ void Pump::send_loop(PumpFailure on_failure) {
   WaitContext wait;
   wait.control = static_cast<const JobControl*>(ctx_.shm->data());
   wait.local_abort = ctx_.stop;
+  wait.spin = kPumpSpin;
   auto log = log::get("proxy");
   for (;;) {
     if (ctx_.drain->load(std::memory_order_acquire) && ch.in_flight() == 0) {
@@ -214,6 +218,7 @@ void Pump::recv_loop(PumpFailure on_failure) {
   WaitContext wait;
   wait.control = static_cast<const JobControl*>(ctx_.shm->data());
   wait.local_abort = ctx_.stop;
+  wait.spin = kPumpSpin;
   auto fail = [&](const std::string& why) {
     if (!ctx_.stop->load()) on_failure(-1, why);
   };

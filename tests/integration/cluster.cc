@@ -424,7 +424,7 @@ std::vector<Process> Cluster::spawn_ranks(const JobSpec& spec) {
       if (spec.skip.count(rank)) continue;
       Env env = rank_env(spec, rank, static_cast<int>(d), local, local_world);
       if (spec.per_rank) spec.per_rank(rank, env);
-      std::vector<std::string> argv = {binary("allreduce_worker")};
+      std::vector<std::string> argv = {binary(spec.program)};
       argv.insert(argv.end(), spec.args.begin(), spec.args.end());
       out.push_back(spawn("rank " + std::to_string(rank), std::move(argv), std::move(env),
                           spec.stdin_pipe));

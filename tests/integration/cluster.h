@@ -131,6 +131,7 @@ struct JobSpec {
   std::set<int> skip;                      // ranks that are not started ("never come")
   bool stdin_pipe = false;
   std::string token = "secret";
+  std::string program = "allreduce_worker";  // a binary beside the test
 };
 
 // A coordinator and N daemons in a private temporary directory (under $TMPDIR or /tmp),

@@ -1,0 +1,49 @@
+// The collectives suite across processes and two daemons (the proxy in the path): every type
+// and op of every collective, through gradsync-bench's data check, which compares each
+// rank's result with a float64/int64 reference of the whole reduction (#wrong must be 0).
+#include <gtest/gtest.h>
+
+#include "cluster.h"
+
+namespace gradsync::testing {
+namespace {
+
+struct Case {
+  const char* collective;
+  const char* algo;
+};
+
+class CollectivesAcrossProcesses : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CollectivesAcrossProcesses, EveryTypeAndOpIsExactOrWithinTolerance) {
+  Cluster c;
+  ASSERT_TRUE(c.ok()) << c.error() << c.report();
+  JobSpec spec;
+  spec.job = std::string("suite-") + GetParam().collective + "-" + GetParam().algo;
+  spec.world = 4;
+  spec.ranks_per_daemon = {2, 2};
+  spec.program = "gradsync-bench";
+  // Sizes from a few elements to several pipeline pieces; one checked call each.
+  spec.args = {"-b", "8", "-e", "4M", "-f", "64", "-d", "all", "-c", "1", "-n", "1", "-w", "0",
+               "--collective", GetParam().collective, "--algo", GetParam().algo};
+  if (std::string(GetParam().collective) != "all_gather" &&
+      std::string(GetParam().collective) != "broadcast") {
+    spec.args.insert(spec.args.end(), {"-o", "all"});
+  }
+  auto ranks = c.spawn_ranks(spec);
+  std::string failures = all_succeeded(ranks, Millis(240'000), "");
+  EXPECT_EQ(failures, "") << c.report(ranks);
+  EXPECT_NE(ranks[0].output().find("# Errors: 0 wrong elements, 0 failed runs"), std::string::npos)
+      << ranks[0].output();
+}
+
+INSTANTIATE_TEST_SUITE_P(Suite, CollectivesAcrossProcesses,
+                         ::testing::Values(Case{"allreduce", "ring"}, Case{"allreduce", "tree"},
+                                           Case{"reduce_scatter", "ring"}, Case{"all_gather", "ring"},
+                                           Case{"broadcast", "ring"}),
+                         [](const auto& info) {
+                           return std::string(info.param.collective) + "_" + info.param.algo;
+                         });
+
+}  // namespace
+}  // namespace gradsync::testing
