@@ -85,26 +85,39 @@ class RingRunner {
       // input offset in the full send buffer; output offset in this rank's recv block
       return {{block * c.count + p.cursor, len}, p.cursor};
     };
-    for (;;) {
-      bool any = false;
-      for (auto& p : parts) {
-        if (!p.active()) continue;
-        any = true;
+    // Every iteration (cursor, per_chunk) of every ring, cut in advance.
+    std::vector<std::vector<RingPart>> iters(l_.rings);
+    size_t max_iters = 0;
+    for (uint32_t r = 0; r < l_.rings; ++r) {
+      for (RingPart p = parts[r]; p.active();) {
         p.per_chunk = allreduce ? std::min(rc_.slot_elems, (p.hi - p.cursor + n_ - 1) / n_)
                                 : std::min(rc_.slot_elems, p.hi - p.cursor);
+        iters[r].push_back(p);
+        p.cursor += allreduce ? p.per_chunk * n_ : p.per_chunk;
       }
-      if (!any) return Status::Ok();
-      for (int s = 0; s <= last_step; ++s) {
-        for (uint32_t r = 0; r < l_.rings; ++r) {
-          if (!parts[r].active()) continue;
-          auto [span, out_at] = chunk(parts[r], pos_ - s);
+      max_iters = std::max(max_iters, iters[r].size());
+    }
+    // Software pipelining: iteration k starts `skew` steps after iteration k-1, so while this
+    // rank waits for one iteration's data it already sends the next one's. Visiting positions
+    // in the order (t = k * skew + s, k) is the same on every rank and invariant under s -> s+1,
+    // so each channel's slots are consumed in the order they were published. At most `active`
+    // iterations send per t; credits come back one t later, so 2 * active <= slots suffices.
+    const int steps = last_step + 1;
+    const int active = std::max(1, int(send_.empty() ? 1 : l_.ring_send[0].slots()) / 2);
+    const int skew = (steps + active - 1) / active;
+    const long last_t = long(max_iters == 0 ? -1 : (max_iters - 1) * size_t(skew) + size_t(last_step));
+    for (long t = 0; t <= last_t; ++t) {
+      for (uint32_t r = 0; r < l_.rings; ++r) {
+        long k_hi = std::min<long>(long(iters[r].size()) - 1, t / skew);
+        for (long k = std::max<long>(0, (t - last_step + skew - 1) / skew); k <= k_hi; ++k) {
+          int s = int(t - k * skew);
+          if (s < 0 || s > last_step) continue;
+          auto [span, out_at] = chunk(iters[r][size_t(k)], pos_ - s);
           GS_RETURN_IF_ERROR(reduce_step(r, s, last_step, allreduce, op, span, out_at));
         }
       }
-      for (auto& p : parts) {
-        if (p.active()) p.cursor += allreduce ? p.per_chunk * n_ : p.per_chunk;
-      }
     }
+    return Status::Ok();
   }
 
   Status reduce_step(uint32_t r, int s, int last_step, bool allreduce, ReduceOp op, Span span,

@@ -36,6 +36,8 @@ int main(int argc, char** argv) {
   gradsync::DaemonConfig cfg;
   if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
   if (const char* i = std::getenv("GRADSYNC_SOCKET_IFNAME"); i && *i) cfg.ifname = i;
+  if (const char* b = std::getenv("GRADSYNC_SLOT_BYTES"); b && *b) cfg.slot_bytes = static_cast<uint32_t>(std::clamp(std::atol(b), 4096L, 256L << 20));
+  if (const char* n = std::getenv("GRADSYNC_SLOTS"); n && *n) cfg.slots = static_cast<uint32_t>(std::clamp(std::atoi(n), 2, int(gradsync::kMaxSlots)));
   if (const char* r = std::getenv("GRADSYNC_NRINGS"); r && *r) cfg.rings = static_cast<uint32_t>(std::clamp(std::atoi(r), 1, int(gradsync::kMaxRings)));
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
