@@ -35,14 +35,15 @@ Result<SharedMemory> SharedMemory::create(const std::string& name, size_t bytes)
   return map(std::move(fd), bytes);
 }
 
-Result<SharedMemory> SharedMemory::map(Fd fd, size_t bytes) {
+Result<SharedMemory> SharedMemory::map(Fd fd, size_t bytes, bool populate) {
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return Status(Code::kInternal, errno_string("fstat"));
   if (static_cast<size_t>(st.st_size) < bytes) {
     return Status(Code::kInternal, "shared memory is " + std::to_string(st.st_size) +
                                        " bytes, expected " + std::to_string(bytes));
   }
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | (populate ? MAP_POPULATE : 0),
+                   fd.get(), 0);
   if (p == MAP_FAILED) return Status(Code::kInternal, errno_string("mmap"));
   SharedMemory shm;
   shm.fd_ = std::move(fd);

@@ -20,8 +20,10 @@ class SharedMemory {
 
   // A new zero-filled region of `bytes`.
   static Result<SharedMemory> create(const std::string& name, size_t bytes);
-  // Maps a region received from another process; checks its size first.
-  static Result<SharedMemory> map(Fd fd, size_t bytes);
+  // Maps a region received from another process; checks its size first. `populate` faults
+  // every page in now (MAP_POPULATE), so the first collectives do not pay page faults on
+  // slots they touch for the first time.
+  static Result<SharedMemory> map(Fd fd, size_t bytes, bool populate = false);
 
   void* data() const { return data_; }
   size_t size() const { return size_; }

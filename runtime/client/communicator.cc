@@ -237,15 +237,18 @@ class CommunicatorImpl {
     if (links_.world_size == 1) return Status::Ok();
     const char* tune = std::getenv("GRADSYNC_TUNE");
     if (tune && std::string(tune) == "0") return Status::Ok();
-    // Two sizes: latency-bound and bandwidth-bound (one slot per ring chunk or more).
-    const size_t sizes[2] = {size_t{4} << 10, size_t{4} << 20};
-    constexpr int kWarmup = 1, kIters = 3;
-    std::vector<float> buf(sizes[1] / sizeof(float), 1.0f);
-    double measured[2][2];  // [algo][size] in us, fastest of kIters
+    // Three sizes, one per regime of CostModel: latency (1 KiB), the knee (64 KiB) and
+    // bandwidth (4 MiB). Small sizes get many cheap tries and keep the fastest, since one
+    // preempted try on a busy machine would otherwise be read as latency.
+    const size_t* sizes = CostModel::kSizes;
+    const int tries[CostModel::kPoints] = {12, 6, 3};
+    constexpr int kWarmup = 1;
+    std::vector<float> buf(sizes[CostModel::kPoints - 1] / sizeof(float), 1.0f);
+    std::vector<double> agreed;  // [algo][size] in us
     for (int a = 0; a < 2; ++a) {
-      for (int z = 0; z < 2; ++z) {
+      for (int z = 0; z < CostModel::kPoints; ++z) {
         double best = 1e30;
-        for (int i = 0; i < kWarmup + kIters; ++i) {
+        for (int i = 0; i < kWarmup + tries[z]; ++i) {
           CollectiveCall c{CollectiveKind::kAllreduce, buf.data(), buf.data(), sizes[z] / sizeof(float),
                            DataType::kFloat32, ReduceOp::kMax, 0, a == 0 ? Algorithm::kRing : Algorithm::kTree,
                            next_seq_++};
@@ -254,17 +257,15 @@ class CommunicatorImpl {
           double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
           if (i >= kWarmup) best = std::min(best, us);
         }
-        measured[a][z] = best;
+        agreed.push_back(best);
       }
     }
     // Agree: every rank takes the slowest rank's figure.
-    double agreed[4] = {measured[0][0], measured[0][1], measured[1][0], measured[1][1]};
-    CollectiveCall c{CollectiveKind::kAllreduce, agreed, agreed, 4, DataType::kFloat64, ReduceOp::kMax, 0,
-                     Algorithm::kRing, next_seq_++};
+    CollectiveCall c{CollectiveKind::kAllreduce, agreed.data(), agreed.data(), agreed.size(),
+                     DataType::kFloat64, ReduceOp::kMax, 0, Algorithm::kRing, next_seq_++};
     GS_RETURN_IF_ERROR(run(c));
-    model_.fit(0, sizes[0], agreed[0], sizes[1], agreed[1]);
-    model_.fit(1, sizes[0], agreed[2], sizes[1], agreed[3]);
-    model_.measured = true;
+    model_.fit(0, &agreed[0]);
+    model_.fit(1, &agreed[CostModel::kPoints]);
     if (opts_.rank == 0) log_->info("job={} cost model {}", opts_.job, model_.describe());
     return Status::Ok();
   }
@@ -451,7 +452,7 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   if (layout.total_bytes() != setup.shm_bytes()) {
     return Status(Code::kInternal, "gradsyncd's channel set-up does not match its layout");
   }
-  auto shm = SharedMemory::map(std::move(shm_fd), setup.shm_bytes());
+  auto shm = SharedMemory::map(std::move(shm_fd), setup.shm_bytes(), /*populate=*/true);
   if (!shm.ok()) return shm.status();
   GS_RETURN_IF_ERROR(check_job_control(shm->data(), layout));
   const v1::JoinResponse& jr = reply->join();
