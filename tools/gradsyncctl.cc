@@ -3,6 +3,7 @@
 //   gradsyncctl [--coordinator HOST:PORT] jobs
 //   gradsyncctl [--coordinator HOST:PORT] describe JOB
 //   gradsyncctl [--coordinator HOST:PORT] abort JOB [--reason TEXT]
+//   gradsyncctl doctor [--require-gdr] [--sysfs-root DIR]   (no coordinator needed)
 //
 // The address defaults to $GRADSYNC_COORDINATOR, else 127.0.0.1:29500.
 #include <grpcpp/grpcpp.h>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "coordinator.grpc.pb.h"
+#include "doctor/doctor.h"
 
 namespace {
 
@@ -24,7 +26,9 @@ int usage(FILE* out, int rc) {
                "usage: gradsyncctl [--coordinator HOST:PORT] COMMAND\n"
                "  jobs                      list jobs: id, generation, state, joined/world, reason\n"
                "  describe JOB              ring order, ranks with their nodes, node details\n"
-               "  abort JOB [--reason TEXT] abort the job's current generation\n");
+               "  abort JOB [--reason TEXT] abort the job's current generation\n"
+               "%s",
+               gradsync::doctor::usage_text());
   return rc;
 }
 
@@ -43,6 +47,16 @@ void with_deadline(grpc::ClientContext& ctx) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // doctor reads sysfs/procfs only: dispatch before any coordinator option or stub.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "doctor") {
+      return gradsync::doctor::run(std::vector<std::string>(argv + i + 1, argv + argc), stdout,
+                                   stderr);
+    }
+    if (a == "--coordinator") ++i;  // skip its value
+    else if (a.rfind("--", 0) != 0) break;
+  }
   std::string address = "127.0.0.1:29500";
   if (const char* env = std::getenv("GRADSYNC_COORDINATOR"); env && *env) address = env;
   std::vector<std::string> args;
