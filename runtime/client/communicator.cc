@@ -241,8 +241,10 @@ class CommunicatorImpl {
     // bandwidth (4 MiB). Small sizes get many cheap tries and keep the fastest, since one
     // preempted try on a busy machine would otherwise be read as latency.
     const size_t* sizes = CostModel::kSizes;
-    const int tries[CostModel::kPoints] = {12, 6, 3};
-    constexpr int kWarmup = 1;
+    const int tries[CostModel::kPoints] = {12, 6, 4};
+    // Two untimed calls per size first: they touch every slot the timed ones use and, between
+    // nodes, let the proxy's TCP connections grow their windows.
+    constexpr int kWarmup = 2;
     std::vector<float> buf(sizes[CostModel::kPoints - 1] / sizeof(float), 1.0f);
     std::vector<double> agreed;  // [algo][size] in us
     for (int a = 0; a < 2; ++a) {
