@@ -8,34 +8,21 @@
 #include <sstream>
 
 #include "topology/node_info.h"
+#include "topology/sysfs.h"
 
 namespace gradsync::topology {
 namespace {
 
 namespace fs = std::filesystem;
+using sysfs::list_dir;
+using sysfs::read_first_line;
 
-std::string read_first_line(const std::string& path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back()))) line.pop_back();
-  return line;
-}
 
 bool exists(const std::string& path) {
   std::error_code ec;
   return fs::exists(path, ec);
 }
 
-std::vector<std::string> list_dir(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    names.push_back(it->path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 std::string lower(std::string s) {
   for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));

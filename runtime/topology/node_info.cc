@@ -1,4 +1,5 @@
 #include "topology/node_info.h"
+#include "topology/sysfs.h"
 
 #include <arpa/inet.h>
 #include <ifaddrs.h>
@@ -18,6 +19,8 @@ namespace gradsync::topology {
 namespace {
 
 namespace fs = std::filesystem;
+using sysfs::list_dir;
+using sysfs::read_first_line;
 
 constexpr const char* kPciDevicesDir = "/sys/bus/pci/devices";
 constexpr const char* kInfinibandDir = "/sys/class/infiniband";
@@ -26,23 +29,7 @@ constexpr const char* kNvidiaVendor = "0x10de";
 constexpr const char* kDisplayClassPrefix = "0x03";  // PCI base class 03: display controller
 constexpr int kMaxCpus = 1 << 16;                    // upper bound for the affinity mask
 
-std::string read_first_line(const fs::path& path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
 
-// Sorted entry names of a sysfs directory; empty when it does not exist (containers, CI).
-std::vector<std::string> list_dir(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    names.push_back(it->path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
 
 std::string local_hostname() {
   char buf[HOST_NAME_MAX + 1] = {};
