@@ -13,6 +13,7 @@
 #include "channel/shared_memory.h"
 #include "client/daemon_client.h"
 #include "client/links.h"
+#include "common/framing.h"
 #include "collectives/collective.h"
 #include "collectives/cost_model.h"
 #include "common/log.h"
@@ -170,6 +171,21 @@ class CommunicatorImpl {
     return reply.ok() ? Status::Ok() : reply.status();
   }
 
+  Status abort(const std::string& reason) {
+    {
+      std::lock_guard lock(mu_);
+      if (left_) return already_left();
+    }
+    // Our own waits stop at once through the local flag; the daemon spreads it to the others.
+    lost_daemon_reason_ = "job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
+                          " aborted the job: " + reason;
+    lost_daemon_.store(true, std::memory_order_release);
+    v1::ClientMessage req;
+    req.mutable_abort()->set_reason(reason);
+    std::lock_guard lock(send_mu_);
+    return send_frame(daemon_.fd(), req);
+  }
+
   const JoinOptions& options() const { return opts_; }
   uint64_t generation() const { return join_.generation(); }
 
@@ -293,6 +309,7 @@ class CommunicatorImpl {
       if (fds[1].revents) return;
       if (rc < 0 || fds[0].revents) break;
     }
+    if (lost_daemon_.load(std::memory_order_acquire)) return;  // this rank aborted first
     lost_daemon_reason_ = "job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
                           ": lost the connection to gradsyncd at " + daemon_.socket_path() +
                           " (the daemon died or was stopped)";
@@ -310,8 +327,9 @@ class CommunicatorImpl {
   CostModel model_;
   Algorithm forced_ = Algorithm::kAuto;
   WaitContext wait_;
-  std::atomic<bool> lost_daemon_{false};
+  std::atomic<bool> lost_daemon_{false};  // or aborted by this rank: waits stop
   std::string lost_daemon_reason_;
+  std::mutex send_mu_;  // one writer at a time on the daemon connection
   Fd wake_;
   Status failed_;  // worker thread only
 
@@ -394,6 +412,8 @@ Communicator::Prediction Communicator::predict_allreduce(size_t count, DataType 
   return impl_->predict(count, type);
 }
 std::string Communicator::cost_model() const { return impl_->describe_model(); }
+
+Status Communicator::abort(const std::string& reason) { return impl_->abort(reason); }
 
 Status Communicator::leave() { return impl_ ? impl_->leave() : Status::Ok(); }
 

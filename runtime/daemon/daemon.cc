@@ -259,6 +259,13 @@ void Daemon::serve_trainer(Fd sock) {
       }
       reply.mutable_leave();
       s = send_frame(sock.get(), reply);
+    } else if (msg.has_abort()) {
+      if (job) {
+        abort(job, static_cast<int>(rank),
+              job->ids() + ": rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
+                  ", host " + hostname_ + ") aborted the job: " + msg.abort().reason(),
+              true);
+      }
     } else {
       s = send_frame(sock.get(), error_message({Code::kInvalidArgument, "unknown request"}));
     }

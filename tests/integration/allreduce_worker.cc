@@ -153,6 +153,33 @@ int raw_join() {
 
 }  // namespace
 
+// Rank 0 aborts the job after a few allreduces; every rank (rank 0 included) must then see
+// its allreduce fail with ABORTED naming rank 0 and the reason. Prints ABORT-SEEN and exits 0
+// when it did.
+int abort_job(gradsync::Communicator& comm) {
+  std::vector<float> buf(1 << 20, 1.0f);
+  for (int it = 0; it < 100000; ++it) {
+    if (comm.rank() == 0 && it == 5) {
+      gradsync::Status a = comm.abort("testing Communicator::abort");
+      if (!a.ok()) {
+        std::fprintf(stderr, "abort: %s\n", a.to_string().c_str());
+        return 1;
+      }
+    }
+    gradsync::Status s = comm.allreduce(buf.data(), buf.size(), gradsync::DataType::kFloat32,
+                                        gradsync::ReduceOp::kSum);
+    if (!s.ok()) {
+      bool named = s.code() == gradsync::Code::kAborted &&
+                   s.message().find("rank 0") != std::string::npos &&
+                   s.message().find("aborted the job") != std::string::npos;
+      std::printf("%s: %s\n", named ? "ABORT-SEEN" : "WRONG-ERROR", s.to_string().c_str());
+      return named ? 0 : 1;
+    }
+  }
+  std::printf("never aborted\n");
+  return 1;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
@@ -178,6 +205,7 @@ int main(int argc, char** argv) {
   if (mode == "check" && argc >= 3) rc = check(*comm, parse_counts(argv[2]));
   else if (mode == "loop" && argc >= 4) rc = loop(*comm, std::stoull(argv[2]), std::atoi(argv[3]));
   else if (mode == "badinput") rc = bad_input(*comm);
+  else if (mode == "abort") rc = abort_job(*comm);
   else if (mode == "idle") {
     // Rank 0 enters a 1-element allreduce that nobody else joins until stdin closes.
     if (comm->rank() != 0) {

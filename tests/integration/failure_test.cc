@@ -183,3 +183,20 @@ TEST(JoinDeadline, MissingLocalRankIsNamed) {
 
 }  // namespace
 }  // namespace gradsync::testing
+
+namespace gradsync::testing {
+namespace {
+
+// Communicator::abort on one rank ends the job on every rank, naming the rank and reason.
+TEST(UserAbort, OneRankAbortsTheJobEverywhere) {
+  Cluster c;
+  ASSERT_TRUE(c.ok()) << c.error() << c.report();
+  auto ranks = c.spawn_ranks("user-abort", 4, 2, {"abort"}, {{"GRADSYNC_OP_TIMEOUT_MS", "60000"}});
+  std::string failures = all_succeeded(ranks, Millis(10'000), "ABORT-SEEN");
+  EXPECT_EQ(failures, "") << c.report(ranks);
+  EXPECT_TRUE(c.daemon(0).alive());
+  EXPECT_TRUE(c.daemon(1).alive());
+}
+
+}  // namespace
+}  // namespace gradsync::testing

@@ -146,6 +146,11 @@ class Communicator {
   // The model's constants in one line, for logs and gradsync-bench --model.
   std::string cost_model() const;
 
+  // Aborts the job on every rank (like ncclCommAbort): collectives in flight here and on the
+  // other ranks return kAborted naming this rank and `reason`; this communicator stays
+  // failed. Callable from any thread, also while a collective is running.
+  Status abort(const std::string& reason);
+
   // Leaves the job; also done by the destructor.
   Status leave();
 
