@@ -13,6 +13,7 @@
 
 #include "common/framing.h"
 #include "common/log.h"
+#include "daemon/transport_choice.h"
 #include "topology/node_info.h"
 
 namespace gradsync {
@@ -104,6 +105,9 @@ Daemon::~Daemon() { stop(); }
 Status Daemon::start() {
   auto log = dlog();
   stop_event_.reset(::eventfd(0, EFD_CLOEXEC));
+  auto transport = choose_transport(cfg_.transport);
+  if (!transport.ok()) return transport.status();
+  log->info("transport {} between nodes: {}", transport->name, transport->why);
   topology::NodeInfo topo = topology::discover();
 
   // Proxy listener first: its port goes into the registration. The default listens on every
@@ -151,8 +155,7 @@ Status Daemon::start() {
 
   trainer_acceptor_ = std::thread([this] { accept_loop(trainer_listener_.get(), &Daemon::serve_trainer); });
   peer_acceptor_ = std::thread([this] { accept_loop(peer_listener_.get(), &Daemon::serve_peer); });
-  log->info("gradsyncd node={} serving trainers on {} proxy on {} (transport tcp: no verbs device "
-            "in this build) topology: {}",
+  log->info("gradsyncd node={} serving trainers on {} proxy on {} topology: {}",
             cfg_.node_name, cfg_.socket_path, endpoint_, topology::describe(topo));
   if (!cfg_.ready_file.empty()) GS_RETURN_IF_ERROR(write_file_atomically(cfg_.ready_file, endpoint_));
   return Status::Ok();

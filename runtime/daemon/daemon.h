@@ -28,6 +28,7 @@ struct DaemonConfig {
   uint32_t slot_bytes = kDefaultSlotBytes;
   uint32_t rings = 1;            // parallel rings; must match on every node of a job
   std::string ready_file;        // written once serving
+  std::string transport;         // auto|tcp|verbs (GRADSYNC_TRANSPORT)
   std::chrono::milliseconds register_timeout{30'000};
 };
 

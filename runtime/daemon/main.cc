@@ -2,6 +2,8 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +28,7 @@ void usage(FILE* out) {
                "  --slots N                 slots per channel (default 8)\n"
                "  --slot-bytes N            bytes per slot (default 1048576)\n"
                "  --rings N                 parallel rings per job (default 1, or $GRADSYNC_NRINGS)\n"
+               "  --transport T             auto|tcp|verbs between nodes ($GRADSYNC_TRANSPORT; default auto)\n"
                "  --ready-file PATH         written with the proxy endpoint once serving\n"
                "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n");
 }
@@ -36,6 +39,7 @@ int main(int argc, char** argv) {
   gradsync::DaemonConfig cfg;
   if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
   if (const char* i = std::getenv("GRADSYNC_SOCKET_IFNAME"); i && *i) cfg.ifname = i;
+  if (const char* t = std::getenv("GRADSYNC_TRANSPORT"); t && *t) cfg.transport = t;
   if (const char* b = std::getenv("GRADSYNC_SLOT_BYTES"); b && *b) cfg.slot_bytes = static_cast<uint32_t>(std::clamp(std::atol(b), 4096L, 256L << 20));
   if (const char* n = std::getenv("GRADSYNC_SLOTS"); n && *n) cfg.slots = static_cast<uint32_t>(std::clamp(std::atoi(n), 2, int(gradsync::kMaxSlots)));
   if (const char* r = std::getenv("GRADSYNC_NRINGS"); r && *r) cfg.rings = static_cast<uint32_t>(std::clamp(std::atoi(r), 1, int(gradsync::kMaxRings)));
@@ -65,6 +69,7 @@ int main(int argc, char** argv) {
     else if (a == "--data-port") cfg.data_port = static_cast<uint16_t>(number(0, 65535));
     else if (a == "--data-host") cfg.data_host = value();
     else if (a == "--ifname") cfg.ifname = value();
+    else if (a == "--transport") cfg.transport = value();
     else if (a == "--slots") cfg.slots = static_cast<uint32_t>(number(2, gradsync::kMaxSlots));
     else if (a == "--slot-bytes") cfg.slot_bytes = static_cast<uint32_t>(number(4096, 256 << 20));
     else if (a == "--rings") cfg.rings = static_cast<uint32_t>(number(1, gradsync::kMaxRings));
@@ -91,7 +96,21 @@ int main(int argc, char** argv) {
 
   auto log = gradsync::log::get("daemon");
   gradsync::Daemon daemon(cfg);
+  // Registration may retry for a while (an unreachable coordinator): a signal meanwhile ends
+  // the process at once instead of waiting for start() to give up.
+  std::atomic<bool> starting{true};
+  std::thread early_signal([&] {
+    const timespec slice{0, 100'000'000};  // 100 ms: how late a signal during start-up is seen
+    while (starting.load()) {
+      if (sigtimedwait(&set, nullptr, &slice) > 0) {
+        log->warn("signal during start-up: exiting");
+        std::_Exit(1);
+      }
+    }
+  });
   gradsync::Status s = daemon.start();
+  starting.store(false);
+  early_signal.join();
   if (!s.ok()) {
     log->critical("cannot start: {}", s.to_string());
     return 1;

@@ -33,3 +33,25 @@ TEST(Transport, SeveralRingsGiveSeveralStreamsPerPeer) {
 
 }  // namespace
 }  // namespace gradsync::testing
+
+namespace gradsync::testing {
+namespace {
+
+// Without an RDMA device gradsyncd uses TCP and says why; forcing verbs fails at start.
+TEST(Transport, ChoiceIsLoggedAndForcedVerbsFailsClearly) {
+  Cluster c;
+  ASSERT_TRUE(c.ok()) << c.error() << c.report();
+  EXPECT_TRUE(c.daemon(0).wait_for_output("transport tcp between nodes: ", Millis(5'000)))
+      << c.report();
+  Process forced = c.spawn("forced-verbs",
+                           {binary("gradsyncd"), "--coordinator", c.coordinator_address(),
+                            "--socket", c.dir() + "/forced.sock"},
+                           {{"GRADSYNC_TRANSPORT", "verbs"}});
+  auto st = forced.wait_for_exit(Millis(10'000));
+  ASSERT_TRUE(st.has_value()) << "gradsyncd with GRADSYNC_TRANSPORT=verbs did not exit" << forced.output();
+  EXPECT_NE(st->code, 0);
+  EXPECT_NE(forced.output().find("GRADSYNC_TRANSPORT=verbs"), std::string::npos) << forced.output();
+}
+
+}  // namespace
+}  // namespace gradsync::testing
