@@ -46,12 +46,4 @@ const char* loop_set();
 // benchmarks only.
 void use_generic_loops_only(bool on);
 
-// float32 sum shorthands, kept for existing callers.
-inline void sum_f32(float* out, const float* a, const float* b, size_t n) {
-  reduce(DataType::kFloat32, ReduceOp::kSum, out, a, b, n);
-}
-inline void sum2_f32(float* out1, float* out2, const float* a, const float* b, size_t n) {
-  reduce_final(DataType::kFloat32, ReduceOp::kSum, out1, out2, a, b, n, 1);
-}
-
 }  // namespace gradsync::kernels

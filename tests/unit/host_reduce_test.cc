@@ -508,17 +508,6 @@ TEST(HostReduce, HalfRoundsOncePerStep) {
   });
 }
 
-TEST(HostReduce, Float32Shorthands) {
-  std::vector<float> a(1001), b(1001), o1(1001), o2(1001);
-  for (size_t i = 0; i < a.size(); ++i) { a[i] = float(i); b[i] = 0.5f * float(i); }
-  sum_f32(o1.data(), a.data(), b.data(), a.size());
-  for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(o1[i], 1.5f * float(i));
-  std::fill(o1.begin(), o1.end(), 0.0f);
-  sum2_f32(o1.data(), o2.data(), a.data(), b.data(), a.size());
-  for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(o2[i], 1.5f * float(i));
-  ASSERT_EQ(o1, o2);
-}
-
 TEST(HostReduce, ReportsLoopSet) {
   const std::string set = loop_set();
   EXPECT_TRUE(set == "avx2" || set == "generic") << set;
