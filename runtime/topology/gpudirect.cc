@@ -62,7 +62,7 @@ int read_numa(const std::string& dev_dir) {
   }
 }
 
-// A few data-centre parts by PCI device id; the rest print as "NVIDIA 10de:XXXX".
+// A few data-centre parts by PCI device id; the rest print as "NVIDIA 10de:<device id>".
 std::string model_from_pci_id(const std::string& device) {
   struct Known {
     const char* id;

@@ -75,7 +75,7 @@ struct RdmaDevice {
 struct GpuInfo {
   std::string pci_address;  // "0000:19:00.0"
   std::string pci_id;       // "10de:2335"
-  std::string model;        // from CUDA, else from the PCI device id, else "NVIDIA 10de:XXXX"
+  std::string model;        // from CUDA, else from the PCI device id, else "NVIDIA 10de:<device id>"
   std::string sysfs_path;
   int numa_node = -1;
   int cuda_index = -1;  // index into GpuReport::cuda.gpus; -1 when not matched
