@@ -1,5 +1,7 @@
 #include "launcher/options.h"
 
+#include "common/fd.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,12 +31,6 @@ std::string random_hex(int bytes) {
     out += kDigits[byte & 0xfu];
   }
   return out;
-}
-
-std::string local_hostname() {
-  char buf[HOST_NAME_MAX + 1] = {};
-  if (gethostname(buf, sizeof(buf) - 1) != 0 || buf[0] == '\0') return "localhost";
-  return buf;
 }
 
 bool parse_int(const std::string& text, int min, int* out) {
@@ -71,7 +67,7 @@ ParseOutcome finish(Options o) {
       return fail("a multi-node job needs --job-id (or $GRADSYNC_JOB_ID), the same on every node");
     if (o.token.empty()) o.token = env_or("GRADSYNC_JOB_TOKEN", "");
   }
-  if (o.node_name.empty()) o.node_name = local_hostname();
+  if (o.node_name.empty()) o.node_name = gradsync::hostname();
   return {std::move(o), "", 0};
 }
 
