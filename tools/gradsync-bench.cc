@@ -5,6 +5,9 @@
 // Every rank runs every size; rank 0 prints one line per size with the slowest rank's mean
 // time per iteration and the #wrong elements summed over ranks. Exits 1 when anything was
 // wrong or a call failed, 2 on a bad command line. Flags: gradsync-bench --help.
+//
+// --device cuda (bench/gpu.cc, CUDA builds): allreduce on device buffers, timed on a stream,
+// beside NCCL on the same buffers (--nccl 1, the default where NCCL was found at build time).
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +18,9 @@
 #include "bench/collective.h"
 #include "bench/data.h"
 #include "bench/options.h"
+#ifdef GRADSYNC_BENCH_CUDA
+#include "bench/gpu.h"
+#endif
 
 namespace {
 
@@ -96,11 +102,26 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gradsync-bench: connect: %s\n", session.status().to_string().c_str());
     return 1;
   }
-  auto comm = session->join(gradsync::JoinOptions::from_env());
+  gradsync::JoinOptions join = gradsync::JoinOptions::from_env();
+  // --device host: a host-only communicator whatever $GRADSYNC_DEVICE says. --device cuda:
+  // $GRADSYNC_DEVICE's ordinal where set, else the device of LOCAL_RANK.
+  if (opt.device == bench::Device::kHost) {
+    join.device = gradsync::JoinOptions::kNoDevice;
+  } else if (join.device == gradsync::JoinOptions::kNoDevice) {
+    join.device = gradsync::JoinOptions::kDeviceLocalRank;
+  }
+  auto comm = session->join(join);
   if (!comm.ok()) {
     std::fprintf(stderr, "gradsync-bench: join: %s\n", comm.status().to_string().c_str());
     return 1;
   }
+#ifdef GRADSYNC_BENCH_CUDA
+  if (opt.device == bench::Device::kCuda) {
+    const int rc = bench::run_gpu(*session, *comm, opt);
+    (void)comm->leave();
+    return rc;
+  }
+#endif
   const int rank = comm->rank(), n = comm->world_size();
   const bool root0 = rank == 0;
   const Collective coll = opt.collective;
@@ -138,9 +159,10 @@ int main(int argc, char** argv) {
     for (const auto& o : opt.ops) ops += std::string(ops.empty() ? "" : ",") + o.name;
     std::printf(
         "# minBytes %zu maxBytes %zu step: %zu(factor) warmup iters: %d iters: %d "
-        "validation: %d\n# type %s  redop %s  algo %s\n#\n",
+        "validation: %d\n# type %s  redop %s  algo %s  device %s  nccl %d\n#\n",
         opt.min_bytes, opt.max_bytes, opt.factor, opt.warmup, opt.iters, int(opt.check),
-        types.c_str(), reduces ? ops.c_str() : "none", bench::name(opt.algo));
+        types.c_str(), reduces ? ops.c_str() : "none", bench::name(opt.algo),
+        bench::name(opt.device), int(opt.nccl));
     std::printf("# %10s  %12s  %8s  %6s  %6s", "", "", "", "", "");
     for (const auto& g : groups) std::printf("  %-31s", g.title);
     std::printf("\n# %10s  %12s  %8s  %6s  %6s", "size", "count", "type", "redop", "root");

@@ -38,6 +38,11 @@ constexpr const char* kUsage =
     "      --model 0|1         allreduce: also time ring and tree at every size and print\n"
     "                          the cost model's predictions and choice beside them\n"
     "      --inplace 0|1       only out-of-place (0) or in-place (1); default both\n"
+    "      --device D          host (default): host buffers, the host path; cuda: device\n"
+    "                          buffers on the device of LOCAL_RANK (or $GRADSYNC_DEVICE),\n"
+    "                          GPU allreduce on a stream timed with CUDA events; allreduce only\n"
+    "      --nccl 0|1          --device cuda: NCCL's allreduce on the same buffers and stream\n"
+    "                          beside gradsync's, with ratio columns (default 1 where built)\n"
     "size is the bytes of the full buffer (reduce_scatter's input, all_gather's output);\n"
     "time is the mean per iteration, max over ranks; busbw = algbw x 2(n-1)/n for\n"
     "allreduce, (n-1)/n for reduce_scatter and all_gather, 1 for broadcast.\n";
@@ -124,8 +129,27 @@ const char* name(gradsync::Algorithm a) {
   return "?";
 }
 
+bool built_with_cuda() {
+#ifdef GRADSYNC_BENCH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool built_with_nccl() {
+#ifdef GRADSYNC_BENCH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+const char* name(Device d) { return d == Device::kCuda ? "cuda" : "host"; }
+
 bool parse_options(int argc, char** argv, Options* o, bool* help) {
   *help = false;
+  int nccl = -1;  // not given
   o->types = {kTypes[0]};
   o->ops = {kOps[0]};
   for (int i = 1; i < argc; ++i) {
@@ -174,6 +198,11 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
       o->algo = v == "ring"   ? gradsync::Algorithm::kRing
                 : v == "tree" ? gradsync::Algorithm::kTree
                               : gradsync::Algorithm::kAuto;
+    } else if (a == "--device") {
+      ok = v == "host" || v == "cuda";
+      o->device = v == "cuda" ? Device::kCuda : Device::kHost;
+    } else if (a == "--nccl") {
+      ok = parse_int(s, 0, 1, &nccl);
     } else if (a == "--model") {
       ok = parse_int(s, 0, 1, &flag), o->model = flag;
     } else if (a == "--collective") {
@@ -190,6 +219,33 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
       std::fprintf(stderr, "gradsync-bench: bad value '%s' for %s\n%s", s, a.c_str(), kUsage);
       return false;
     }
+  }
+  if (o->device == Device::kCuda) {
+    if (!built_with_cuda()) {
+      std::fprintf(stderr,
+                   "gradsync-bench: --device cuda: this gradsync-bench was built without CUDA "
+                   "(configure with -DGRADSYNC_WITH_CUDA=ON where nvcc is installed)\n");
+      return false;
+    }
+    if (o->collective != Collective::kAllreduce) {
+      std::fprintf(stderr, "gradsync-bench: --device cuda runs allreduce only, not %s\n",
+                   name(o->collective));
+      return false;
+    }
+    if (o->model) {
+      std::fprintf(stderr, "gradsync-bench: --model 1 times the host path; drop --device cuda\n");
+      return false;
+    }
+    if (nccl == 1 && !built_with_nccl()) {
+      std::fprintf(stderr,
+                   "gradsync-bench: --nccl 1: this gradsync-bench was built without NCCL "
+                   "(nccl.h and libnccl were not found at configure time)\n");
+      return false;
+    }
+    o->nccl = nccl < 0 ? built_with_nccl() : nccl == 1;
+  } else if (nccl == 1) {
+    std::fprintf(stderr, "gradsync-bench: --nccl 1 needs --device cuda\n");
+    return false;
   }
   if (o->min_bytes > o->max_bytes) {
     std::fprintf(stderr, "gradsync-bench: -b %zu is larger than -e %zu\n", o->min_bytes,

@@ -10,6 +10,9 @@
 namespace bench {
 
 enum class Collective { kAllreduce, kReduceScatter, kAllGather, kBroadcast, kBarrier };
+// Where the buffers live: host memory (the host path), or CUDA device memory (GPU allreduce on
+// a stream, beside NCCL; bench/gpu.h).
+enum class Device { kHost, kCuda };
 
 struct TypeName {
   gradsync::DataType type;
@@ -35,7 +38,13 @@ struct Options {
   bool out_of_place = true;  // --inplace 1 leaves only the in-place group
   bool in_place = true;      // --inplace 0 leaves only the out-of-place group
   bool model = false;        // --model 1: the selection table after the main one
+  Device device = Device::kHost;
+  bool nccl = false;  // --nccl 1: NCCL beside gradsync (default with --device cuda where built)
 };
+
+// What this build of gradsync-bench can do.
+bool built_with_cuda();
+bool built_with_nccl();
 
 // Parses argv; on a bad or help argument prints to stderr and returns false.
 bool parse_options(int argc, char** argv, Options* o, bool* help);
@@ -43,5 +52,6 @@ std::vector<size_t> sizes(const Options& o);
 
 const char* name(Collective c);
 const char* name(gradsync::Algorithm a);
+const char* name(Device d);
 
 }  // namespace bench
