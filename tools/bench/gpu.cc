@@ -1,0 +1,793 @@
+// gradsync-bench --device cuda (bench/gpu.h).
+//
+// Per type, op and size, one row: device buffers allocated once for the row, then for
+// gradsync and (with --nccl 1) NCCL, out-of-place then in-place like nccl-tests:
+//   - a checked call: inputs filled on the host with a rank-dependent pattern of small
+//     integers whose reduction is exact in every type, copied to the device, reduced, copied
+//     back and compared with the expected reduction (out of place, the input must also come
+//     back untouched);
+//   - `warmup` calls, then `iters` calls between two CUDA events on one stream; the time is
+//     the elapsed event time / iters, the slowest rank's.
+// gradsync's allreduce and ncclAllReduce see the same buffers, counts and stream. The ranks'
+// numbers travel through gradsync's host path (bench::gather), as in host mode.
+#include "bench/gpu.h"
+
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#ifdef GRADSYNC_BENCH_NCCL
+#include <nccl.h>
+#endif
+
+#include "bench/collective.h"
+
+namespace bench {
+namespace {
+
+using gradsync::DataType;
+using gradsync::ReduceOp;
+
+// ---- data ------------------------------------------------------------------------------------
+
+struct F16 {
+  uint16_t bits;
+};
+struct BF16 {
+  uint16_t bits;
+};
+
+template <class F>
+auto with_type(DataType t, F&& f) {
+  switch (t) {
+    case DataType::kFloat32:
+      return f(float{});
+    case DataType::kFloat64:
+      return f(double{});
+    case DataType::kFloat16:
+      return f(F16{});
+    case DataType::kBFloat16:
+      return f(BF16{});
+    case DataType::kInt8:
+      return f(int8_t{});
+    case DataType::kUInt8:
+      return f(uint8_t{});
+    case DataType::kInt32:
+      return f(int32_t{});
+    case DataType::kInt64:
+      return f(int64_t{});
+  }
+  return f(float{});
+}
+
+bool is_float(DataType t) {
+  return t == DataType::kFloat32 || t == DataType::kFloat64 || t == DataType::kFloat16 ||
+         t == DataType::kBFloat16;
+}
+
+// Values are small integers (|v| < 256), exact in every type; encode needs no rounding.
+template <class T>
+T encode(double v) {
+  if constexpr (std::is_same_v<T, F16> || std::is_same_v<T, BF16>) {
+    float f = static_cast<float>(v);
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    if constexpr (std::is_same_v<T, BF16>) {
+      return {static_cast<uint16_t>(x >> 16)};
+    } else {
+      const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+      if ((x & 0x7fffffff) == 0) return {sign};
+      const int exp = int((x >> 23) & 0xff) - 127 + 15;  // 0 < exp < 31 for 1 <= |v| < 65504
+      return {static_cast<uint16_t>(sign | (exp << 10) | ((x >> 13) & 0x3ff))};
+    }
+  } else {
+    return static_cast<T>(v);
+  }
+}
+
+// Exact decoding, subnormals, inf and NaN included, so that no wrong value hides in it.
+template <class T>
+double decode(T x) {
+  if constexpr (std::is_same_v<T, F16>) {
+    const int exp = (x.bits >> 10) & 0x1f, mant = x.bits & 0x3ff;
+    double v = exp == 0    ? std::ldexp(mant, -24)
+               : exp == 31 ? (mant ? NAN : INFINITY)
+                           : std::ldexp(1024 + mant, exp - 25);
+    return (x.bits & 0x8000) ? -v : v;
+  } else if constexpr (std::is_same_v<T, BF16>) {
+    uint32_t b = uint32_t(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  } else {
+    return static_cast<double>(x);
+  }
+}
+
+// Rank r's input element k (of one period). Every partial reduction stays a small integer:
+// exact in float16 and bfloat16 (integers to 256) and inside int8 and uint8 for up to 32 ranks,
+// so the result must be bit-exact whatever order the ranks are combined in.
+double value(DataType t, ReduceOp op, int r, int n, uint64_t k) {
+  const bool sgn = t != DataType::kUInt8;
+  const int64_t m = std::max(2, 96 / n);  // sum: |sum over ranks| <= 96
+  const uint64_t ur = uint64_t(r);
+  switch (op) {
+    case ReduceOp::kSum: {
+      const int64_t v = int64_t((k * 7 + ur * 13 + 5) % uint64_t(m));
+      return double(sgn ? v - m / 2 : v);
+    }
+    case ReduceOp::kAvg: {
+      // a on every rank, +b and -b on ranks 2j and 2j+1 (0 on an odd last rank): the sum is
+      // n * a, so the average a is exact for integers (no rounding direction involved).
+      const int64_t a = int64_t((k * 5 + 3) % uint64_t(m)) + (sgn ? -m / 2 : 2);
+      int64_t b = int64_t((k + ur / 2) % 3);
+      if (r % 2 == 1)
+        b = -b;
+      else if (r == n - 1)
+        b = 0;
+      return double(a + b);
+    }
+    case ReduceOp::kProd: {
+      // 1..3 on rank k % n, +-1 elsewhere: |product| <= 3.
+      int64_t v = (k % uint64_t(n) == ur) ? int64_t(1 + k % 3) : 1;
+      if (sgn && (k * 3 + ur) % 4 == 0) v = -v;
+      return double(v);
+    }
+    case ReduceOp::kMin:
+    case ReduceOp::kMax: {
+      const int64_t v = int64_t((k * 7 + ur * 13 + 5) % 61);
+      return double(sgn ? v - 30 : v);
+    }
+  }
+  return 0;
+}
+
+// Unit roundoff of the floating types.
+double unit_roundoff(DataType t) {
+  switch (t) {
+    case DataType::kFloat32:
+      return 0x1p-24;
+    case DataType::kFloat64:
+      return 0x1p-53;
+    case DataType::kFloat16:
+      return 0x1p-11;
+    case DataType::kBFloat16:
+      return 0x1p-8;
+    default:
+      return 0;
+  }
+}
+
+constexpr size_t kPeriod = size_t(1) << 16;  // the inputs repeat every kPeriod elements
+
+// One row of the table: its buffers and its data.
+struct Row {
+  DataType type;
+  ReduceOp op;
+  size_t esize = 0, count = 0, bytes = 0;
+  void* d_send = nullptr;
+  void* d_recv = nullptr;
+  std::vector<uint8_t> in;    // this rank's input, `bytes` long
+  std::vector<uint8_t> out;   // scratch for copies back
+  std::vector<double> want;   // one period of the expected result
+  std::vector<double> tol;    // allowed |got - want| per element of the period
+};
+
+// Fills row.in (this rank's input) and one period of the expected result.
+void make_data(Row& w, int rank, int n) {
+  const size_t p = std::max<size_t>(1, std::min(kPeriod, w.count));
+  std::vector<uint8_t> period(p * w.esize);
+  w.want.assign(p, 0);
+  w.tol.assign(p, 0);
+  with_type(w.type, [&](auto tag) {
+    using T = decltype(tag);
+    T* mine = reinterpret_cast<T*>(period.data());
+    for (size_t k = 0; k < p; ++k) {
+      double acc = w.op == ReduceOp::kProd ? 1 : 0, mag = 0;
+      for (int r = 0; r < n; ++r) {
+        const double x = value(w.type, w.op, r, n, k);
+        if (r == rank) mine[k] = encode<T>(x);
+        switch (w.op) {
+          case ReduceOp::kSum:
+          case ReduceOp::kAvg:
+            acc += x;
+            mag += std::abs(x);
+            break;
+          case ReduceOp::kProd:
+            acc *= x;
+            break;
+          case ReduceOp::kMin:
+            acc = r == 0 ? x : std::min(acc, x);
+            break;
+          case ReduceOp::kMax:
+            acc = r == 0 ? x : std::max(acc, x);
+            break;
+        }
+      }
+      if (w.op == ReduceOp::kAvg) {
+        acc /= n;
+        // Floating avg may divide before summing (NCCL multiplies each input by 1/n), which
+        // is inexact unless n is a power of two: a few roundings per rank. Exact otherwise.
+        if (is_float(w.type)) w.tol[k] = 4.0 * n * unit_roundoff(w.type) * std::max(1.0, mag / n);
+      }
+      w.want[k] = acc;
+    }
+  });
+  w.in.resize(w.bytes);
+  const size_t pb = p * w.esize;
+  for (size_t off = 0; off < w.bytes; off += pb) {
+    std::memcpy(w.in.data() + off, period.data(), std::min(pb, w.bytes - off));
+  }
+}
+
+// Elements of got (count of them) that differ from the expected reduction.
+size_t count_wrong(const Row& w, const void* got) {
+  return with_type(w.type, [&](auto tag) {
+    using T = decltype(tag);
+    const T* g = static_cast<const T*>(got);
+    const size_t p = w.want.size();
+    size_t wrong = 0;
+    for (size_t i = 0, k = 0; i < w.count; ++i) {
+      if (!(std::abs(decode(g[i]) - w.want[k]) <= w.tol[k])) ++wrong;  // NaN is wrong too
+      if (++k == p) k = 0;
+    }
+    return wrong;
+  });
+}
+
+// Elements of got that are not bit-equal to this rank's input.
+size_t count_changed(const Row& w, const uint8_t* got) {
+  if (std::memcmp(got, w.in.data(), w.bytes) == 0) return 0;
+  size_t changed = 0;
+  for (size_t i = 0; i < w.count; ++i) {
+    changed += std::memcmp(got + i * w.esize, w.in.data() + i * w.esize, w.esize) != 0;
+  }
+  return changed;
+}
+
+// row.out = `count` copies of v (exact in every type).
+void fill_constant(Row& w, int v) {
+  w.out.resize(w.bytes);
+  with_type(w.type, [&](auto tag) {
+    using T = decltype(tag);
+    std::fill_n(reinterpret_cast<T*>(w.out.data()), w.count, encode<T>(v));
+  });
+}
+
+// ---- the two libraries --------------------------------------------------------------------------
+
+// One allreduce implementation: queue one call on the stream; the first asynchronous error.
+// Both return "" when fine, else what went wrong.
+struct Library {
+  const char* name;
+  std::function<std::string(const Row&, const void* send, void* recv)> call;
+  std::function<std::string()> async_error;
+};
+
+#ifdef GRADSYNC_BENCH_NCCL
+ncclDataType_t nccl_type(DataType t) {
+  switch (t) {
+    case DataType::kFloat32:
+      return ncclFloat32;
+    case DataType::kFloat64:
+      return ncclFloat64;
+    case DataType::kFloat16:
+      return ncclFloat16;
+    case DataType::kBFloat16:
+      return ncclBfloat16;
+    case DataType::kInt8:
+      return ncclInt8;
+    case DataType::kUInt8:
+      return ncclUint8;
+    case DataType::kInt32:
+      return ncclInt32;
+    case DataType::kInt64:
+      return ncclInt64;
+  }
+  return ncclFloat32;
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kProd:
+      return ncclProd;
+    case ReduceOp::kMin:
+      return ncclMin;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kAvg:
+      return ncclAvg;
+  }
+  return ncclSum;
+}
+#endif
+
+// ---- the run ------------------------------------------------------------------------------------
+
+// One group (a library, out-of-place or in-place) of one row on this rank.
+struct Cell {
+  bool ran = false;
+  bool failed = false;
+  size_t wrong = 0;
+  double time_us = 0;
+};
+constexpr int kCells = 4;  // gradsync out-of-place, in-place, NCCL out-of-place, in-place
+constexpr int kFields = 5;  // per cell through gather: time, wrong (two halves), failed, ran
+constexpr double kHalf = 1 << 20;
+
+std::string time_str(double us) {  // nccl-tests' widths
+  char b[32];
+  std::snprintf(b, sizeof b, us >= 10000 ? "%7.0f" : us >= 100 ? "%7.1f" : "%7.2f", us);
+  return b;
+}
+
+class GpuBench {
+ public:
+  GpuBench(gradsync::Session& session, gradsync::Communicator& comm, const Options& opt)
+      : session_(session), comm_(comm), opt_(opt), rank_(comm.rank()), n_(comm.world_size()) {}
+
+  ~GpuBench() {
+    free_row();
+#ifdef GRADSYNC_BENCH_NCCL
+    if (nccl_ != nullptr) {
+      if (fatal_.empty())
+        ncclCommDestroy(nccl_);
+      else
+        ncclCommAbort(nccl_);  // a peer may never come: do not wait for it
+    }
+#endif
+    if (start_ != nullptr) cudaEventDestroy(start_);
+    if (stop_ != nullptr) cudaEventDestroy(stop_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  int run() {
+    if (!setup()) return die();
+    header();
+    const std::vector<size_t> all_sizes = sizes(opt_);
+    for (const auto& t : opt_.types) {
+      for (const auto& o : opt_.ops) {
+        for (size_t bytes : all_sizes) {
+          const bool ok = row(t, o, bytes);
+          if (!fatal_.empty()) return die();
+          if (!ok) break;  // a failed row: skip the larger sizes of this type and op
+        }
+      }
+    }
+    footer();
+    return (total_wrong_ > 0 || failures_ > 0) ? 1 : 0;
+  }
+
+ private:
+  // Device, stream, events, NCCL; false with fatal_ set when something is missing.
+  bool setup() {
+    int count = 0;
+    if (!cuda(cudaGetDeviceCount(&count), "cudaGetDeviceCount")) return false;
+    device_ = comm_.device();
+    if (device_ < 0 || device_ >= count) {
+      fatal_ = "the communicator's CUDA device is " + std::to_string(device_) + " (gpu path " +
+               comm_.gpu_path() + "), this process sees " + std::to_string(count) +
+               " device(s) (CUDA_VISIBLE_DEVICES=" + env("CUDA_VISIBLE_DEVICES") + ")";
+      return false;
+    }
+    if (!cuda(cudaSetDevice(device_), "cudaSetDevice")) return false;
+    if (!cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"))
+      return false;
+    if (!cuda(cudaEventCreate(&start_), "cudaEventCreate") ||
+        !cuda(cudaEventCreate(&stop_), "cudaEventCreate"))
+      return false;
+
+    gradsync::CallOptions call_options{opt_.algo};
+    libs_.push_back({"gradsync",
+                     [this, call_options](const Row& w, const void* send, void* recv) {
+                       gradsync::Status s = comm_.allreduce(send, recv, w.count, w.type, w.op,
+                                                            stream_, call_options);
+                       return s.ok() ? std::string() : s.to_string();
+                     },
+                     [this] {
+                       gradsync::Status s = comm_.async_error();
+                       return s.ok() ? std::string() : s.to_string();
+                     }});
+#ifdef GRADSYNC_BENCH_NCCL
+    if (opt_.nccl) {
+      ncclUniqueId id;
+      std::memset(&id, 0, sizeof id);
+      // On failure die() aborts the job: the others fail in the broadcast, not hang there.
+      if (rank_ == 0 && !nccl(ncclGetUniqueId(&id), "ncclGetUniqueId")) return false;
+      if (gradsync::Status s = comm_.broadcast(&id, sizeof id, DataType::kUInt8, 0); !s.ok()) {
+        fatal_ = "broadcasting the ncclUniqueId: " + s.to_string();
+        return false;
+      }
+      if (!nccl(ncclCommInitRank(&nccl_, n_, id, rank_), "ncclCommInitRank")) return false;
+      libs_.push_back({"NCCL",
+                       [this](const Row& w, const void* send, void* recv) {
+                         ncclResult_t r = ncclAllReduce(send, recv, w.count, nccl_type(w.type),
+                                                        nccl_op(w.op), nccl_, stream_);
+                         return r == ncclSuccess ? std::string() : nccl_error(r);
+                       },
+                       [this] {
+                         ncclResult_t async = ncclSuccess;
+                         ncclResult_t r = ncclCommGetAsyncError(nccl_, &async);
+                         if (r != ncclSuccess) return nccl_error(r);
+                         return async == ncclSuccess ? std::string() : nccl_error(async);
+                       }});
+    }
+#endif
+    // Which device each rank uses, for the header.
+    cudaDeviceProp prop{};
+    if (!cuda(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties")) return false;
+    device_name_ = prop.name;
+    auto all = bench::gather(comm_, {double(device_), double(prop.pciDomainID), double(prop.pciBusID),
+                              double(prop.pciDeviceID)});
+    if (!all.ok()) {
+      fatal_ = "gathering the ranks' devices: " + all.status().to_string();
+      return false;
+    }
+    devices_ = *all;
+    return true;
+  }
+
+  void header() {
+    if (rank_ != 0) return;
+    std::string types, ops;
+    for (const auto& t : opt_.types) types += std::string(types.empty() ? "" : ",") + t.name;
+    for (const auto& o : opt_.ops) ops += std::string(ops.empty() ? "" : ",") + o.name;
+    std::printf("# gradsync-bench allreduce  nranks %d  node %s  pid %d\n", n_,
+                session_.node_name().c_str(), int(getpid()));
+    std::printf(
+        "# minBytes %zu maxBytes %zu step: %zu(factor) warmup iters: %d iters: %d "
+        "validation: %d\n# type %s  redop %s  algo %s  device %s  nccl %d\n",
+        opt_.min_bytes, opt_.max_bytes, opt_.factor, opt_.warmup, opt_.iters, int(opt_.check),
+        types.c_str(), ops.c_str(), name(opt_.algo), name(opt_.device), int(opt_.nccl));
+    std::printf("# gpu path: %s\n", comm_.gpu_path().c_str());
+    int runtime = 0, driver = 0;
+    cudaRuntimeGetVersion(&runtime);
+    cudaDriverGetVersion(&driver);
+    std::printf("# CUDA runtime %d.%d, driver %d.%d; rank 0's device: %s\n", runtime / 1000,
+                runtime % 1000 / 10, driver / 1000, driver % 1000 / 10, device_name_.c_str());
+#ifdef GRADSYNC_BENCH_NCCL
+    if (opt_.nccl) {
+      int v = 0;
+      ncclGetVersion(&v);
+      std::printf("# NCCL version %d.%d.%d (built against %d.%d.%d)\n", v / 10000, v % 10000 / 100,
+                  v % 100, NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH);
+    }
+#endif
+    std::printf("# CUDA_VISIBLE_DEVICES=%s  NCCL_NVLS_ENABLE=%s\n",
+                env("CUDA_VISIBLE_DEVICES").c_str(), env("NCCL_NVLS_ENABLE").c_str());
+    for (int r = 0; r < n_; ++r) {
+      const double* d = &devices_[r * 4];
+      std::printf("#  rank %2d  device %2d  [%04x:%02x:%02x]\n", r, int(d[0]), unsigned(d[1]),
+                  unsigned(d[2]), unsigned(d[3]));
+    }
+    std::printf("#\n# %10s  %12s  %8s  %6s  %-31s  %-31s", "", "", "", "", "gradsync out-of-place",
+                "gradsync in-place");
+    if (opt_.nccl)
+      std::printf("  %-23s  %-15s  %s", "NCCL out-of-place", "NCCL in-place",
+                  "gradsync/NCCL, out-of-place");
+    std::printf("\n# %10s  %12s  %8s  %6s", "size", "count", "type", "redop");
+    for (int g = 0; g < 2; ++g) std::printf("  %7s  %6s  %6s  %6s", "time", "algbw", "busbw", "#wrong");
+    if (opt_.nccl)
+      std::printf("  %7s  %6s  %6s  %7s  %6s  %11s  %10s", "time", "busbw", "#wrong", "time",
+                  "busbw", "busbw ratio", "time ratio");
+    std::printf("\n# %10s  %12s  %8s  %6s", "(B)", "(elements)", "", "");
+    for (int g = 0; g < 2; ++g) std::printf("  %7s  %6s  %6s  %6s", "(us)", "(GB/s)", "(GB/s)", "");
+    if (opt_.nccl)
+      std::printf("  %7s  %6s  %6s  %7s  %6s  %11s  %10s", "(us)", "(GB/s)", "", "(us)", "(GB/s)",
+                  "", "");
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+
+  // One row; false when a group failed (the caller skips the larger sizes of its type/op).
+  bool row(const TypeName& t, const OpName& o, size_t bytes) {
+    Row& w = row_;
+    free_row();
+    w.type = t.type;
+    w.op = o.op;
+    w.esize = esize_of(t.type);
+    const Geometry g = geometry(Collective::kAllreduce, bytes, w.esize, n_);
+    w.count = g.count;
+    w.bytes = g.bytes;
+    // Allocated once for the row, shared by every group (at least 1 byte: -b 0).
+    if (!cuda(cudaMalloc(&w.d_send, std::max<size_t>(w.bytes, 1)), "cudaMalloc") ||
+        !cuda(cudaMalloc(&w.d_recv, std::max<size_t>(w.bytes, 1)), "cudaMalloc"))
+      return false;
+    make_data(w, rank_, n_);
+    w.out.resize(w.bytes);
+    const std::string label = std::string("allreduce ") + t.name + " " + o.name;
+
+    Cell cells[kCells];
+    for (size_t li = 0; li < libs_.size(); ++li) {
+      for (int ip = 0; ip < 2; ++ip) {
+        const bool in_place = ip == 1;
+        if (in_place ? !opt_.in_place : !opt_.out_of_place) continue;
+        // NCCL's in-place group has no #wrong column: it is timed, not checked.
+        const bool check = opt_.check && !(li == 1 && in_place);
+        Cell& c = cells[li * 2 + ip];
+        c = group(libs_[li], w, in_place, check, label);
+        if (!fatal_.empty()) return false;
+        if (c.failed) break;  // this library's in-place group would fail the same way
+      }
+    }
+
+    std::vector<double> mine;
+    for (const Cell& c : cells) {
+      mine.insert(mine.end(), {c.time_us, double(c.wrong / size_t(kHalf)),
+                               double(c.wrong % size_t(kHalf)), c.failed ? 1.0 : 0.0,
+                               c.ran ? 1.0 : 0.0});
+    }
+    auto all = bench::gather(comm_, mine);
+    if (!all.ok()) {
+      fatal_ = label + " " + std::to_string(w.bytes) + " B: gathering results failed: " +
+               all.status().to_string();
+      return false;
+    }
+    // Every rank takes the same decisions from the same gathered numbers; rank 0 prints.
+    Cell sum[kCells];
+    for (int ci = 0; ci < kCells; ++ci) {
+      for (int r = 0; r < n_; ++r) {
+        const double* f = &(*all)[(r * kCells + ci) * kFields];
+        sum[ci].time_us = std::max(sum[ci].time_us, f[0]);
+        sum[ci].wrong += size_t(f[1] * kHalf + f[2]);
+        sum[ci].failed |= f[3] != 0;
+        sum[ci].ran |= f[4] != 0;
+      }
+    }
+    bool failed = false;
+    std::string line;
+    auto bw = [&](const Cell& c) { return c.time_us > 0 ? double(w.bytes) / c.time_us / 1e3 : 0; };
+    for (int ci = 0; ci < kCells; ++ci) {
+      const Cell& c = sum[ci];
+      const bool is_nccl = ci >= 2;
+      if (is_nccl && !opt_.nccl) break;
+      const bool checked = opt_.check && ci != 3;
+      total_wrong_ += c.wrong;
+      (is_nccl ? nccl_wrong_ : gs_wrong_) += c.wrong;
+      failed |= c.failed;
+      if (c.failed) (is_nccl ? nccl_failures_ : gs_failures_)++;
+      const double algbw = bw(c), busbw = algbw * g.bus_factor;
+      if (c.ran && !c.failed) {
+        (is_nccl ? nccl_bw_sum_ : gs_bw_sum_) += busbw;
+        (is_nccl ? nccl_bw_lines_ : gs_bw_lines_)++;
+      }
+      const std::string wrong = checked ? std::to_string(c.wrong) : "N/A";
+      char cell[96];
+      const char* mark = !c.ran ? "-" : c.failed ? "FAILED" : nullptr;  // instead of numbers
+      if (!is_nccl) {
+        if (mark)
+          std::snprintf(cell, sizeof cell, "  %7s  %6s  %6s  %6s", mark, "-", "-", "-");
+        else
+          std::snprintf(cell, sizeof cell, "  %7s  %6.2f  %6.2f  %6s", time_str(c.time_us).c_str(),
+                        algbw, busbw, wrong.c_str());
+      } else if (ci == 2) {
+        if (mark)
+          std::snprintf(cell, sizeof cell, "  %7s  %6s  %6s", mark, "-", "-");
+        else
+          std::snprintf(cell, sizeof cell, "  %7s  %6.2f  %6s", time_str(c.time_us).c_str(), busbw,
+                        wrong.c_str());
+      } else {
+        if (mark)
+          std::snprintf(cell, sizeof cell, "  %7s  %6s", mark, "-");
+        else
+          std::snprintf(cell, sizeof cell, "  %7s  %6.2f", time_str(c.time_us).c_str(), busbw);
+      }
+      line += cell;
+    }
+    if (opt_.nccl) {
+      const Cell &gs = sum[0], &nc = sum[2];
+      char cell[64];
+      if (gs.ran && nc.ran && !gs.failed && !nc.failed && gs.time_us > 0 && nc.time_us > 0) {
+        // busbw ratio = (bytes / gs time) / (bytes / NCCL time): the bus factor cancels.
+        const double busbw_ratio = nc.time_us / gs.time_us, time_ratio = gs.time_us / nc.time_us;
+        std::snprintf(cell, sizeof cell, "  %11.3f  %10.3f", busbw_ratio, time_ratio);
+        log_ratio_sum_ += std::log(busbw_ratio);
+        ++ratios_;
+        if (busbw_ratio < worst_ratio_) worst_ratio_ = busbw_ratio, worst_bytes_ = w.bytes;
+      } else {
+        std::snprintf(cell, sizeof cell, "  %11s  %10s", "-", "-");
+      }
+      line += cell;
+    }
+    if (rank_ == 0) {
+      std::printf("%12zu  %12zu  %8s  %6s%s\n", w.bytes, w.count, t.name, o.name, line.c_str());
+      if (failed) {
+        std::printf(
+            "# %s failed (each failing rank printed why on stderr); skipping its larger sizes\n",
+            label.c_str());
+      }
+      std::fflush(stdout);
+    }
+    if (failed) ++failures_;
+    return !failed;
+  }
+
+  // Checked call, warm-up, timed iterations of one library on the row's buffers.
+  Cell group(const Library& lib, Row& w, bool in_place, bool check, const std::string& label) {
+    Cell c;
+    c.ran = true;
+    void* recv = w.d_recv;
+    void* send = in_place ? w.d_recv : w.d_send;
+    const char* title = in_place ? "in-place" : "out-of-place";
+    auto failed = [&](const std::string& why) {
+      std::fprintf(stderr, "gradsync-bench: rank %d: %s %s %zu B %s failed: %s\n", rank_, lib.name,
+                   label.c_str(), w.bytes, title, why.c_str());
+      std::fflush(stderr);
+      c.failed = true;
+      return c;
+    };
+    auto async_failed = [&](const char* when) {
+      if (std::string e = lib.async_error(); !e.empty()) {
+        fatal_ = std::string(lib.name) + " " + label + " " + std::to_string(w.bytes) + " B " +
+                 title + ": asynchronous error " + when + ": " + e;
+        return true;
+      }
+      return false;
+    };
+    if (check) {
+      // Poison the output (0x7f bytes: NaN or a huge value in the float types, 127 or more in
+      // the integer types, all outside the patterns' results), then upload the input.
+      if (!cuda(cudaMemset(w.d_recv, 0x7f, w.bytes), "cudaMemset") ||
+          !cuda(cudaMemcpy(send, w.in.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy"))
+        return c;
+      if (std::string e = lib.call(w, send, recv); !e.empty()) return failed(e);
+      if (!cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (checked call)")) return c;
+      if (async_failed("in the checked call")) return c;
+      if (!cuda(cudaMemcpy(w.out.data(), recv, w.bytes, cudaMemcpyDeviceToHost), "cudaMemcpy"))
+        return c;
+      c.wrong = count_wrong(w, w.out.data());
+      if (!in_place) {
+        if (!cuda(cudaMemcpy(w.out.data(), send, w.bytes, cudaMemcpyDeviceToHost), "cudaMemcpy"))
+          return c;
+        c.wrong += count_changed(w, w.out.data());
+      }
+    }
+    // Timed data. In place the result feeds the next call: a fixed point of the op (0 for sum,
+    // 1 otherwise). Out of place the input as checked (or uploaded now).
+    if (in_place) {
+      fill_constant(w, w.op == ReduceOp::kSum ? 0 : 1);
+      if (!cuda(cudaMemcpy(w.d_recv, w.out.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy"))
+        return c;
+    } else if (!check) {
+      if (!cuda(cudaMemcpy(w.d_send, w.in.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy"))
+        return c;
+    }
+    for (int i = 0; i < opt_.warmup; ++i) {
+      if (std::string e = lib.call(w, send, recv); !e.empty()) return failed(e);
+    }
+    if (!cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (warm-up)")) return c;
+    if (async_failed("in the warm-up calls")) return c;
+    // Start together, so that the slowest rank's time is the collective's.
+    if (gradsync::Status s = bench::sync(comm_); !s.ok()) {
+      fatal_ = "host barrier before timing: " + s.to_string();
+      return c;
+    }
+    if (!cuda(cudaEventRecord(start_, stream_), "cudaEventRecord")) return c;
+    for (int i = 0; i < opt_.iters; ++i) {
+      if (std::string e = lib.call(w, send, recv); !e.empty()) {
+        cudaStreamSynchronize(stream_);  // what was queued drains before the next group
+        return failed(e);
+      }
+    }
+    if (!cuda(cudaEventRecord(stop_, stream_), "cudaEventRecord") ||
+        !cuda(cudaEventSynchronize(stop_), "cudaEventSynchronize (timed calls)"))
+      return c;
+    if (async_failed("in the timed calls")) return c;
+    float ms = 0;
+    if (!cuda(cudaEventElapsedTime(&ms, start_, stop_), "cudaEventElapsedTime")) return c;
+    c.time_us = double(ms) * 1e3 / opt_.iters;
+    return c;
+  }
+
+  void footer() {
+    if (rank_ != 0) return;
+    std::printf("# Errors: %zu wrong elements, %d failed runs\n", total_wrong_, failures_);
+    std::printf("#   gradsync: %zu wrong elements, %d failed groups", gs_wrong_, gs_failures_);
+    if (opt_.nccl) std::printf("; NCCL: %zu wrong elements, %d failed groups", nccl_wrong_, nccl_failures_);
+    std::printf("\n# Avg bus bandwidth    : %.4f \n", gs_bw_lines_ ? gs_bw_sum_ / gs_bw_lines_ : 0.0);
+    if (opt_.nccl) {
+      std::printf("# Avg NCCL bus bandwidth: %.4f \n",
+                  nccl_bw_lines_ ? nccl_bw_sum_ / nccl_bw_lines_ : 0.0);
+      if (ratios_ > 0) {
+        std::printf(
+            "# busbw ratio gradsync/NCCL, out-of-place: geometric mean %.3f over %d rows, "
+            "lowest %.3f at %zu B\n",
+            std::exp(log_ratio_sum_ / ratios_), ratios_, worst_ratio_, worst_bytes_);
+      }
+    }
+    std::printf("#\n");
+    std::fflush(stdout);
+  }
+
+  // Something this bench cannot go on from (a CUDA error, an asynchronous error, the host
+  // path gone): say so loudly everywhere and end the job.
+  int die() {
+    std::fprintf(stderr, "gradsync-bench: rank %d: FATAL: %s\n", rank_, fatal_.c_str());
+    std::fflush(stderr);
+    if (rank_ == 0) {
+      std::printf("# FATAL (rank 0): %s\n", fatal_.c_str());
+      std::fflush(stdout);
+    }
+    // The other ranks may wait for this one in a gradsync collective: end theirs now.
+    (void)comm_.abort("gradsync-bench rank " + std::to_string(rank_) + ": " + fatal_);
+    return 1;
+  }
+
+  bool cuda(cudaError_t e, const char* what) {
+    if (e == cudaSuccess) return true;
+    if (fatal_.empty()) {
+      fatal_ = std::string(what) + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e);
+    }
+    return false;
+  }
+
+#ifdef GRADSYNC_BENCH_NCCL
+  bool nccl(ncclResult_t r, const char* what) {
+    if (r == ncclSuccess) return true;
+    if (fatal_.empty()) fatal_ = std::string(what) + ": " + nccl_error(r);
+    return false;
+  }
+  std::string nccl_error(ncclResult_t r) const {
+    std::string s = ncclGetErrorString(r);
+    const char* last = ncclGetLastError(nccl_);
+    if (last != nullptr && *last != '\0') s += std::string(" (") + last + ")";
+    return s;
+  }
+#endif
+
+  static std::string env(const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr ? v : "<unset>";
+  }
+
+  void free_row() {
+    if (row_.d_send != nullptr) cudaFree(row_.d_send);
+    if (row_.d_recv != nullptr) cudaFree(row_.d_recv);
+    row_.d_send = row_.d_recv = nullptr;
+  }
+
+  gradsync::Session& session_;
+  gradsync::Communicator& comm_;
+  const Options& opt_;
+  const int rank_, n_;
+  int device_ = -1;
+  std::string device_name_;
+  std::vector<double> devices_;  // per rank: ordinal, PCI domain, bus, device
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+#ifdef GRADSYNC_BENCH_NCCL
+  ncclComm_t nccl_ = nullptr;
+#endif
+  std::vector<Library> libs_;  // gradsync, then NCCL
+  Row row_;
+  std::string fatal_;
+
+  size_t total_wrong_ = 0, gs_wrong_ = 0, nccl_wrong_ = 0;
+  int failures_ = 0, gs_failures_ = 0, nccl_failures_ = 0;
+  double gs_bw_sum_ = 0, nccl_bw_sum_ = 0;
+  int gs_bw_lines_ = 0, nccl_bw_lines_ = 0;
+  double log_ratio_sum_ = 0, worst_ratio_ = 1e300;
+  size_t worst_bytes_ = 0;
+  int ratios_ = 0;
+};
+
+}  // namespace
+
+int run_gpu(gradsync::Session& session, gradsync::Communicator& comm, const Options& opt) {
+  GpuBench bench(session, comm, opt);
+  return bench.run();
+}
+
+}  // namespace bench
