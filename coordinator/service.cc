@@ -46,6 +46,9 @@ grpc::Status to_grpc(const Status& s) {
     case Code::kDeadlineExceeded:
       code = StatusCode::DEADLINE_EXCEEDED;
       break;
+    case Code::kUnimplemented:
+      code = StatusCode::UNIMPLEMENTED;
+      break;
     case Code::kUnavailable:
       code = StatusCode::UNAVAILABLE;
       break;

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -18,6 +19,11 @@
 #include "collectives/cost_model.h"
 #include "common/log.h"
 #include "gradsync/gradsync.h"
+#if GRADSYNC_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#include "gpu/device_comm.h"
+#endif
 
 namespace gradsync {
 namespace {
@@ -50,12 +56,16 @@ JoinOptions JoinOptions::from_env() {
   o.local_world_size = static_cast<int>(env_long("LOCAL_WORLD_SIZE", 1));
   o.join_timeout = std::chrono::milliseconds(env_long("GRADSYNC_JOIN_TIMEOUT_MS", 60'000));
   o.op_timeout = std::chrono::milliseconds(env_long("GRADSYNC_OP_TIMEOUT_MS", 300'000));
+  const std::string dev = env_str("GRADSYNC_DEVICE");
+  if (dev == "local") o.device = kDeviceLocalRank;
+  else if (!dev.empty()) o.device = static_cast<int>(env_long("GRADSYNC_DEVICE", kNoDevice));
   return o;
 }
 
 class WorkImpl {
  public:
   explicit WorkImpl(CollectiveCall call) : call(call) {}
+  explicit WorkImpl(std::function<Status()> task) : task(std::move(task)) {}
   void finish(Status s) {
     std::lock_guard lock(mu);
     status = std::move(s);
@@ -63,6 +73,7 @@ class WorkImpl {
     cv.notify_all();
   }
   CollectiveCall call;
+  std::function<Status()> task;  // GPU work staged through the host: runs instead of `call`
   std::mutex mu;
   std::condition_variable cv;
   bool finished = false;
@@ -157,6 +168,13 @@ class CommunicatorImpl {
     {
       std::lock_guard lock(mu_);
       if (left_) return Status::Ok();
+    }
+#if GRADSYNC_HAVE_CUDA
+    release_device();
+#endif
+    {
+      std::lock_guard lock(mu_);
+      if (left_) return Status::Ok();
       left_ = true;
       cv_.notify_all();
     }
@@ -187,6 +205,86 @@ class CommunicatorImpl {
   }
 
   const JoinOptions& options() const { return opts_; }
+
+  // Non-empty once the job was aborted (by any rank or the daemon) or the daemon was lost.
+  std::string abort_reason() const {
+    const bool stop = wait_.control->aborted.load(std::memory_order_acquire) ||
+                      lost_daemon_.load(std::memory_order_acquire);
+    return stop ? aborted_status(wait_).message() : std::string();
+  }
+
+#if GRADSYNC_HAVE_CUDA
+  // Sets up GPU collectives (collective: every rank at the same point of its join).
+  Status attach_device() {
+    HostOps ops;
+    ops.allreduce_now = [this](const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
+      CollectiveCall c{CollectiveKind::kAllreduce, send, recv, count, type, op, 0, Algorithm::kRing, next_seq_++};
+      return run(c);
+    };
+    ops.allreduce_on_worker = [this](const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
+      CollectiveCall c{CollectiveKind::kAllreduce, send, recv, count, type, op, 0, Algorithm::kAuto, 0};
+      c.algorithm = resolve(c);
+      {
+        std::lock_guard lock(mu_);
+        c.seq = next_seq_++;
+      }
+      return run(c);
+    };
+    ops.enqueue = [this](std::function<Status()> task) {
+      auto work = std::make_shared<WorkImpl>(std::move(task));
+      std::lock_guard lock(mu_);
+      queue_.push_back(work);
+      cv_.notify_all();
+    };
+    ops.abort_reason = [this] { return abort_reason(); };
+    DeviceCommConfig cfg;
+    cfg.job = opts_.job;
+    cfg.host = links_.hosts.empty() ? std::string() : links_.hosts[opts_.rank];
+    cfg.rank = opts_.rank;
+    cfg.world_size = links_.world_size;
+    cfg.local_rank = opts_.local_rank;
+    cfg.local_world_size = opts_.local_world_size;
+    cfg.device = opts_.device;
+    cfg.op_timeout = opts_.op_timeout;
+    auto d = DeviceComm::create(cfg, std::move(ops));
+    if (!d.ok()) return d.status();
+    gpu_ = std::move(d).value();
+    return Status::Ok();
+  }
+
+  DeviceComm* gpu() { return gpu_.get(); }
+
+  // Before leaving: the GPU work of this rank is done and so is every peer's (their kernels
+  // write flags into this rank's memory until their last chunk), then the memory goes.
+  void release_device() {
+    if (!gpu_) return;
+    (void)cudaSetDevice(gpu_->device());
+    (void)cudaDeviceSynchronize();
+    {
+      // Wait for queued staged work: the worker runs it.
+      std::unique_lock lock(mu_);
+      cv_.wait_for(lock, opts_.op_timeout, [&] { return queue_.empty() && !busy_; });
+    }
+    if (failed_.ok() && gpu_->async_error().ok() && abort_reason().empty()) {
+      uint8_t token = 0;
+      CollectiveCall c{CollectiveKind::kBarrier, &token, &token, 1, DataType::kUInt8, ReduceOp::kSum, 0,
+                       Algorithm::kRing, 0};
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return !busy_; });
+      busy_ = true;
+      c.seq = next_seq_++;
+      lock.unlock();
+      WaitContext wait = wait_;
+      wait.deadline = deadline_after(std::chrono::seconds(10));
+      Status s = run_collective(links_, wait, c);
+      if (!s.ok()) log_->warn("job={} rank={}: barrier before releasing GPU memory: {}", opts_.job, opts_.rank, s.to_string());
+      lock.lock();
+      busy_ = false;
+      cv_.notify_all();
+    }
+    gpu_.reset();
+  }
+#endif
   uint64_t generation() const { return join_.generation(); }
 
  private:
@@ -201,7 +299,7 @@ class CommunicatorImpl {
         queue_.pop_front();
         busy_ = true;
       }
-      Status s = run(work->call);
+      Status s = work->task ? work->task() : run(work->call);
       {
         std::lock_guard lock(mu_);
         busy_ = false;
@@ -341,6 +439,9 @@ class CommunicatorImpl {
   bool left_ = false;
   std::thread monitor_;
   std::thread worker_;
+#if GRADSYNC_HAVE_CUDA
+  std::unique_ptr<DeviceComm> gpu_;
+#endif
 };
 
 Communicator::Communicator(std::shared_ptr<CommunicatorImpl> impl) : impl_(std::move(impl)) {}
@@ -415,6 +516,38 @@ std::string Communicator::cost_model() const { return impl_->describe_model(); }
 
 Status Communicator::abort(const std::string& reason) { return impl_->abort(reason); }
 
+#if GRADSYNC_HAVE_CUDA
+Status Communicator::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                               CUstream_st* stream, CallOptions) {
+  DeviceComm* gpu = impl_->gpu();
+  if (gpu == nullptr) {
+    return {Code::kFailedPrecondition, "job=" + job() + " rank " + std::to_string(rank()) +
+                                           ": GPU allreduce on a communicator joined without a device "
+                                           "(set JoinOptions::device or GRADSYNC_DEVICE)"};
+  }
+  return gpu->allreduce(send, recv, count, type, op, stream);
+}
+Status Communicator::async_error() {
+  DeviceComm* gpu = impl_->gpu();
+  return gpu ? gpu->async_error() : Status::Ok();
+}
+int Communicator::device() const {
+  DeviceComm* gpu = impl_->gpu();
+  return gpu ? gpu->device() : JoinOptions::kNoDevice;
+}
+std::string Communicator::gpu_path() const {
+  DeviceComm* gpu = impl_->gpu();
+  return gpu ? gpu->path() : "none";
+}
+#else
+Status Communicator::allreduce(const void*, void*, size_t, DataType, ReduceOp, CUstream_st*, CallOptions) {
+  return {Code::kUnimplemented, "gradsync was built without CUDA: no GPU collectives"};
+}
+Status Communicator::async_error() { return Status::Ok(); }
+int Communicator::device() const { return JoinOptions::kNoDevice; }
+std::string Communicator::gpu_path() const { return "none"; }
+#endif
+
 Status Communicator::leave() { return impl_ ? impl_->leave() : Status::Ok(); }
 
 class SessionImpl {
@@ -488,6 +621,14 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon).value(), std::move(shm).value(),
                                                  layout, jr, std::move(links).value());
   GS_RETURN_IF_ERROR(impl->calibrate());
+  if (o.device != JoinOptions::kNoDevice) {
+#if GRADSYNC_HAVE_CUDA
+    GS_RETURN_IF_ERROR(impl->attach_device());
+#else
+    return Status(Code::kUnimplemented, who + "a device was asked for (JoinOptions::device " +
+                                            std::to_string(o.device) + ") but gradsync was built without CUDA");
+#endif
+  }
   impl->start_worker();
   return Communicator(impl);
 }

@@ -15,6 +15,7 @@ const char* code_name(Code code) {
     case Code::kInternal: return "INTERNAL";
     case Code::kFailedPrecondition: return "FAILED_PRECONDITION";
     case Code::kMismatch: return "MISMATCH";
+    case Code::kUnimplemented: return "UNIMPLEMENTED";
   }
   return "UNKNOWN";
 }

@@ -19,6 +19,10 @@
 
 #include "gradsync/status.h"
 
+// cudaStream_t is `CUstream_st*` (driver_types.h); declared here so that this header needs no
+// CUDA header. Pass a cudaStream_t where a CUstream_st* is asked for.
+struct CUstream_st;
+
 namespace gradsync {
 
 // Element types. Numeric rules, the same on every path:
@@ -66,9 +70,16 @@ struct JoinOptions {
   // Deadline of one collective from the call to its completion. A dead peer is normally
   // reported much sooner, through the daemon and the coordinator.
   std::chrono::milliseconds op_timeout{300'000};
+  // The CUDA device whose memory this rank's GPU collectives use (the stream overloads
+  // below): an ordinal, kDeviceLocalRank (LOCAL_RANK modulo the number of visible devices),
+  // or kNoDevice for a host-only communicator. Set up at join (all ranks of a job must agree
+  // on GPU or not); a library built without CUDA refuses a device with kUnimplemented.
+  static constexpr int kNoDevice = -1;
+  static constexpr int kDeviceLocalRank = -2;
+  int device = kNoDevice;
 
   // RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GRADSYNC_JOB_ID, GRADSYNC_JOB_TOKEN,
-  // GRADSYNC_JOIN_TIMEOUT_MS, GRADSYNC_OP_TIMEOUT_MS.
+  // GRADSYNC_JOIN_TIMEOUT_MS, GRADSYNC_OP_TIMEOUT_MS, GRADSYNC_DEVICE (an ordinal or "local").
   static JoinOptions from_env();
 };
 
@@ -115,6 +126,23 @@ class Communicator {
   }
   Work allreduce_async(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                        CallOptions opts = {});
+
+  // GPU allreduce on device memory of device(): queued on `stream` (a cudaStream_t; nullptr
+  // is the legacy default stream) and returns without waiting for the GPU, like
+  // ncclAllReduce. Work queued on `stream` after it sees the result. What goes wrong once the
+  // work runs (a peer that never arrives, an abort) is reported by async_error() and by every
+  // later call. Bad arguments are refused here, before anything is queued.
+  Status allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
+                   CUstream_st* stream, CallOptions opts = {});
+  // The first error of GPU work queued earlier that has since failed (Ok while none has);
+  // does not wait for the GPU. Like ncclCommGetAsyncError.
+  Status async_error();
+  // The CUDA device of GPU collectives, or JoinOptions::kNoDevice.
+  int device() const;
+  // How GPU allreduce moves data on this communicator, for logs: "cuda-ipc" (every rank on
+  // one node: kernels write into peers' GPU memory), "host-staged" (through pinned host
+  // memory and the daemons), or "none" on a host-only communicator.
+  std::string gpu_path() const;
 
   // send holds world_size * recv_count elements; rank r receives block r of the reduction.
   Status reduce_scatter(const void* send, void* recv, size_t recv_count, DataType type,

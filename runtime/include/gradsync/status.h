@@ -19,6 +19,7 @@ enum class Code : int {
   kInternal = 8,
   kFailedPrecondition = 9,  // e.g. a communicator that failed earlier
   kMismatch = 10,           // ranks called different collectives
+  kUnimplemented = 11,      // e.g. GPU collectives in a build without CUDA
 };
 
 const char* code_name(Code code);

@@ -1,0 +1,368 @@
+// One-node GPU allreduce by peer pushes (cuda_node.cuh) and the host-flag wait kernel.
+#include "kernels/cuda_node.cuh"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "kernels/cuda_ops.cuh"
+
+namespace gradsync::kernels {
+namespace {
+
+using namespace ops;  // NOLINT: the traits and ops are this file's vocabulary
+
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;  // packs a thread keeps in flight per loop trip
+
+// ---- flags: system-scope acquire/release, so peers' GPUs and the host see them in order ----
+
+__device__ inline uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline void store_release(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ inline uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ inline uint32_t host_word(const uint32_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
+// Records the first failure of the launch (later ones keep the first).
+__device__ void fail(NodeError* e, uint32_t code, int peer, uint32_t what) {
+  if (atomicCAS(&e->code, 0u, code) == 0u) {
+    e->peer = peer;
+    e->block = blockIdx.x;
+    e->what = what;
+    __threadfence_system();
+  }
+}
+
+// Spins until *flag >= want. False (error recorded) on a deadline, an abort, or a failure
+// another block already recorded.
+__device__ bool wait_at_least(const uint64_t* flag, uint64_t want, const NodeArgs& a, int peer,
+                              uint32_t what) {
+  if (load_acquire(flag) >= want) return true;
+  const uint64_t start = now_ns();
+  for (uint32_t n = 1;; ++n) {
+    if (load_acquire(flag) >= want) return true;
+    if (n > 64) __nanosleep(n > 4096 ? 1000 : 32);
+    if ((n & 127) == 0) {
+      if (host_word(&a.error->code) != 0) return false;
+      if (host_word(a.abort) != 0) return fail(a.error, 2, peer, what), false;
+      if (now_ns() - start > a.timeout_ns) return fail(a.error, 1, peer, what), false;
+    }
+  }
+}
+
+// ---- region layout ----------------------------------------------------------------------
+
+struct Geometry {
+  uint64_t flags_bytes, chunk_stride;
+  uint32_t slots;
+  int nranks;
+  __device__ uint64_t* ready(uint8_t* region, uint32_t b, int src) const {
+    return reinterpret_cast<uint64_t*>(region) + size_t(b) * kMaxNodeRanks + src;
+  }
+  __device__ uint64_t* freed(uint8_t* region, uint32_t b, int dst, uint32_t blocks) const {
+    return reinterpret_cast<uint64_t*>(region) + (size_t(blocks) + b) * kMaxNodeRanks + dst;
+  }
+  __device__ uint8_t* slot(uint8_t* region, uint32_t b, int src, uint32_t s) const {
+    return region + flags_bytes + ((size_t(b) * nranks + src) * slots + s) * chunk_stride;
+  }
+};
+
+template <class S>
+__device__ inline Pack<S> load_pack(const S* p, size_t v) {
+  Pack<S> x;
+  x.v = reinterpret_cast<const uint4*>(p)[v];
+  return x;
+}
+// Slots are written by other GPUs: read them from L2 (ld.cg), never from a stale L1 line.
+template <class S>
+__device__ inline Pack<S> load_pack_cg(const S* p, size_t v) {
+  Pack<S> x;
+  x.v = __ldcg(reinterpret_cast<const uint4*>(p) + v);
+  return x;
+}
+
+template <class Tr, class Op, class Last>
+__global__ void __launch_bounds__(kThreads)
+    node_allreduce_kernel(NodeArgs a, Geometry g, uint32_t blocks, const typename Tr::S* in,
+                          typename Tr::S* out, size_t count, size_t chunk_elems, size_t nchunks,
+                          bool vec, Op op, Last last) {
+  using S = typename Tr::S;
+  using P = Pack<S>;
+  constexpr int kN = P::kN;
+  const uint32_t b = blockIdx.x;
+  const uint32_t nb = gridDim.x;
+  const int me = a.me;
+  const int n = g.nranks;
+  __shared__ uint64_t base;
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    base = a.progress[b];
+    ok = 1;
+  }
+  __syncthreads();
+  const size_t mine = nchunks > b ? (nchunks - 1 - b) / nb + 1 : 0;
+  uint8_t* const my_region = a.region[me];
+
+  // Chunk i of this block: elements [e0, e0 + len), sequence number base + i, slot k % slots.
+  auto chunk = [&](size_t i, size_t* e0, size_t* len) {
+    *e0 = (b + i * nb) * chunk_elems;
+    *len = min(chunk_elems, count - *e0);
+  };
+
+  auto push = [&](size_t i) -> bool {
+    const uint64_t k = base + i;
+    const uint32_t s = uint32_t(k % g.slots);
+    size_t e0, len;
+    chunk(i, &e0, &len);
+    if (threadIdx.x == 0 && k >= g.slots) {
+      for (int p = 0; p < n; ++p) {
+        if (p != me && !wait_at_least(g.freed(my_region, b, p, blocks), k - g.slots + 1, a, p, 0)) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+    __syncthreads();
+    if (!ok) return false;
+    const S* src = in + e0;
+    const size_t nv = vec ? len / kN : 0;
+    for (size_t v0 = threadIdx.x; v0 < nv; v0 += size_t(kThreads) * kUnroll) {
+      P x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const size_t v = v0 + size_t(u) * kThreads;
+        if (v < nv) x[u] = load_pack(src, v);
+      }
+      for (int p = 0; p < n; ++p) {
+        if (p == me) continue;
+        uint4* dst = reinterpret_cast<uint4*>(g.slot(a.region[p], b, me, s));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const size_t v = v0 + size_t(u) * kThreads;
+          if (v < nv) dst[v] = x[u].v;
+        }
+      }
+    }
+    for (size_t e = nv * kN + threadIdx.x; e < len; e += kThreads) {
+      const S x = src[e];
+      for (int p = 0; p < n; ++p) {
+        if (p != me) reinterpret_cast<S*>(g.slot(a.region[p], b, me, s))[e] = x;
+      }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int p = 0; p < n; ++p) {
+        if (p != me) store_release(g.ready(a.region[p], b, me), k + 1);
+      }
+    }
+    return true;
+  };
+
+  auto reduce = [&](size_t i) -> bool {
+    const uint64_t k = base + i;
+    const uint32_t s = uint32_t(k % g.slots);
+    size_t e0, len;
+    chunk(i, &e0, &len);
+    if (threadIdx.x == 0) {
+      for (int p = 0; p < n; ++p) {
+        if (p != me && !wait_at_least(g.ready(my_region, b, p), k + 1, a, p, 1)) {
+          ok = 0;
+          break;
+        }
+      }
+    }
+    __syncthreads();
+    if (!ok) return false;
+    const S* mine_in = in + e0;
+    S* dst = out + e0;
+    auto source = [&](int r) {
+      return reinterpret_cast<const S*>(g.slot(my_region, b, r, s));
+    };
+    const size_t nv = vec ? len / kN : 0;
+    for (size_t v0 = threadIdx.x; v0 < nv; v0 += size_t(kThreads) * kUnroll) {
+      P acc[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const size_t v = v0 + size_t(u) * kThreads;
+        if (v < nv) acc[u] = me == 0 ? load_pack(mine_in, v) : load_pack_cg(source(0), v);
+      }
+      for (int r = 1; r < n; ++r) {
+        P x[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const size_t v = v0 + size_t(u) * kThreads;
+          if (v < nv) x[u] = r == me ? load_pack(mine_in, v) : load_pack_cg(source(r), v);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (r + 1 < n) {
+#pragma unroll
+            for (int e = 0; e < kN; ++e) acc[u].e[e] = op(acc[u].e[e], x[u].e[e]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < kN; ++e) acc[u].e[e] = last(acc[u].e[e], x[u].e[e]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const size_t v = v0 + size_t(u) * kThreads;
+        if (v < nv) reinterpret_cast<uint4*>(dst)[v] = acc[u].v;
+      }
+    }
+    for (size_t e = nv * kN + threadIdx.x; e < len; e += kThreads) {
+      S acc = me == 0 ? mine_in[e] : __ldcg(source(0) + e);
+      for (int r = 1; r < n; ++r) {
+        const S x = r == me ? mine_in[e] : __ldcg(source(r) + e);
+        acc = r + 1 < n ? op(acc, x) : last(acc, x);
+      }
+      dst[e] = acc;
+    }
+    __syncthreads();  // every read of this slot is done before the peers may refill it
+    if (threadIdx.x == 0) {
+      for (int p = 0; p < n; ++p) {
+        if (p != me) store_release(g.freed(a.region[p], b, me, blocks), k + 1);
+      }
+    }
+    return true;
+  };
+
+  if (mine == 0) return;
+  if (!push(0)) return;
+  for (size_t i = 0; i < mine; ++i) {
+    if (i + 1 < mine && !push(i + 1)) return;
+    if (!reduce(i)) return;
+  }
+  if (threadIdx.x == 0) a.progress[b] = base + mine;
+}
+
+__global__ void wait_host_kernel(const volatile uint64_t* flag, uint64_t value,
+                                 const uint32_t* abort, NodeError* error, uint64_t timeout_ns) {
+  const uint64_t start = now_ns();
+  while (*flag < value) {
+    if (host_word(abort) != 0) return fail(error, 2, -1, 2);
+    if (now_ns() - start > timeout_ns) return fail(error, 1, -1, 2);
+    __nanosleep(1000);
+  }
+}
+
+size_t esize(DataType type) {
+  switch (type) {
+    case DataType::kFloat64:
+    case DataType::kInt64: return 8;
+    case DataType::kFloat32:
+    case DataType::kInt32: return 4;
+    case DataType::kFloat16:
+    case DataType::kBFloat16: return 2;
+    case DataType::kInt8:
+    case DataType::kUInt8: return 1;
+  }
+  return 0;
+}
+
+uint64_t round_up(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
+
+// The chunk of a launch of `bytes`: spread over every block, at least 1 KiB, at most the
+// layout's chunk; a multiple of 256 bytes (so of every element size, and 16-byte aligned).
+uint64_t chunk_for(const NodeLayout& l, uint64_t bytes) {
+  const uint64_t per_block = round_up((bytes + l.blocks - 1) / l.blocks, 256);
+  return std::clamp<uint64_t>(per_block, 1024, l.chunk_bytes);
+}
+
+template <class Tr, class Op, class Last>
+cudaError_t launch_typed(const NodeLayout& l, const NodeArgs& a, const void* send, void* recv,
+                         size_t count, Op op, Last last, cudaStream_t stream) {
+  using S = typename Tr::S;
+  const uint64_t bytes = uint64_t(count) * sizeof(S);
+  const uint64_t cb = chunk_for(l, bytes);
+  const size_t nchunks = (bytes + cb - 1) / cb;
+  const uint32_t grid = uint32_t(std::min<size_t>(l.blocks, nchunks));
+  const bool vec = reinterpret_cast<uintptr_t>(send) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(recv) % 16 == 0;
+  Geometry g{l.flags_bytes(), l.chunk_bytes, l.slots, l.nranks};
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  return cudaLaunchKernelEx(&cfg, node_allreduce_kernel<Tr, Op, Last>, a, g, l.blocks,
+                            static_cast<const S*>(send), static_cast<S*>(recv), count,
+                            size_t(cb / sizeof(S)), nchunks, vec, op, last);
+}
+
+}  // namespace
+
+uint64_t NodeLayout::flags_bytes() const {
+  return round_up(2ull * blocks * kMaxNodeRanks * sizeof(uint64_t), 4096);
+}
+uint64_t NodeLayout::region_bytes() const {
+  return flags_bytes() + uint64_t(blocks) * nranks * slots * chunk_bytes;
+}
+bool NodeLayout::valid() const {
+  return nranks >= 1 && nranks <= kMaxNodeRanks && blocks >= 1 && blocks <= 1024 &&
+         slots >= 2 && chunk_bytes >= 1024 && chunk_bytes % 256 == 0;
+}
+
+uint32_t node_blocks_used(const NodeLayout& l, size_t bytes) {
+  if (bytes == 0 || !l.valid()) return 0;
+  const uint64_t cb = chunk_for(l, bytes);
+  return uint32_t(std::min<uint64_t>(l.blocks, (bytes + cb - 1) / cb));
+}
+
+cudaError_t launch_node_allreduce(const NodeLayout& l, const NodeArgs& a, DataType type,
+                                  ReduceOp op, const void* send, void* recv, size_t count,
+                                  cudaStream_t stream) {
+  const size_t es = esize(type);
+  if (!l.valid() || es == 0 || unsigned(op) >= unsigned(kNumReduceOps) || a.me < 0 ||
+      a.me >= l.nranks || a.progress == nullptr || a.error == nullptr || a.abort == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (count == 0) return cudaSuccess;
+  if (send == nullptr || recv == nullptr || reinterpret_cast<uintptr_t>(send) % es != 0 ||
+      reinterpret_cast<uintptr_t>(recv) % es != 0) {
+    return cudaErrorInvalidValue;
+  }
+  for (int r = 0; r < l.nranks; ++r) {
+    if (a.region[r] == nullptr) return cudaErrorInvalidValue;
+  }
+  const int world = l.nranks;
+  return with_traits(type, [&]<class Tr>() -> cudaError_t {
+    switch (op) {
+      case ReduceOp::kSum:
+        return launch_typed<Tr>(l, a, send, recv, count, OpSum<Tr>{}, OpSum<Tr>{}, stream);
+      case ReduceOp::kProd:
+        return launch_typed<Tr>(l, a, send, recv, count, OpProd<Tr>{}, OpProd<Tr>{}, stream);
+      case ReduceOp::kMin:
+        return launch_typed<Tr>(l, a, send, recv, count, OpMinMax<Tr, false>{},
+                                OpMinMax<Tr, false>{}, stream);
+      case ReduceOp::kMax:
+        return launch_typed<Tr>(l, a, send, recv, count, OpMinMax<Tr, true>{},
+                                OpMinMax<Tr, true>{}, stream);
+      case ReduceOp::kAvg:
+        return launch_typed<Tr>(l, a, send, recv, count, OpSum<Tr>{}, OpSumDivide<Tr>{world},
+                                stream);
+    }
+    return cudaErrorInvalidValue;
+  });
+}
+
+cudaError_t launch_wait_host(const volatile uint64_t* flag, uint64_t value,
+                             const uint32_t* abort, NodeError* error, uint64_t timeout_ns,
+                             cudaStream_t stream) {
+  if (flag == nullptr || abort == nullptr || error == nullptr) return cudaErrorInvalidValue;
+  wait_host_kernel<<<1, 1, 0, stream>>>(flag, value, abort, error, timeout_ns);
+  return cudaGetLastError();
+}
+
+}  // namespace gradsync::kernels

@@ -1,0 +1,533 @@
+#include "gpu/device_comm.h"
+
+#include <cuda_runtime_api.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "common/log.h"
+#include "kernels/cuda_node.cuh"
+
+namespace gradsync {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  return (end && *end == '\0' && x > 0) ? x : fallback;
+}
+
+size_t esize(DataType t) { return element_size(t); }
+
+// Words the kernels and the host share, in mapped pinned host memory.
+struct HostWords {
+  kernels::NodeError error;
+  uint32_t abort;
+  uint32_t pad;
+  uint64_t released;  // host-staged: the last call whose result is back in device memory
+};
+
+// One row of the set-up exchange: summed (uint8) over ranks, every other row is zero.
+struct IpcEntry {
+  int32_t pid;
+  int32_t device;
+  int32_t ok;
+  int32_t pad;
+  uint64_t addr;
+  cudaIpcMemHandle_t handle;
+  char bus_id[32];
+};
+
+// Polls until `done()` or the deadline; cudaEventSynchronize would block with no deadline.
+template <class F>
+bool poll_until(F done, Clock::time_point deadline) {
+  for (int n = 0;; ++n) {
+    if (done()) return true;
+    if (Clock::now() > deadline) return false;
+    if (n > 100) ::usleep(20);
+  }
+}
+
+}  // namespace
+
+struct DeviceComm::Impl {
+  enum class Path { kSingle, kIpc, kStaged } path = Path::kSingle;
+  kernels::NodeLayout layout;
+  kernels::NodeArgs args;
+  void* region = nullptr;
+  std::vector<void*> opened;  // peers' regions opened through IPC
+  uint64_t* progress = nullptr;
+  HostWords* words = nullptr;      // host view
+  HostWords* words_dev = nullptr;  // device view of the same memory
+
+  // host-staged
+  cudaStream_t d2h = nullptr;
+  cudaStream_t h2d = nullptr;
+  static constexpr size_t kStagingSlots = 4;
+  cudaEvent_t d2h_beg[kStagingSlots] = {}, d2h_end[kStagingSlots] = {};
+  cudaEvent_t h2d_beg[kStagingSlots] = {}, h2d_end[kStagingSlots] = {};
+  uint8_t* staging = nullptr;  // kStagingSlots pieces of pinned host memory
+  size_t piece_bytes = 4u << 20;
+  uint64_t staged_seq = 0;
+  std::mutex mu;             // staged_error and timing: the worker writes, the caller reads
+  Status staged_error;
+  StagedTiming timing;
+  bool log_timing = false;
+};
+
+DeviceComm::DeviceComm(DeviceCommConfig cfg, HostOps ops)
+    : cfg_(std::move(cfg)), ops_(std::move(ops)), impl_(std::make_unique<Impl>()) {}
+
+std::string DeviceComm::who() const {
+  return "job=" + cfg_.job + " rank " + std::to_string(cfg_.rank) + " (host " + cfg_.host +
+         ", GPU " + std::to_string(cfg_.device) + ")";
+}
+
+#define GS_CUDA(expr, what)                                                                  \
+  do {                                                                                       \
+    if (cudaError_t e_ = (expr); e_ != cudaSuccess) {                                        \
+      return Status(Code::kInternal, who() + ": " + (what) + ": " + cudaGetErrorName(e_) +  \
+                                         " (" + cudaGetErrorString(e_) + ")");              \
+    }                                                                                        \
+  } while (0)
+
+Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& cfg, HostOps ops) {
+  std::unique_ptr<DeviceComm> d(new DeviceComm(cfg, std::move(ops)));
+  Impl& m = *d->impl_;
+  int devices = 0;
+  if (cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess || devices == 0) {
+    (void)cudaGetLastError();
+    return Status(Code::kFailedPrecondition,
+                  d->who() + ": no CUDA device is visible (cudaGetDeviceCount: " +
+                      (e == cudaSuccess ? std::string("0 devices") : cudaGetErrorString(e)) +
+                      "); join without JoinOptions::device for host tensors");
+  }
+  if (cfg.device == JoinOptions::kDeviceLocalRank) d->cfg_.device = cfg.local_rank % devices;
+  if (d->cfg_.device < 0 || d->cfg_.device >= devices) {
+    return Status(Code::kInvalidArgument, d->who() + ": device " + std::to_string(cfg.device) +
+                                              " does not exist (" + std::to_string(devices) + " visible)");
+  }
+  if (cudaError_t e = cudaSetDevice(d->cfg_.device); e != cudaSuccess) {
+    return Status(Code::kFailedPrecondition, d->who() + ": cudaSetDevice: " + cudaGetErrorString(e));
+  }
+  {
+    void* w = nullptr;
+    if (cudaError_t e = cudaHostAlloc(&w, sizeof(HostWords), cudaHostAllocMapped); e != cudaSuccess) {
+      return Status(Code::kInternal, d->who() + ": cudaHostAlloc (mapped): " + cudaGetErrorString(e));
+    }
+    std::memset(w, 0, sizeof(HostWords));
+    m.words = static_cast<HostWords*>(w);
+    void* dev = nullptr;
+    if (cudaError_t e = cudaHostGetDevicePointer(&dev, w, 0); e != cudaSuccess) {
+      return Status(Code::kInternal, d->who() + ": cudaHostGetDevicePointer: " + cudaGetErrorString(e));
+    }
+    m.words_dev = static_cast<HostWords*>(dev);
+  }
+  m.log_timing = std::getenv("GRADSYNC_STAGED_TIMING") != nullptr;
+
+  if (cfg.world_size == 1) {
+    m.path = Impl::Path::kSingle;
+  } else {
+    bool ipc = false;
+    if (cfg.local_world_size == cfg.world_size && cfg.world_size <= kernels::kMaxNodeRanks &&
+        std::getenv("GRADSYNC_GPU_STAGED") == nullptr) {
+      GS_RETURN_IF_ERROR(d->setup_ipc(&ipc));
+    }
+    if (ipc) {
+      m.path = Impl::Path::kIpc;
+    } else {
+      GS_RETURN_IF_ERROR(d->setup_staged());
+      m.path = Impl::Path::kStaged;
+    }
+  }
+  log::get("gpu")->info("{}: GPU collectives by {}", d->who(), d->path());
+
+  // The abort word: waits in kernels stop when the job is aborted or the daemon is lost.
+  d->watcher_ = std::thread([p = d.get()] {
+    while (!p->stop_.load(std::memory_order_acquire)) {
+      if (!p->ops_.abort_reason().empty()) {
+        __atomic_store_n(&p->impl_->words->abort, 1u, __ATOMIC_RELEASE);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  });
+  return d;
+}
+
+Status DeviceComm::setup_ipc(bool* usable) {
+  Impl& m = *impl_;
+  *usable = false;
+  const int n = cfg_.world_size;
+  cudaDeviceProp prop{};
+  GS_CUDA(cudaGetDeviceProperties(&prop, cfg_.device), "cudaGetDeviceProperties");
+  // Every rank's kernel must be resident at once (the blocks wait on each other): ranks that
+  // share a GPU share its SMs.
+  int shares = 1;
+  {
+    std::vector<int32_t> dev(n, 0);
+    dev[cfg_.rank] = cfg_.device + 1;
+    GS_RETURN_IF_ERROR(ops_.allreduce_now(dev.data(), dev.data(), n, DataType::kInt32, ReduceOp::kSum));
+    shares = int(std::count(dev.begin(), dev.end(), cfg_.device + 1));
+  }
+  int32_t blocks = int32_t(env_long("GRADSYNC_GPU_BLOCKS", 32));
+  blocks = std::clamp(blocks, 1, std::max(1, prop.multiProcessorCount / shares));
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(&blocks, &blocks, 1, DataType::kInt32, ReduceOp::kMin));
+  m.layout.nranks = n;
+  m.layout.blocks = uint32_t(blocks);
+  m.layout.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GPU_SLOTS", 4)));
+  m.layout.chunk_bytes = uint64_t(env_long("GRADSYNC_GPU_CHUNK", 128 << 10)) / 256 * 256;
+  if (!m.layout.valid()) {
+    return {Code::kInvalidArgument, who() + ": GPU layout blocks=" + std::to_string(blocks) +
+                                         " slots=" + std::to_string(m.layout.slots) + " chunk=" +
+                                         std::to_string(m.layout.chunk_bytes) + " is invalid"};
+  }
+  GS_CUDA(cudaMalloc(&m.region, m.layout.region_bytes()), "cudaMalloc of the IPC region (" +
+                                                              std::to_string(m.layout.region_bytes()) + " bytes)");
+  GS_CUDA(cudaMemset(m.region, 0, m.layout.flags_bytes()), "cudaMemset");
+  GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.progress), m.layout.blocks * sizeof(uint64_t)), "cudaMalloc");
+  GS_CUDA(cudaMemset(m.progress, 0, m.layout.blocks * sizeof(uint64_t)), "cudaMemset");
+  GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+
+  std::vector<IpcEntry> table(n);
+  std::memset(table.data(), 0, n * sizeof(IpcEntry));
+  IpcEntry& mine = table[cfg_.rank];
+  mine.pid = int32_t(::getpid());
+  mine.device = cfg_.device;
+  mine.addr = reinterpret_cast<uint64_t>(m.region);
+  GS_CUDA(cudaIpcGetMemHandle(&mine.handle, m.region), "cudaIpcGetMemHandle");
+  (void)cudaDeviceGetPCIBusId(mine.bus_id, sizeof(mine.bus_id) - 1, cfg_.device);
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(table.data(), table.data(), n * sizeof(IpcEntry),
+                                        DataType::kUInt8, ReduceOp::kSum));
+
+  std::string why;
+  m.args.me = cfg_.rank;
+  for (int p = 0; p < n; ++p) {
+    if (p == cfg_.rank) {
+      m.args.region[p] = static_cast<uint8_t*>(m.region);
+      continue;
+    }
+    const IpcEntry& e = table[p];
+    if (e.pid == mine.pid) {
+      // A rank of this process (ranks as threads): its pointer is valid here; another GPU
+      // needs peer access.
+      if (e.device != cfg_.device) {
+        cudaError_t r = cudaDeviceEnablePeerAccess(e.device, 0);
+        if (r != cudaSuccess && r != cudaErrorPeerAccessAlreadyEnabled) {
+          why = "peer access to GPU " + std::to_string(e.device) + ": " + cudaGetErrorString(r);
+          (void)cudaGetLastError();
+          break;
+        }
+        (void)cudaGetLastError();
+      }
+      m.args.region[p] = reinterpret_cast<uint8_t*>(e.addr);
+      continue;
+    }
+    void* ptr = nullptr;
+    cudaError_t r = cudaIpcOpenMemHandle(&ptr, e.handle, cudaIpcMemLazyEnablePeerAccess);
+    if (r != cudaSuccess) {
+      why = "cudaIpcOpenMemHandle of rank " + std::to_string(p) + " (GPU " + e.bus_id + "): " +
+            cudaGetErrorString(r);
+      (void)cudaGetLastError();
+      break;
+    }
+    m.opened.push_back(ptr);
+    m.args.region[p] = static_cast<uint8_t*>(ptr);
+  }
+  int32_t ok = why.empty() ? 1 : 0;
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(&ok, &ok, 1, DataType::kInt32, ReduceOp::kMin));
+  if (ok == 0) {
+    auto log = log::get("gpu");
+    if (!why.empty()) log->warn("{}: no CUDA IPC path: {}; using host staging", who(), why);
+    else log->warn("{}: a peer could not open CUDA IPC; using host staging", who());
+    for (void* p : m.opened) (void)cudaIpcCloseMemHandle(p);
+    m.opened.clear();
+    (void)cudaFree(m.region);
+    (void)cudaFree(m.progress);
+    m.region = nullptr;
+    m.progress = nullptr;
+    return Status::Ok();
+  }
+  m.args.progress = m.progress;
+  m.args.error = &m.words_dev->error;
+  m.args.abort = &m.words_dev->abort;
+  m.args.timeout_ns = uint64_t(cfg_.op_timeout.count()) * 1'000'000ull;
+  *usable = true;
+  return Status::Ok();
+}
+
+Status DeviceComm::setup_staged() {
+  Impl& m = *impl_;
+  GS_CUDA(cudaStreamCreateWithFlags(&m.d2h, cudaStreamNonBlocking), "cudaStreamCreate");
+  GS_CUDA(cudaStreamCreateWithFlags(&m.h2d, cudaStreamNonBlocking), "cudaStreamCreate");
+  m.piece_bytes = size_t(env_long("GRADSYNC_STAGE_PIECE", 4 << 20));
+  m.piece_bytes = std::max<size_t>(4096, m.piece_bytes / 64 * 64);
+  for (size_t k = 0; k < Impl::kStagingSlots; ++k) {
+    for (cudaEvent_t* e : {&m.d2h_beg[k], &m.d2h_end[k], &m.h2d_beg[k], &m.h2d_end[k]}) {
+      GS_CUDA(cudaEventCreate(e), "cudaEventCreate");
+    }
+  }
+  void* p = nullptr;
+  GS_CUDA(cudaHostAlloc(&p, Impl::kStagingSlots * m.piece_bytes, cudaHostAllocDefault),
+          "cudaHostAlloc of the staging slots");
+  m.staging = static_cast<uint8_t*>(p);
+  return Status::Ok();
+}
+
+DeviceComm::~DeviceComm() {
+  stop_.store(true, std::memory_order_release);
+  if (watcher_.joinable()) watcher_.join();
+  Impl& m = *impl_;
+  (void)cudaSetDevice(cfg_.device);
+  for (void* p : m.opened) (void)cudaIpcCloseMemHandle(p);
+  if (m.region) (void)cudaFree(m.region);
+  if (m.progress) (void)cudaFree(m.progress);
+  for (size_t k = 0; k < Impl::kStagingSlots; ++k) {
+    for (cudaEvent_t e : {m.d2h_beg[k], m.d2h_end[k], m.h2d_beg[k], m.h2d_end[k]}) {
+      if (e) (void)cudaEventDestroy(e);
+    }
+  }
+  if (m.d2h) (void)cudaStreamDestroy(m.d2h);
+  if (m.h2d) (void)cudaStreamDestroy(m.h2d);
+  if (m.staging) (void)cudaFreeHost(m.staging);
+  if (m.words) (void)cudaFreeHost(m.words);
+}
+
+const char* DeviceComm::path() const {
+  switch (impl_->path) {
+    case Impl::Path::kSingle: return "single-rank";
+    case Impl::Path::kIpc: return "cuda-ipc";
+    case Impl::Path::kStaged: return "host-staged";
+  }
+  return "?";
+}
+
+DeviceComm::StagedTiming DeviceComm::last_staged_timing() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->timing;
+}
+
+Status DeviceComm::fail_from_error_word() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard lock(m.mu);
+    if (!m.staged_error.ok()) {
+      failed_ = m.staged_error;
+      return failed_;
+    }
+  }
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  const volatile kernels::NodeError& w = m.words->error;
+  const kernels::NodeError e{w.code, w.peer, w.block, w.what};
+  if (e.code == 0) return Status::Ok();
+  const double ms = double(cfg_.op_timeout.count());
+  std::string what;
+  if (e.what == 2) {
+    what = "the stream waited for host-staged results";
+  } else {
+    what = std::string("block ") + std::to_string(e.block) + " waited for rank " +
+           std::to_string(e.peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
+  }
+  if (e.code == 1) {
+    failed_ = {Code::kDeadlineExceeded,
+               who() + ": a GPU allreduce did not finish: " + what + " for more than " +
+                   std::to_string(int64_t(ms)) + " ms (op timeout); that rank is slow, hung, or "
+                   "never called the same allreduce"};
+  } else {
+    std::string reason = ops_.abort_reason();
+    failed_ = {Code::kAborted, who() + ": a GPU allreduce stopped: " + what + " when the job was aborted" +
+                                   (reason.empty() ? "" : ": " + reason)};
+  }
+  return failed_;
+}
+
+Status DeviceComm::async_error() {
+  if (!failed_.ok()) return failed_;
+  return fail_from_error_word();
+}
+
+Status DeviceComm::check_buffers(const void* send, void* recv, size_t bytes) const {
+  for (const void* p : {send, static_cast<const void*>(recv)}) {
+    const char* name = p == send ? "send" : "recv";
+    if (p == nullptr) return {Code::kInvalidArgument, std::string("null ") + name + " buffer"};
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return {Code::kInvalidArgument, std::string(name) + " buffer is not memory CUDA knows"};
+    }
+    if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) {
+      return {Code::kInvalidArgument,
+              std::string(name) + " buffer is host memory; the stream form of allreduce takes "
+                                  "device memory (use the form without a stream for host buffers)"};
+    }
+    if (a.device != cfg_.device) {
+      return {Code::kInvalidArgument, std::string(name) + " buffer is on GPU " + std::to_string(a.device) +
+                                          ", the communicator on GPU " + std::to_string(cfg_.device)};
+    }
+  }
+  const auto s = reinterpret_cast<uintptr_t>(send), r = reinterpret_cast<uintptr_t>(recv);
+  if (s != r && s < r + bytes && r < s + bytes) {
+    return {Code::kInvalidArgument, "send and recv overlap without being the same buffer"};
+  }
+  return Status::Ok();
+}
+
+Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataType type,
+                             ReduceOp op, cudaStream_t stream) {
+  const uint64_t call = ++calls_;
+  auto refused = [&](const Status& s) {
+    return Status(s.code(), who() + ": GPU allreduce #" + std::to_string(call) + " (count=" +
+                                std::to_string(count) + " type=" + to_string(type) + " op=" +
+                                to_string(op) + ") refused: " + s.message());
+  };
+  if (Status s = async_error(); !s.ok()) {
+    return {Code::kFailedPrecondition, "communicator failed earlier: " + s.to_string()};
+  }
+  const size_t es = esize(type);
+  if (es == 0) return refused({Code::kInvalidArgument, "unknown data type"});
+  if (unsigned(op) >= unsigned(kNumReduceOps)) return refused({Code::kInvalidArgument, "unknown op"});
+  if (count == 0) return Status::Ok();
+  if (count > (size_t(1) << 62) / es) return refused({Code::kInvalidArgument, "count too large"});
+  if (Status s = check_buffers(send, recv, count * es); !s.ok()) return refused(s);
+  if (reinterpret_cast<uintptr_t>(send) % es || reinterpret_cast<uintptr_t>(recv) % es) {
+    return refused({Code::kInvalidArgument, "buffers must be aligned to the element size"});
+  }
+
+  int prev = -1;
+  (void)cudaGetDevice(&prev);
+  if (prev != cfg_.device) GS_CUDA(cudaSetDevice(cfg_.device), "cudaSetDevice");
+  struct Restore {
+    int d, mine;
+    ~Restore() {
+      if (d >= 0 && d != mine) (void)cudaSetDevice(d);
+    }
+  } restore{prev, cfg_.device};
+
+  Impl& m = *impl_;
+  switch (m.path) {
+    case Impl::Path::kSingle:
+      if (send != recv) {
+        GS_CUDA(cudaMemcpyAsync(recv, send, count * es, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
+      }
+      return Status::Ok();
+    case Impl::Path::kIpc:
+      GS_CUDA(kernels::launch_node_allreduce(m.layout, m.args, type, op, send, recv, count, stream),
+              "launching the node allreduce kernel");
+      return Status::Ok();
+    case Impl::Path::kStaged:
+      break;
+  }
+
+  // Host-staged: the stream waits on a kernel until the worker released this call. The worker
+  // is started by this call, not by the stream: a captured graph could not replay it.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  GS_CUDA(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+  if (capture != cudaStreamCaptureStatusNone) {
+    return refused({Code::kFailedPrecondition,
+                    "the host-staged path (ranks on several nodes) cannot be captured in a CUDA "
+                    "graph: its host half runs when the call is made, not when the graph is "
+                    "launched"});
+  }
+  const uint64_t seq = ++m.staged_seq;
+  cudaEvent_t start = nullptr;
+  GS_CUDA(cudaEventCreateWithFlags(&start, cudaEventDisableTiming), "cudaEventCreate");
+  GS_CUDA(cudaEventRecord(start, stream), "cudaEventRecord");
+  GS_CUDA(kernels::launch_wait_host(&m.words_dev->released, seq, &m.words_dev->abort,
+                                    &m.words_dev->error,
+                                    uint64_t(cfg_.op_timeout.count()) * 1'000'000ull, stream),
+          "launching the stream-wait kernel");
+  const size_t bytes = count * es;
+  ops_.enqueue([this, seq, start, send, recv, type, op, bytes, es]() -> Status {
+    Impl& m = *impl_;
+    Status s = run_staged(start, send, recv, bytes, type, op, es);
+    (void)cudaEventDestroy(start);
+    if (!s.ok()) {
+      std::lock_guard lock(m.mu);
+      if (m.staged_error.ok()) m.staged_error = s;
+    } else if (m.log_timing && cfg_.rank == 0) {
+      const StagedTiming t = last_staged_timing();
+      const double copies = t.d2h_us + t.h2d_us;
+      const double hidden = copies > 0 ? std::clamp((copies + t.network_us - t.wall_us) / copies, 0.0, 1.0) : 0;
+      log::get("gpu")->info("staged allreduce #{} {} bytes, {} pieces: wall {:.0f} us, D2H {:.0f} us, "
+                            "network {:.0f} us, H2D {:.0f} us, copy time hidden {:.0f}%",
+                            seq, bytes, t.pieces, t.wall_us, t.d2h_us, t.network_us, t.h2d_us, 100 * hidden);
+    }
+    // Released even on failure, so the stream does not sit until its deadline; the error is
+    // reported by async_error() and every later call.
+    __atomic_store_n(&m.words->released, seq, __ATOMIC_RELEASE);
+    return s;
+  });
+  return Status::Ok();
+}
+
+// On the worker. Pieces go through kStagingSlots pinned slots allocated at set-up: nothing
+// here allocates or frees CUDA memory, which could wait for the device, where the caller's
+// stream is held by the wait kernel until this function is done. The D2H stream copies piece
+// i + kStagingSlots into a slot only after the H2D stream copied piece i out of it (an event
+// wait on the GPU, not here).
+Status DeviceComm::run_staged(cudaEvent_t start, const void* send, void* recv, size_t bytes,
+                              DataType type, ReduceOp op, size_t es) {
+  Impl& m = *impl_;
+  (void)cudaSetDevice(cfg_.device);
+  const auto deadline = Clock::now() + cfg_.op_timeout;
+  auto wait_event = [&](cudaEvent_t e, const char* what) -> Status {
+    if (!poll_until([&] { return cudaEventQuery(e) != cudaErrorNotReady; }, deadline)) {
+      return {Code::kDeadlineExceeded, who() + ": " + what + " did not finish within the op timeout"};
+    }
+    GS_CUDA(cudaEventQuery(e), what);
+    return Status::Ok();
+  };
+  GS_RETURN_IF_ERROR(wait_event(start, "work queued on the stream before the GPU allreduce"));
+  const size_t piece = std::max(es, m.piece_bytes / es * es);
+  const size_t pieces = (bytes + piece - 1) / piece;
+  const size_t K = Impl::kStagingSlots;
+  auto span = [&](size_t i) { return std::min(piece, bytes - i * piece); };
+  auto slot_mem = [&](size_t i) { return m.staging + (i % K) * m.piece_bytes; };
+  StagedTiming t;
+  t.pieces = int(pieces);
+  auto elapsed_us = [](cudaEvent_t a, cudaEvent_t b) {
+    float ms = 0;
+    return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? double(ms) * 1e3 : 0.0;
+  };
+  auto issue_d2h = [&](size_t i) -> Status {
+    const size_t k = i % K;
+    if (i >= K) GS_CUDA(cudaStreamWaitEvent(m.d2h, m.h2d_end[k], 0), "cudaStreamWaitEvent");
+    GS_CUDA(cudaEventRecord(m.d2h_beg[k], m.d2h), "cudaEventRecord");
+    GS_CUDA(cudaMemcpyAsync(slot_mem(i), static_cast<const uint8_t*>(send) + i * piece, span(i),
+                            cudaMemcpyDeviceToHost, m.d2h), "cudaMemcpyAsync device-to-host");
+    GS_CUDA(cudaEventRecord(m.d2h_end[k], m.d2h), "cudaEventRecord");
+    return Status::Ok();
+  };
+  const auto t0 = Clock::now();
+  for (size_t i = 0; i < std::min(K, pieces); ++i) GS_RETURN_IF_ERROR(issue_d2h(i));
+  for (size_t i = 0; i < pieces; ++i) {
+    const size_t k = i % K;
+    GS_RETURN_IF_ERROR(wait_event(m.d2h_end[k], "device-to-host copy"));
+    t.d2h_us += elapsed_us(m.d2h_beg[k], m.d2h_end[k]);
+    if (i >= K) t.h2d_us += elapsed_us(m.h2d_beg[k], m.h2d_end[k]);  // piece i - K, done
+    const auto n0 = Clock::now();
+    GS_RETURN_IF_ERROR(ops_.allreduce_on_worker(slot_mem(i), slot_mem(i), span(i) / es, type, op));
+    t.network_us += std::chrono::duration<double, std::micro>(Clock::now() - n0).count();
+    GS_CUDA(cudaEventRecord(m.h2d_beg[k], m.h2d), "cudaEventRecord");
+    GS_CUDA(cudaMemcpyAsync(static_cast<uint8_t*>(recv) + i * piece, slot_mem(i), span(i),
+                            cudaMemcpyHostToDevice, m.h2d), "cudaMemcpyAsync host-to-device");
+    GS_CUDA(cudaEventRecord(m.h2d_end[k], m.h2d), "cudaEventRecord");
+    if (i + K < pieces) GS_RETURN_IF_ERROR(issue_d2h(i + K));
+  }
+  GS_RETURN_IF_ERROR(wait_event(m.h2d_end[(pieces - 1) % K], "host-to-device copy"));
+  for (size_t i = pieces > K ? pieces - K : 0; i < pieces; ++i) {
+    t.h2d_us += elapsed_us(m.h2d_beg[i % K], m.h2d_end[i % K]);
+  }
+  t.wall_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+  std::lock_guard lock(m.mu);
+  m.timing = t;
+  return Status::Ok();
+}
+
+}  // namespace gradsync

@@ -1,0 +1,93 @@
+// GPU allreduce through the real coordinator, daemons and trainer processes (gpu_worker):
+// one node (CUDA IPC between the ranks' GPUs) and two daemons as two nodes (host-staged).
+// Skips itself where no CUDA device is visible. Ranks get GPU rank % devices.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "cluster.h"
+
+namespace gradsync::testing {
+namespace {
+
+int devices() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) return 0;
+  return n;
+}
+
+#define REQUIRE_GPU()                                             \
+  do {                                                            \
+    if (devices() == 0) GTEST_SKIP() << "no CUDA device visible"; \
+  } while (0)
+
+JobSpec gpu_job(const std::string& name, int world, std::vector<int> per_daemon,
+                std::vector<std::string> args) {
+  JobSpec spec;
+  spec.job = name;
+  spec.world = world;
+  spec.ranks_per_daemon = std::move(per_daemon);
+  spec.args = std::move(args);
+  spec.program = "gpu_worker";
+  const int n = devices();
+  spec.per_rank = [n](int rank, Env& env) { env["GRADSYNC_DEVICE"] = std::to_string(rank % n); };
+  return spec;
+}
+
+const char* kCounts = "1,3,1000,4097,65536,1048579";
+
+TEST(GpuAllreduce, OneNodeTwoRanksEveryTypeAndOp) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("gpu1", 2, {2}, {"matrix", kCounts}));
+  std::string bad = all_succeeded(ranks, Millis(240'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  EXPECT_NE(ranks[0].output().find("path cuda-ipc"), std::string::npos) << ranks[0].output();
+}
+
+TEST(GpuAllreduce, TwoNodesHostStagedEveryTypeAndOp) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 2});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("gpu2", 2, {1, 1}, {"matrix", kCounts}));
+  std::string bad = all_succeeded(ranks, Millis(240'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  EXPECT_NE(ranks[0].output().find("path host-staged"), std::string::npos) << ranks[0].output();
+}
+
+TEST(GpuAllreduce, FourRanksTwoNodesHostStaged) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 2});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("gpu4", 4, {2, 2}, {"matrix", "1,1000,65537"}));
+  std::string bad = all_succeeded(ranks, Millis(240'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+}
+
+TEST(GpuAllreduce, CapturedInACudaGraphReplays) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("graph", 2, {2}, {"graph", "300000"}));
+  std::string bad = all_succeeded(ranks, Millis(120'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+}
+
+TEST(GpuAllreduce, AbsentPeerFailsByTheDeadline) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  JobSpec spec = gpu_job("absent", 2, {2}, {"absent"});
+  spec.env["GRADSYNC_OP_TIMEOUT_MS"] = "2000";
+  auto ranks = c.spawn_ranks(spec);
+  std::string bad = all_succeeded(ranks, Millis(60'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  const std::string line = line_with(ranks[0].output(), "async_error");
+  EXPECT_NE(line.find("DEADLINE_EXCEEDED"), std::string::npos) << ranks[0].output();
+  EXPECT_NE(line.find("rank 1"), std::string::npos) << line;
+}
+
+}  // namespace
+}  // namespace gradsync::testing
