@@ -639,8 +639,12 @@ class GpuBench {
     if (check) {
       // Poison the output (0x7f bytes: NaN or a huge value in the float types, 127 or more in
       // the integer types, all outside the patterns' results), then upload the input.
+      // Both on the legacy stream, which does not order against stream_ (non-blocking), and
+      // cudaMemcpy from pageable memory may return before the data landed: synchronise the
+      // device before the call reads the buffers.
       if (!cuda(cudaMemset(w.d_recv, 0x7f, w.bytes), "cudaMemset") ||
-          !cuda(cudaMemcpy(send, w.in.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy"))
+          !cuda(cudaMemcpy(send, w.in.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy") ||
+          !cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (uploads)"))
         return c;
       if (std::string e = lib.call(w, send, recv); !e.empty()) return failed(e);
       if (!cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (checked call)")) return c;
@@ -664,6 +668,7 @@ class GpuBench {
       if (!cuda(cudaMemcpy(w.d_send, w.in.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy"))
         return c;
     }
+    if (!cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (uploads)")) return c;
     for (int i = 0; i < opt_.warmup; ++i) {
       if (std::string e = lib.call(w, send, recv); !e.empty()) return failed(e);
     }
