@@ -37,9 +37,12 @@ struct NodeLayout {
   uint32_t blocks = 0;       // thread blocks of a launch, at most
   uint32_t slots = 0;        // per (block, source), >= 2
   uint64_t chunk_bytes = 0;  // largest chunk, a multiple of 256
+  uint64_t ll_max_bytes = 0;  // largest message of the low-latency protocol (0: never)
 
   uint64_t flags_bytes() const;   // ready + freed, rounded up to 4 KiB
-  uint64_t region_bytes() const;  // flags + slots: one rank's allocation
+  uint64_t ll_offset() const;     // after the slots
+  uint64_t ll_stride() const;     // one source's low-latency lines of one parity
+  uint64_t region_bytes() const;  // flags + slots + low-latency lines: one rank's allocation
   bool valid() const;
 };
 
@@ -54,12 +57,20 @@ struct NodeError {
 struct NodeArgs {
   int me = 0;
   uint8_t* region[kMaxNodeRanks] = {};  // every rank's region, addressable on this device
-  uint64_t* progress = nullptr;          // layout.blocks words in this device's memory
+  uint64_t* progress = nullptr;          // 2 * layout.blocks words in this device's memory
   NodeError* error = nullptr;            // mapped pinned host memory
   const uint32_t* abort = nullptr;       // mapped pinned host memory; nonzero stops waits
   uint64_t timeout_ns = 0;
 };
 
+// Low-latency protocol (messages up to layout.ll_max_bytes): every 8 bytes of input travel as
+// one 16-byte line {data, flag, data, flag} stored at once into each peer's line buffer, the
+// flag being the block's call count; the receiver spins on the lines themselves, so there is
+// no fence, no separate flag and no slot credit. Lines alternate between two buffers by call
+// parity: a peer cannot write call c + 2's lines before this rank pushed call c + 1's, which
+// it does only after it finished reading call c's. Twice the bytes on the link, a fraction
+// of the latency.
+//
 // recv[i] = op over ranks of send[i]. Queues one kernel on `stream`. send == recv is allowed.
 // cudaErrorInvalidValue (nothing launched) for an invalid layout, type or op, null or
 // misaligned buffers.
@@ -71,10 +82,16 @@ cudaError_t launch_node_allreduce(const NodeLayout& layout, const NodeArgs& args
 uint32_t node_blocks_used(const NodeLayout& layout, size_t bytes);
 
 // One thread waits until *flag >= value (flag in mapped pinned host memory, written by a host
-// thread), or *abort is nonzero, or timeout_ns passed (then error->code is set). Used to make
-// a stream wait for host-side work without blocking the host.
+// thread), or *abort is nonzero, or timeout_ns passed (then error->code is set); adds the time
+// it waited to *waited_ns when that is not null. Makes a stream wait for host-side work
+// without blocking the host.
 cudaError_t launch_wait_host(const volatile uint64_t* flag, uint64_t value,
                              const uint32_t* abort, NodeError* error, uint64_t timeout_ns,
-                             cudaStream_t stream);
+                             uint64_t* waited_ns, cudaStream_t stream);
+
+// One thread stores %globaltimer to *stamp_ns (if not null), then value to *word (if not null),
+// both in mapped pinned host memory: tells a host thread that the stream got this far.
+cudaError_t launch_signal_host(uint64_t* word, uint64_t value, uint64_t* stamp_ns,
+                               cudaStream_t stream);
 
 }  // namespace gradsync::kernels

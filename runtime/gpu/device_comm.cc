@@ -31,7 +31,11 @@ struct HostWords {
   kernels::NodeError error;
   uint32_t abort;
   uint32_t pad;
-  uint64_t released;  // host-staged: the last call whose result is back in device memory
+  // host-staged, counted in pieces since set-up (monotonic):
+  uint64_t landed;   // the stream copied this many pieces to the staging slots
+  uint64_t reduced;  // the worker reduced this many pieces in place
+  uint64_t done;     // calls whose results the stream copied back
+  uint64_t start_ns, done_ns, waited_ns;  // GPU clock: the last call's span, its waits
 };
 
 // One row of the set-up exchange: summed (uint8) over ranks, every other row is zero.
@@ -45,7 +49,7 @@ struct IpcEntry {
   char bus_id[32];
 };
 
-// Polls until `done()` or the deadline; cudaEventSynchronize would block with no deadline.
+// Polls until `done()` or the deadline (every wait has one).
 template <class F>
 bool poll_until(F done, Clock::time_point deadline) {
   for (int n = 0;; ++n) {
@@ -68,14 +72,11 @@ struct DeviceComm::Impl {
   HostWords* words_dev = nullptr;  // device view of the same memory
 
   // host-staged
-  cudaStream_t d2h = nullptr;
-  cudaStream_t h2d = nullptr;
   static constexpr size_t kStagingSlots = 4;
-  cudaEvent_t d2h_beg[kStagingSlots] = {}, d2h_end[kStagingSlots] = {};
-  cudaEvent_t h2d_beg[kStagingSlots] = {}, h2d_end[kStagingSlots] = {};
   uint8_t* staging = nullptr;  // kStagingSlots pieces of pinned host memory
   size_t piece_bytes = 4u << 20;
   uint64_t staged_seq = 0;
+  uint64_t pieces_queued = 0;  // pieces of every staged call so far (the stream's count)
   std::mutex mu;             // staged_error and timing: the worker writes, the caller reads
   Status staged_error;
   StagedTiming timing;
@@ -176,13 +177,19 @@ Status DeviceComm::setup_ipc(bool* usable) {
     GS_RETURN_IF_ERROR(ops_.allreduce_now(dev.data(), dev.data(), n, DataType::kInt32, ReduceOp::kSum));
     shares = int(std::count(dev.begin(), dev.end(), cfg_.device + 1));
   }
-  int32_t blocks = int32_t(env_long("GRADSYNC_GPU_BLOCKS", 32));
+  // Defaults measured on 2 H200s over NVLink (docs/benchmarks.md): 128 blocks of 256 KiB
+  // chunks reach NCCL's bus bandwidth; the chunk shrinks with more ranks so that the region
+  // stays 256 MiB. The low-latency protocol below GRADSYNC_GPU_LL_MAX bytes.
+  int32_t blocks = int32_t(env_long("GRADSYNC_GPU_BLOCKS", 128));
   blocks = std::clamp(blocks, 1, std::max(1, prop.multiProcessorCount / shares));
   GS_RETURN_IF_ERROR(ops_.allreduce_now(&blocks, &blocks, 1, DataType::kInt32, ReduceOp::kMin));
   m.layout.nranks = n;
   m.layout.blocks = uint32_t(blocks);
   m.layout.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GPU_SLOTS", 4)));
-  m.layout.chunk_bytes = uint64_t(env_long("GRADSYNC_GPU_CHUNK", 128 << 10)) / 256 * 256;
+  const long chunk = std::max(4096L, (512L << 10) / std::max(2, n));
+  m.layout.chunk_bytes = uint64_t(env_long("GRADSYNC_GPU_CHUNK", chunk)) / 256 * 256;
+  const char* ll = std::getenv("GRADSYNC_GPU_LL_MAX");
+  m.layout.ll_max_bytes = ll && *ll ? uint64_t(std::strtoull(ll, nullptr, 10)) : uint64_t(1 << 20);
   if (!m.layout.valid()) {
     return {Code::kInvalidArgument, who() + ": GPU layout blocks=" + std::to_string(blocks) +
                                          " slots=" + std::to_string(m.layout.slots) + " chunk=" +
@@ -191,8 +198,10 @@ Status DeviceComm::setup_ipc(bool* usable) {
   GS_CUDA(cudaMalloc(&m.region, m.layout.region_bytes()), "cudaMalloc of the IPC region (" +
                                                               std::to_string(m.layout.region_bytes()) + " bytes)");
   GS_CUDA(cudaMemset(m.region, 0, m.layout.flags_bytes()), "cudaMemset");
-  GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.progress), m.layout.blocks * sizeof(uint64_t)), "cudaMalloc");
-  GS_CUDA(cudaMemset(m.progress, 0, m.layout.blocks * sizeof(uint64_t)), "cudaMemset");
+  GS_CUDA(cudaMemset(static_cast<uint8_t*>(m.region) + m.layout.ll_offset(), 0,
+                     m.layout.region_bytes() - m.layout.ll_offset()), "cudaMemset");
+  GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.progress), 2 * m.layout.blocks * sizeof(uint64_t)), "cudaMalloc");
+  GS_CUDA(cudaMemset(m.progress, 0, 2 * m.layout.blocks * sizeof(uint64_t)), "cudaMemset");
   GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
   std::vector<IpcEntry> table(n);
@@ -264,15 +273,8 @@ Status DeviceComm::setup_ipc(bool* usable) {
 
 Status DeviceComm::setup_staged() {
   Impl& m = *impl_;
-  GS_CUDA(cudaStreamCreateWithFlags(&m.d2h, cudaStreamNonBlocking), "cudaStreamCreate");
-  GS_CUDA(cudaStreamCreateWithFlags(&m.h2d, cudaStreamNonBlocking), "cudaStreamCreate");
   m.piece_bytes = size_t(env_long("GRADSYNC_STAGE_PIECE", 4 << 20));
   m.piece_bytes = std::max<size_t>(4096, m.piece_bytes / 64 * 64);
-  for (size_t k = 0; k < Impl::kStagingSlots; ++k) {
-    for (cudaEvent_t* e : {&m.d2h_beg[k], &m.d2h_end[k], &m.h2d_beg[k], &m.h2d_end[k]}) {
-      GS_CUDA(cudaEventCreate(e), "cudaEventCreate");
-    }
-  }
   void* p = nullptr;
   GS_CUDA(cudaHostAlloc(&p, Impl::kStagingSlots * m.piece_bytes, cudaHostAllocDefault),
           "cudaHostAlloc of the staging slots");
@@ -288,13 +290,6 @@ DeviceComm::~DeviceComm() {
   for (void* p : m.opened) (void)cudaIpcCloseMemHandle(p);
   if (m.region) (void)cudaFree(m.region);
   if (m.progress) (void)cudaFree(m.progress);
-  for (size_t k = 0; k < Impl::kStagingSlots; ++k) {
-    for (cudaEvent_t e : {m.d2h_beg[k], m.d2h_end[k], m.h2d_beg[k], m.h2d_end[k]}) {
-      if (e) (void)cudaEventDestroy(e);
-    }
-  }
-  if (m.d2h) (void)cudaStreamDestroy(m.d2h);
-  if (m.h2d) (void)cudaStreamDestroy(m.h2d);
   if (m.staging) (void)cudaFreeHost(m.staging);
   if (m.words) (void)cudaFreeHost(m.words);
 }
@@ -424,109 +419,117 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
       break;
   }
 
-  // Host-staged: the stream waits on a kernel until the worker released this call. The worker
-  // is started by this call, not by the stream: a captured graph could not replay it.
+  // Host-staged. Everything the GPU does is queued now, on the caller's stream; the worker
+  // makes no CUDA call (one could wait behind a synchronous copy the caller makes while the
+  // stream waits for the worker). Pieces cycle through kStagingSlots pinned slots:
+  //   D2H p0, signal(landed) ... D2H p(K-1), signal(landed),
+  //   for each piece i: wait(reduced >= i), H2D p_i, D2H p_(i+K), signal(landed),
+  //   signal(done).
+  // The worker waits for `landed`, runs the host allreduce on the slot, publishes `reduced`.
+  // Stream order makes slot reuse safe: D2H of piece i + K is queued after H2D of piece i.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   GS_CUDA(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
   if (capture != cudaStreamCaptureStatusNone) {
     return refused({Code::kFailedPrecondition,
                     "the host-staged path (ranks on several nodes) cannot be captured in a CUDA "
-                    "graph: its host half runs when the call is made, not when the graph is "
-                    "launched"});
+                    "graph: its host half is started by the call, not by the graph's launch"});
   }
-  const uint64_t seq = ++m.staged_seq;
-  cudaEvent_t start = nullptr;
-  GS_CUDA(cudaEventCreateWithFlags(&start, cudaEventDisableTiming), "cudaEventCreate");
-  GS_CUDA(cudaEventRecord(start, stream), "cudaEventRecord");
-  GS_CUDA(kernels::launch_wait_host(&m.words_dev->released, seq, &m.words_dev->abort,
-                                    &m.words_dev->error,
-                                    uint64_t(cfg_.op_timeout.count()) * 1'000'000ull, stream),
-          "launching the stream-wait kernel");
   const size_t bytes = count * es;
-  ops_.enqueue([this, seq, start, send, recv, type, op, bytes, es]() -> Status {
-    Impl& m = *impl_;
-    Status s = run_staged(start, send, recv, bytes, type, op, es);
-    (void)cudaEventDestroy(start);
-    if (!s.ok()) {
-      std::lock_guard lock(m.mu);
-      if (m.staged_error.ok()) m.staged_error = s;
-    } else if (m.log_timing && cfg_.rank == 0) {
-      const StagedTiming t = last_staged_timing();
-      const double copies = t.d2h_us + t.h2d_us;
-      const double hidden = copies > 0 ? std::clamp((copies + t.network_us - t.wall_us) / copies, 0.0, 1.0) : 0;
-      log::get("gpu")->info("staged allreduce #{} {} bytes, {} pieces: wall {:.0f} us, D2H {:.0f} us, "
-                            "network {:.0f} us, H2D {:.0f} us, copy time hidden {:.0f}%",
-                            seq, bytes, t.pieces, t.wall_us, t.d2h_us, t.network_us, t.h2d_us, 100 * hidden);
-    }
-    // Released even on failure, so the stream does not sit until its deadline; the error is
-    // reported by async_error() and every later call.
-    __atomic_store_n(&m.words->released, seq, __ATOMIC_RELEASE);
-    return s;
-  });
-  return Status::Ok();
-}
-
-// On the worker. Pieces go through kStagingSlots pinned slots allocated at set-up: nothing
-// here allocates or frees CUDA memory, which could wait for the device, where the caller's
-// stream is held by the wait kernel until this function is done. The D2H stream copies piece
-// i + kStagingSlots into a slot only after the H2D stream copied piece i out of it (an event
-// wait on the GPU, not here).
-Status DeviceComm::run_staged(cudaEvent_t start, const void* send, void* recv, size_t bytes,
-                              DataType type, ReduceOp op, size_t es) {
-  Impl& m = *impl_;
-  (void)cudaSetDevice(cfg_.device);
-  const auto deadline = Clock::now() + cfg_.op_timeout;
-  auto wait_event = [&](cudaEvent_t e, const char* what) -> Status {
-    if (!poll_until([&] { return cudaEventQuery(e) != cudaErrorNotReady; }, deadline)) {
-      return {Code::kDeadlineExceeded, who() + ": " + what + " did not finish within the op timeout"};
-    }
-    GS_CUDA(cudaEventQuery(e), what);
-    return Status::Ok();
-  };
-  GS_RETURN_IF_ERROR(wait_event(start, "work queued on the stream before the GPU allreduce"));
   const size_t piece = std::max(es, m.piece_bytes / es * es);
   const size_t pieces = (bytes + piece - 1) / piece;
   const size_t K = Impl::kStagingSlots;
+  const uint64_t seq = ++m.staged_seq;
+  const uint64_t base = m.pieces_queued;
+  m.pieces_queued += pieces;
+  const uint64_t timeout_ns = uint64_t(cfg_.op_timeout.count()) * 1'000'000ull;
+  HostWords* w = m.words_dev;
   auto span = [&](size_t i) { return std::min(piece, bytes - i * piece); };
   auto slot_mem = [&](size_t i) { return m.staging + (i % K) * m.piece_bytes; };
-  StagedTiming t;
-  t.pieces = int(pieces);
-  auto elapsed_us = [](cudaEvent_t a, cudaEvent_t b) {
-    float ms = 0;
-    return cudaEventElapsedTime(&ms, a, b) == cudaSuccess ? double(ms) * 1e3 : 0.0;
-  };
-  auto issue_d2h = [&](size_t i) -> Status {
-    const size_t k = i % K;
-    if (i >= K) GS_CUDA(cudaStreamWaitEvent(m.d2h, m.h2d_end[k], 0), "cudaStreamWaitEvent");
-    GS_CUDA(cudaEventRecord(m.d2h_beg[k], m.d2h), "cudaEventRecord");
+  auto d2h = [&](size_t i) -> Status {
     GS_CUDA(cudaMemcpyAsync(slot_mem(i), static_cast<const uint8_t*>(send) + i * piece, span(i),
-                            cudaMemcpyDeviceToHost, m.d2h), "cudaMemcpyAsync device-to-host");
-    GS_CUDA(cudaEventRecord(m.d2h_end[k], m.d2h), "cudaEventRecord");
+                            cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync device-to-host");
+    GS_CUDA(kernels::launch_signal_host(&w->landed, base + i + 1, nullptr, stream), "signal kernel");
     return Status::Ok();
   };
-  const auto t0 = Clock::now();
-  for (size_t i = 0; i < std::min(K, pieces); ++i) GS_RETURN_IF_ERROR(issue_d2h(i));
+  GS_CUDA(kernels::launch_signal_host(nullptr, 0, &w->start_ns, stream), "signal kernel");
+  for (size_t i = 0; i < std::min(K, pieces); ++i) GS_RETURN_IF_ERROR(d2h(i));
   for (size_t i = 0; i < pieces; ++i) {
-    const size_t k = i % K;
-    GS_RETURN_IF_ERROR(wait_event(m.d2h_end[k], "device-to-host copy"));
-    t.d2h_us += elapsed_us(m.d2h_beg[k], m.d2h_end[k]);
-    if (i >= K) t.h2d_us += elapsed_us(m.h2d_beg[k], m.h2d_end[k]);  // piece i - K, done
-    const auto n0 = Clock::now();
-    GS_RETURN_IF_ERROR(ops_.allreduce_on_worker(slot_mem(i), slot_mem(i), span(i) / es, type, op));
-    t.network_us += std::chrono::duration<double, std::micro>(Clock::now() - n0).count();
-    GS_CUDA(cudaEventRecord(m.h2d_beg[k], m.h2d), "cudaEventRecord");
+    GS_CUDA(kernels::launch_wait_host(&w->reduced, base + i + 1, &w->abort, &w->error, timeout_ns,
+                                      &w->waited_ns, stream), "wait kernel");
     GS_CUDA(cudaMemcpyAsync(static_cast<uint8_t*>(recv) + i * piece, slot_mem(i), span(i),
-                            cudaMemcpyHostToDevice, m.h2d), "cudaMemcpyAsync host-to-device");
-    GS_CUDA(cudaEventRecord(m.h2d_end[k], m.h2d), "cudaEventRecord");
-    if (i + K < pieces) GS_RETURN_IF_ERROR(issue_d2h(i + K));
+                            cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync host-to-device");
+    if (i + K < pieces) GS_RETURN_IF_ERROR(d2h(i + K));
   }
-  GS_RETURN_IF_ERROR(wait_event(m.h2d_end[(pieces - 1) % K], "host-to-device copy"));
-  for (size_t i = pieces > K ? pieces - K : 0; i < pieces; ++i) {
-    t.h2d_us += elapsed_us(m.h2d_beg[i % K], m.h2d_end[i % K]);
-  }
-  t.wall_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-  std::lock_guard lock(m.mu);
-  m.timing = t;
+  GS_CUDA(kernels::launch_signal_host(&w->done, seq, &w->done_ns, stream), "signal kernel");
+
+  ops_.enqueue([this, seq, base, pieces, piece, bytes, type, op, es]() -> Status {
+    Impl& m = *impl_;
+    const auto deadline = Clock::now() + cfg_.op_timeout;
+    auto word = [](const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); };
+    const size_t K = Impl::kStagingSlots;
+    double network_us = 0;
+    const auto t0 = Clock::now();
+    Status s = Status::Ok();
+    for (size_t i = 0; i < pieces && s.ok(); ++i) {
+      auto landed = [&] { return word(&m.words->landed) >= base + i + 1 || !ops_.abort_reason().empty(); };
+      if (!poll_until(landed, deadline)) {
+        s = {Code::kDeadlineExceeded, who() + ": staged allreduce #" + std::to_string(seq) +
+                                          ": the stream did not copy piece " + std::to_string(i) +
+                                          " to host memory within the op timeout (work queued "
+                                          "before it on the stream is not finishing?)"};
+        break;
+      }
+      if (std::string r = ops_.abort_reason(); !r.empty()) {
+        s = {Code::kAborted, r};
+        break;
+      }
+      uint8_t* mem = m.staging + (i % K) * m.piece_bytes;
+      const size_t len = std::min(piece, bytes - i * piece);
+      const auto n0 = Clock::now();
+      s = ops_.allreduce_on_worker(mem, mem, len / es, type, op);
+      network_us += std::chrono::duration<double, std::micro>(Clock::now() - n0).count();
+      if (s.ok()) __atomic_store_n(&m.words->reduced, base + i + 1, __ATOMIC_RELEASE);
+    }
+    if (!s.ok()) {
+      {
+        std::lock_guard lock(m.mu);
+        if (m.staged_error.ok()) m.staged_error = s;
+      }
+      // Let the stream run on (its data is garbage now; every later call reports the error).
+      __atomic_store_n(&m.words->reduced, ~uint64_t(0) >> 1, __ATOMIC_RELEASE);
+      return s;
+    }
+    StagedTiming t;
+    t.pieces = int(pieces);
+    t.network_us = network_us;
+    t.wall_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    if (m.log_timing) {
+      // For the overlap figure only: wait (briefly) for the stream to finish this call, then
+      // read its GPU-clock span and the time its wait kernels waited for the worker.
+      // (Skipped when the stream already started the next call: its stamps are overwritten.)
+      const uint64_t s0 = word(&m.words->start_ns);
+      if (poll_until([&] { return word(&m.words->done) >= seq; }, Clock::now() + std::chrono::seconds(5)) &&
+          word(&m.words->done) == seq && word(&m.words->start_ns) == s0 && word(&m.words->done_ns) > s0) {
+        const double span_us = double(word(&m.words->done_ns) - s0) / 1e3;
+        const double waited_us = double(__atomic_exchange_n(&m.words->waited_ns, 0, __ATOMIC_ACQ_REL)) / 1e3;
+        t.wall_us = span_us;
+        t.d2h_us = span_us - waited_us;  // the stream's busy time: copies (and its tiny kernels)
+      }
+    }
+    {
+      std::lock_guard lock(m.mu);
+      m.timing = t;
+    }
+    if (m.log_timing && cfg_.rank == 0) {
+      // The stream copies (busy time c) while the network reduces (n): of c, what did not
+      // lengthen the call (span - n) was hidden.
+      const double c = t.d2h_us, hidden = c > 0 ? std::clamp(1.0 - (t.wall_us - t.network_us) / c, 0.0, 1.0) : 0;
+      log::get("gpu")->info("staged allreduce #{} {} bytes, {} pieces: span {:.0f} us, host allreduce "
+                            "{:.0f} us, stream copying {:.0f} us, copy time hidden {:.0f}%",
+                            seq, bytes, t.pieces, t.wall_us, t.network_us, c, 100 * hidden);
+    }
+    return s;
+  });
   return Status::Ok();
 }
 

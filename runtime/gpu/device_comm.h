@@ -6,10 +6,10 @@
 //   it with cudaIpcGetMemHandle, and opens every peer's; one kernel per call pushes into the
 //   peers' slots and reduces what they pushed. Nothing per call touches the host.
 // - host-staged: ranks on several nodes. The caller's stream gets an event and a kernel that
-//   waits on a word in mapped host memory; the communicator's worker copies the buffer to
-//   pinned host memory piece by piece (a non-blocking stream of its own), runs the host
-//   allreduce on each piece as it lands (daemons, TCP proxy: design §3), copies each result
-//   back while the next piece is on the network, and then releases the waiting kernel.
+//   copies the buffer piece by piece to pinned host memory, with kernels that signal and wait
+//   on words in mapped host memory in between; the communicator's worker runs the host
+//   allreduce on each piece as it lands (daemons, TCP proxy: design §3), and the stream copies
+//   each result back while the next piece is on the network. All queued at the call.
 //
 // Built only with CUDA (GRADSYNC_HAVE_CUDA); communicator.cc refuses a device otherwise.
 #pragma once
@@ -67,10 +67,10 @@ class DeviceComm {
 
   // Per-stage timing of the last host-staged call (for the overlap figure of the bench).
   struct StagedTiming {
-    double wall_us = 0;      // first copy issued .. last result back
-    double d2h_us = 0;       // sum over pieces
-    double network_us = 0;   // sum over pieces of the host allreduce
-    double h2d_us = 0;       // sum over pieces
+    double wall_us = 0;     // the call's span on the stream (GPU clock; the worker's if unknown)
+    double d2h_us = 0;      // the stream's busy time in the call: D2H + H2D copies
+    double network_us = 0;  // sum over pieces of the host allreduce
+    double h2d_us = 0;      // unused (0): both directions are in d2h_us
     int pieces = 0;
   };
   StagedTiming last_staged_timing() const;
@@ -81,8 +81,6 @@ class DeviceComm {
   DeviceComm(DeviceCommConfig cfg, HostOps ops);
   Status setup_ipc(bool* usable);
   Status setup_staged();
-  Status run_staged(cudaEvent_t start, const void* send, void* recv, size_t bytes, DataType type,
-                    ReduceOp op, size_t es);
   Status check_buffers(const void* send, void* recv, size_t bytes) const;
   Status fail_from_error_word();
   std::string who() const;

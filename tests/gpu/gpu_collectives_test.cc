@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "cluster.h"
@@ -35,13 +36,19 @@ JobSpec gpu_job(const std::string& name, int world, std::vector<int> per_daemon,
   return spec;
 }
 
-const char* kCounts = "1,3,1000,4097,65536,1048579";
+// Both protocols of the one-node path (low latency up to 1 MiB, chunked above) and several
+// staging pieces between nodes. GPU_TEST_COUNTS overrides (e.g. smaller under a sanitizer).
+std::string counts(const char* fallback) {
+  const char* env = std::getenv("GPU_TEST_COUNTS");
+  return env && *env ? env : fallback;
+}
+const char* kCounts = "1,3,1000,4097,65536,1048579,3000001";
 
 TEST(GpuAllreduce, OneNodeTwoRanksEveryTypeAndOp) {
   REQUIRE_GPU();
   Cluster c({.daemons = 1});
   ASSERT_TRUE(c.ok()) << c.error();
-  auto ranks = c.spawn_ranks(gpu_job("gpu1", 2, {2}, {"matrix", kCounts}));
+  auto ranks = c.spawn_ranks(gpu_job("gpu1", 2, {2}, {"matrix", counts(kCounts)}));
   std::string bad = all_succeeded(ranks, Millis(240'000));
   EXPECT_EQ(bad, "") << c.report(ranks);
   EXPECT_NE(ranks[0].output().find("path cuda-ipc"), std::string::npos) << ranks[0].output();
@@ -51,7 +58,7 @@ TEST(GpuAllreduce, TwoNodesHostStagedEveryTypeAndOp) {
   REQUIRE_GPU();
   Cluster c({.daemons = 2});
   ASSERT_TRUE(c.ok()) << c.error();
-  auto ranks = c.spawn_ranks(gpu_job("gpu2", 2, {1, 1}, {"matrix", kCounts}));
+  auto ranks = c.spawn_ranks(gpu_job("gpu2", 2, {1, 1}, {"matrix", counts(kCounts)}));
   std::string bad = all_succeeded(ranks, Millis(240'000));
   EXPECT_EQ(bad, "") << c.report(ranks);
   EXPECT_NE(ranks[0].output().find("path host-staged"), std::string::npos) << ranks[0].output();
@@ -61,7 +68,7 @@ TEST(GpuAllreduce, FourRanksTwoNodesHostStaged) {
   REQUIRE_GPU();
   Cluster c({.daemons = 2});
   ASSERT_TRUE(c.ok()) << c.error();
-  auto ranks = c.spawn_ranks(gpu_job("gpu4", 4, {2, 2}, {"matrix", "1,1000,65537"}));
+  auto ranks = c.spawn_ranks(gpu_job("gpu4", 4, {2, 2}, {"matrix", counts("1,1000,65537")}));
   std::string bad = all_succeeded(ranks, Millis(240'000));
   EXPECT_EQ(bad, "") << c.report(ranks);
 }
@@ -71,6 +78,15 @@ TEST(GpuAllreduce, CapturedInACudaGraphReplays) {
   Cluster c({.daemons = 1});
   ASSERT_TRUE(c.ok()) << c.error();
   auto ranks = c.spawn_ranks(gpu_job("graph", 2, {2}, {"graph", "300000"}));
+  std::string bad = all_succeeded(ranks, Millis(120'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+}
+
+TEST(GpuAllreduce, LowLatencyProtocolCapturedInACudaGraphReplays) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("graph-ll", 2, {2}, {"graph", "1000"}));
   std::string bad = all_succeeded(ranks, Millis(120'000));
   EXPECT_EQ(bad, "") << c.report(ranks);
 }
