@@ -4,6 +4,9 @@
 // the data and checks that its weights match; it fails loudly otherwise.
 //
 //   gradsyncrun --standalone -n 4 build/bin/train_logreg [--steps N] [--samples N] [--features N]
+//                                                        [--device host]
+// With a CUDA build and a visible GPU the gradients are reduced on the GPU (device LOCAL_RANK
+// modulo the GPUs), else on the host.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +16,9 @@
 #include <vector>
 
 #include "gradsync/gradsync.h"
+#if GRADSYNC_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 namespace {
 
@@ -82,6 +88,14 @@ int arg_int(int argc, char** argv, const char* name, int fallback) {
 
 }  // namespace
 
+// True when argv has `name value` with that value.
+[[maybe_unused]] static bool arg_flag(int argc, char** argv, const char* name, const char* value) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], name) == 0 && std::strcmp(argv[i + 1], value) == 0) return true;
+  }
+  return false;
+}
+
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   Config c;
@@ -94,7 +108,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "FAIL: %s\n", session.status().to_string().c_str());
     return 1;
   }
-  auto comm = session->join(gradsync::JoinOptions::from_env());
+  // On GPU where there is one (and gradsync was built with CUDA): the gradients are reduced
+  // in device memory on a CUDA stream; --device host keeps them on the host.
+  gradsync::JoinOptions opts = gradsync::JoinOptions::from_env();
+  bool gpu = false;
+#if GRADSYNC_HAVE_CUDA
+  int devices = 0;
+  const bool host_only = arg_flag(argc, argv, "--device", "host");
+  if (!host_only && cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) {
+    gpu = true;
+    if (opts.device == gradsync::JoinOptions::kNoDevice) opts.device = gradsync::JoinOptions::kDeviceLocalRank;
+  }
+  (void)cudaGetLastError();
+#endif
+  auto comm = session->join(opts);
   if (!comm.ok()) {
     std::fprintf(stderr, "FAIL: %s\n", comm.status().to_string().c_str());
     return 1;
@@ -109,10 +136,41 @@ int main(int argc, char** argv) {
 
   std::vector<float> w(c.features, 0.0f);
   std::vector<float> grad(c.features + 1);
+#if GRADSYNC_HAVE_CUDA
+  float* d_grad = nullptr;
+  cudaStream_t stream = nullptr;
+  if (gpu) {
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaMalloc(reinterpret_cast<void**>(&d_grad), grad.size() * sizeof(float)) != cudaSuccess) {
+      std::fprintf(stderr, "FAIL: CUDA set-up on device %d\n", comm->device());
+      return 1;
+    }
+    std::printf("rank %d: gradients reduced on GPU %d (%s)\n", rank, comm->device(), comm->gpu_path().c_str());
+  }
+  // One step's gradient allreduce on the GPU: upload, allreduce on the stream, download.
+  auto gpu_allreduce = [&]() -> gradsync::Status {
+    const size_t bytes = grad.size() * sizeof(float);
+    if (cudaMemcpyAsync(d_grad, grad.data(), bytes, cudaMemcpyHostToDevice, stream) != cudaSuccess) {
+      return {gradsync::Code::kInternal, "cudaMemcpyAsync"};
+    }
+    gradsync::Status st = comm->allreduce(d_grad, d_grad, grad.size(), gradsync::DataType::kFloat32,
+                                          gradsync::ReduceOp::kSum, stream);
+    if (!st.ok()) return st;
+    if (cudaMemcpyAsync(grad.data(), d_grad, bytes, cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess) {
+      return {gradsync::Code::kInternal, "cudaMemcpyAsync/cudaStreamSynchronize"};
+    }
+    return comm->async_error();
+  };
+#endif
   for (int s = 0; s < c.steps; ++s) {
     accumulate(c, data, w, begin, end, grad);
-    gradsync::Status st = comm->allreduce(grad.data(), grad.size(), gradsync::DataType::kFloat32,
-                                          gradsync::ReduceOp::kSum);
+    gradsync::Status st;
+#if GRADSYNC_HAVE_CUDA
+    if (gpu) st = gpu_allreduce();
+#endif
+    if (!gpu) st = comm->allreduce(grad.data(), grad.size(), gradsync::DataType::kFloat32,
+                                   gradsync::ReduceOp::kSum);
     if (!st.ok()) {
       std::fprintf(stderr, "FAIL: step %d: %s\n", s, st.to_string().c_str());
       return 1;
@@ -135,6 +193,12 @@ int main(int argc, char** argv) {
     max_w = std::max(max_w, double(std::fabs(ref[j])));
   }
   double rel = max_diff / std::max(max_w, 1e-12);
+#if GRADSYNC_HAVE_CUDA
+  if (gpu) {
+    cudaFree(d_grad);
+    cudaStreamDestroy(stream);
+  }
+#endif
   gradsync::Status left = comm->leave();
   if (!left.ok()) {
     std::fprintf(stderr, "FAIL: leave: %s\n", left.to_string().c_str());
