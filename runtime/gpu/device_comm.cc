@@ -36,6 +36,7 @@ struct HostWords {
   uint64_t reduced;  // the worker reduced this many pieces in place
   uint64_t done;     // calls whose results the stream copied back
   uint64_t start_ns, done_ns, waited_ns;  // GPU clock: the last call's span, its waits
+  uint64_t start_seq;                     // the call start_ns belongs to
 };
 
 // One row of the set-up exchange: summed (uint8) over ranks, every other row is zero.
@@ -451,7 +452,7 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
     GS_CUDA(kernels::launch_signal_host(&w->landed, base + i + 1, nullptr, stream), "signal kernel");
     return Status::Ok();
   };
-  GS_CUDA(kernels::launch_signal_host(nullptr, 0, &w->start_ns, stream), "signal kernel");
+  GS_CUDA(kernels::launch_signal_host(&w->start_seq, seq, &w->start_ns, stream), "signal kernel");
   for (size_t i = 0; i < std::min(K, pieces); ++i) GS_RETURN_IF_ERROR(d2h(i));
   for (size_t i = 0; i < pieces; ++i) {
     GS_CUDA(kernels::launch_wait_host(&w->reduced, base + i + 1, &w->abort, &w->error, timeout_ns,
@@ -507,9 +508,10 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
       // For the overlap figure only: wait (briefly) for the stream to finish this call, then
       // read its GPU-clock span and the time its wait kernels waited for the worker.
       // (Skipped when the stream already started the next call: its stamps are overwritten.)
-      const uint64_t s0 = word(&m.words->start_ns);
       if (poll_until([&] { return word(&m.words->done) >= seq; }, Clock::now() + std::chrono::seconds(5)) &&
-          word(&m.words->done) == seq && word(&m.words->start_ns) == s0 && word(&m.words->done_ns) > s0) {
+          word(&m.words->done) == seq && word(&m.words->start_seq) == seq &&
+          word(&m.words->done_ns) > word(&m.words->start_ns)) {
+        const uint64_t s0 = word(&m.words->start_ns);
         const double span_us = double(word(&m.words->done_ns) - s0) / 1e3;
         const double waited_us = double(__atomic_exchange_n(&m.words->waited_ns, 0, __ATOMIC_ACQ_REL)) / 1e3;
         t.wall_us = span_us;
