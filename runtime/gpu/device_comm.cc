@@ -24,8 +24,6 @@ long env_long(const char* name, long fallback) {
   return (end && *end == '\0' && x > 0) ? x : fallback;
 }
 
-size_t esize(DataType t) { return element_size(t); }
-
 // Words the kernels and the host share, in mapped pinned host memory.
 struct HostWords {
   kernels::NodeError error;
@@ -385,7 +383,7 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
   if (Status s = async_error(); !s.ok()) {
     return {Code::kFailedPrecondition, "communicator failed earlier: " + s.to_string()};
   }
-  const size_t es = esize(type);
+  const size_t es = element_size(type);
   if (es == 0) return refused({Code::kInvalidArgument, "unknown data type"});
   if (unsigned(op) >= unsigned(kNumReduceOps)) return refused({Code::kInvalidArgument, "unknown op"});
   if (count == 0) return Status::Ok();
@@ -515,7 +513,7 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
         const double span_us = double(word(&m.words->done_ns) - s0) / 1e3;
         const double waited_us = double(__atomic_exchange_n(&m.words->waited_ns, 0, __ATOMIC_ACQ_REL)) / 1e3;
         t.wall_us = span_us;
-        t.d2h_us = span_us - waited_us;  // the stream's busy time: copies (and its tiny kernels)
+        t.copy_us = span_us - waited_us;  // the stream's busy time: copies (and its tiny kernels)
       }
     }
     {
@@ -525,7 +523,7 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
     if (m.log_timing && cfg_.rank == 0) {
       // The stream copies (busy time c) while the network reduces (n): of c, what did not
       // lengthen the call (span - n) was hidden.
-      const double c = t.d2h_us, hidden = c > 0 ? std::clamp(1.0 - (t.wall_us - t.network_us) / c, 0.0, 1.0) : 0;
+      const double c = t.copy_us, hidden = c > 0 ? std::clamp(1.0 - (t.wall_us - t.network_us) / c, 0.0, 1.0) : 0;
       log::get("gpu")->info("staged allreduce #{} {} bytes, {} pieces: span {:.0f} us, host allreduce "
                             "{:.0f} us, stream copying {:.0f} us, copy time hidden {:.0f}%",
                             seq, bytes, t.pieces, t.wall_us, t.network_us, c, 100 * hidden);

@@ -68,9 +68,8 @@ class DeviceComm {
   // Per-stage timing of the last host-staged call (for the overlap figure of the bench).
   struct StagedTiming {
     double wall_us = 0;     // the call's span on the stream (GPU clock; the worker's if unknown)
-    double d2h_us = 0;      // the stream's busy time in the call: D2H + H2D copies
+    double copy_us = 0;     // the stream's busy time in the call: D2H + H2D copies
     double network_us = 0;  // sum over pieces of the host allreduce
-    double h2d_us = 0;      // unused (0): both directions are in d2h_us
     int pieces = 0;
   };
   StagedTiming last_staged_timing() const;
