@@ -107,9 +107,10 @@ int main(int argc, char** argv) {
                   p.endpoint().c_str());
     }
     for (const auto& n : resp.nodes()) {
-      std::printf("node %s host %s: %u cpus, %d gpus, %d nics, proxy %s\n", n.node_name().c_str(),
-                  n.hostname().c_str(), n.cpus(), n.gpus_size(), n.nics_size(),
-                  n.data_endpoint().c_str());
+      std::printf("node %s host %s: %u cpus, %d gpus, %d nics, proxy %s, channels over %s (%s)\n",
+                  n.node_name().c_str(), n.hostname().c_str(), n.cpus(), n.gpus_size(), n.nics_size(),
+                  n.data_endpoint().c_str(), n.transport().empty() ? "tcp" : n.transport().c_str(),
+                  n.transport_why().c_str());
     }
     return 0;
   }

@@ -163,6 +163,17 @@ Result<const uint8_t*> Channel::acquire_recv(const WaitContext& ctx, SlotMeta* m
 
 void Channel::release() { advance(c_->head, c_->head_waiters); }
 
+void Channel::publish_landed() {
+  // The payload and meta were written by the NIC before the completion that led here; the
+  // release in advance() orders them before the consumer's acquire of `tail`.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  advance(c_->tail, c_->tail_waiters);
+}
+
+Status Channel::wait_published(uint32_t seen, const WaitContext& ctx) {
+  return wait_for(c_->tail, c_->tail_waiters, ctx, [&](uint32_t tail) { return tail != seen; });
+}
+
 uint32_t Channel::in_flight() const {
   return c_->tail.load(std::memory_order_acquire) - c_->head.load(std::memory_order_acquire);
 }

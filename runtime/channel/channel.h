@@ -112,6 +112,17 @@ class Channel {
 
   // Slots published but not yet released.
   uint32_t in_flight() const;
+
+  // For transports that move slots with one-sided writes (the verbs pumps): the counters,
+  // the slot and meta of sequence number `seq`, and publishing a slot whose payload and meta
+  // a NIC already placed (the producer's credit came from the consumer's `head`).
+  uint32_t published() const { return c_->tail.load(std::memory_order_acquire); }
+  uint32_t consumed() const { return c_->head.load(std::memory_order_acquire); }
+  uint8_t* slot_data(uint32_t seq) const { return data_ + size_t{seq % slots_} * slot_bytes_; }
+  SlotMeta* slot_meta(uint32_t seq) const { return &c_->meta[seq % slots_]; }
+  void publish_landed();
+  // Waits until `published() != seen` (or the context says stop / its deadline passes).
+  Status wait_published(uint32_t seen, const WaitContext& ctx);
   // Wakes everybody asleep on this channel (after an abort).
   void wake_all();
 

@@ -15,6 +15,9 @@
 #include "common/log.h"
 #include "daemon/transport_choice.h"
 #include "topology/node_info.h"
+#if GRADSYNC_HAVE_VERBS
+#include "daemon/verbs_pump.h"
+#endif
 
 namespace gradsync {
 namespace {
@@ -28,6 +31,8 @@ constexpr std::chrono::milliseconds kMinCoordinatorJoin{1'000};
 constexpr std::chrono::milliseconds kLeaderSlack{3'000};
 // How long a finished job may take to flush its last slots to peers before it is cut.
 constexpr std::chrono::milliseconds kDrainTimeout{30'000};
+// How long ~Daemon waits for its connection threads to see their peers hang up.
+constexpr std::chrono::milliseconds kThreadExitWait{10'000};
 
 std::shared_ptr<spdlog::logger> dlog() { return log::get("daemon"); }
 
@@ -100,13 +105,45 @@ Daemon::Daemon(DaemonConfig config) : cfg_(std::move(config)), hostname_(hostnam
   if (cfg_.node_name.empty()) cfg_.node_name = hostname_;
 }
 
-Daemon::~Daemon() { stop(); }
+Daemon::~Daemon() {
+  stop();
+  // Connection threads end when their trainer or peer hangs up. A process exits right after
+  // (main.cc); a Daemon object in a test process waits for them, so none outlives `this`.
+  std::unique_lock lock(mu_);
+  if (!cv_.wait_until(lock, deadline_after(kThreadExitWait), [&] { return threads_ == 0; })) {
+    dlog()->warn("{} connection threads still running at exit", threads_);
+  }
+}
 
 Status Daemon::start() {
   auto log = dlog();
   stop_event_.reset(::eventfd(0, EFD_CLOEXEC));
-  auto transport = choose_transport(cfg_.transport);
+  auto transport = choose_transport(cfg_.transport, cfg_.ibv, cfg_.verbs_device);
   if (!transport.ok()) return transport.status();
+#if GRADSYNC_HAVE_VERBS
+  if (transport->name == "verbs") {
+    const verbs::IbvApi* api = cfg_.ibv;
+    Status opened = Status::Ok();
+    if (api == nullptr) {
+      auto loaded = verbs::load_libibverbs();
+      if (loaded.ok()) api = *loaded; else opened = loaded.status();
+    }
+    if (opened.ok()) {
+      auto node = VerbsNode::open(api, cfg_.verbs_device, cfg_.verbs_port, cfg_.gid_index);
+      if (node.ok()) verbs_ = std::move(node).value(); else opened = node.status();
+    }
+    if (!opened.ok()) {
+      if (cfg_.transport == "verbs") {
+        return {Code::kFailedPrecondition, "GRADSYNC_TRANSPORT=verbs: " + opened.message()};
+      }
+      transport = TransportChoice{"tcp", "an RDMA port is ACTIVE but cannot be used: " + opened.message()};
+    } else {
+      transport->why += "; channels use " + verbs_->describe();
+    }
+  }
+#endif
+  transport_ = transport->name;
+  transport_why_ = transport->why;
   log->info("transport {} between nodes: {}", transport->name, transport->why);
   topology::NodeInfo topo = topology::discover();
 
@@ -149,6 +186,8 @@ Status Daemon::start() {
   for (const auto& n : topo.nics) node.add_nics(n);
   node.set_data_endpoint(endpoint_);
   node.set_pid(static_cast<uint32_t>(::getpid()));
+  node.set_transport(transport_);
+  node.set_transport_why(transport_why_);
   link_ = std::make_unique<CoordinatorLink>(cfg_.coordinator, node,
                                             [this](const v1::Event& ev) { on_event(ev); });
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
@@ -192,7 +231,18 @@ void Daemon::stop() {
   ::unlink(cfg_.socket_path.c_str());
 }
 
-void Daemon::spawn(std::function<void()> fn) { std::thread(std::move(fn)).detach(); }
+void Daemon::spawn(std::function<void()> fn) {
+  {
+    std::lock_guard lock(mu_);
+    ++threads_;
+  }
+  std::thread([this, fn = std::move(fn)] {
+    fn();
+    std::lock_guard lock(mu_);
+    --threads_;
+    cv_.notify_all();
+  }).detach();
+}
 
 void Daemon::accept_loop(int listener, void (Daemon::*serve)(Fd)) {
   pollfd fds[2] = {{listener, POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
@@ -372,6 +422,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
   }
   v1::ChannelEndpoint mine;
   mine.set_proxy(endpoint_);
+  mine.set_transport(transport_);
   mine.set_rings(cfg_.rings);
   mine.set_slots(cfg_.slots);
   mine.set_slot_bytes(cfg_.slot_bytes);
@@ -416,8 +467,23 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
   auto shm = SharedMemory::create("gradsync-" + job->id, job->layout.total_bytes());
   if (!shm.ok()) return shm.status();
   init_job_control(shm->data(), job->layout);
+#if GRADSYNC_HAVE_VERBS
+  std::shared_ptr<verbs::MemoryRegion> mr;
+  if (verbs_ && !job->staging.empty()) {
+    auto registered = register_job_memory(*verbs_, *shm);
+    if (!registered.ok()) {
+      return {registered.status().code(), job->ids() + " on " + hostname_ + ": registering the job's " +
+                                              std::to_string(shm->size() >> 20) + " MiB with " +
+                                              verbs_->describe() + ": " + registered.status().message()};
+    }
+    mr = std::move(registered).value();
+  }
+#endif
   {
     std::lock_guard lock(mu_);
+#if GRADSYNC_HAVE_VERBS
+    job->verbs_mr = mr;
+#endif
     job->shm = std::make_shared<SharedMemory>(std::move(shm).value());
     job->generation = joined->generation();
     cv_.notify_all();  // peer daemons waiting to attach their channels
@@ -426,10 +492,23 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
             ranks.size(), job->world_size, job->layout.num_channels, job->staging.size(),
             job->layout.total_bytes() >> 20);
 
-  // One outgoing connection per channel whose destination lives on another node.
+  // One outgoing connection per channel whose destination lives on another node; over verbs
+  // when both nodes have it (the peer's choice came with its endpoint), else TCP.
+  std::set<std::string> logged;
   for (const auto& [key, index] : job->staging) {
     auto [tag, src, dst] = key;
-    ProxyHello hello{job->id, job->generation, tag, src, dst};
+    const std::string& theirs = job->endpoints[dst].transport();
+    ChannelTransport via = transport_ == "verbs" && theirs == "verbs" ? ChannelTransport::kVerbs
+                                                                     : ChannelTransport::kTcp;
+    if (logged.insert(job->endpoints[dst].proxy()).second) {
+      log->info("{} channels to gradsyncd {} (host {}): {} ({})", job->ids(), job->endpoints[dst].proxy(),
+                job->host_of(dst), to_string(via),
+                via == ChannelTransport::kVerbs ? "both nodes have RDMA"
+                : transport_ != "verbs"         ? "this node has no usable RDMA port"
+                                                : "that node has no usable RDMA port (it offers " +
+                                                      (theirs.empty() ? std::string("tcp") : theirs) + ")");
+    }
+    ProxyHello hello{job->id, via, job->generation, tag, src, dst};
     auto sock = proxy_connect(job->endpoints[dst].proxy(), hello, deadline_after(kPeerAcceptTimeout));
     if (!sock.ok()) {
       return {sock.status().code(), job->ids() + " rank " + std::to_string(src) + " -> " +
@@ -437,8 +516,21 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
     }
     PumpContext ctx{job->shm, job->layout, index, &job->stop, &job->drain, job->peer_name(dst),
                     job->ids() + " ch=" + std::to_string(index)};
+    std::unique_ptr<ChannelPump> pump;
+#if GRADSYNC_HAVE_VERBS
+    if (via == ChannelTransport::kVerbs) {
+      auto started = VerbsPump::start_sender(verbs_, job->verbs_mr, std::move(ctx), tag, std::move(sock).value(),
+                                             pump_failure(job), deadline_after(kPeerAcceptTimeout));
+      if (!started.ok()) {
+        return {started.status().code(), job->ids() + " rank " + std::to_string(src) + " -> " +
+                                              job->peer_name(dst) + ": " + started.status().message()};
+      }
+      pump = std::move(started).value();
+    }
+#endif
+    if (!pump) pump = Pump::start_sender(std::move(ctx), std::move(sock).value(), pump_failure(job));
     std::lock_guard lock(mu_);
-    job->pumps.push_back(Pump::start_sender(std::move(ctx), std::move(sock).value(), pump_failure(job)));
+    job->pumps.push_back(std::move(pump));
   }
   return Status::Ok();
 }
@@ -474,6 +566,31 @@ void Daemon::serve_peer(Fd sock) {
   }
   PumpContext ctx{job->shm, job->layout, static_cast<uint32_t>(idx), &job->stop, &job->drain,
                   job->peer_name(hello->src_rank), job->ids() + " ch=" + std::to_string(idx)};
+  if (hello->transport == ChannelTransport::kVerbs) {
+#if GRADSYNC_HAVE_VERBS
+    if (verbs_ && job->verbs_mr) {
+      auto vmr = job->verbs_mr;
+      lock.unlock();  // the set-up talks to the peer; pump_failure takes mu_
+      if (!proxy_reply(sock.get(), Status::Ok()).ok()) return;
+      auto started = VerbsPump::start_receiver(verbs_, std::move(vmr), std::move(ctx), hello->tag, std::move(sock),
+                                               pump_failure(job), deadline_after(kPeerAcceptTimeout));
+      if (!started.ok()) {
+        abort(job, -1, job->ids() + " on " + hostname_ + ": " + started.status().message(), true);
+        return;
+      }
+      std::lock_guard relock(mu_);
+      job->pumps.push_back(std::move(started).value());
+      return;
+    }
+#endif
+    lock.unlock();
+    std::string why = "rank " + std::to_string(hello->src_rank) + "'s node asked for a verbs channel but " +
+                      hostname_ + " runs tcp between nodes (" +
+                      (verbs_ ? "the job's memory is not registered" : "no usable RDMA port") + ")";
+    log->warn("rejected proxy connection: {}", why);
+    (void)proxy_reply(sock.get(), {Code::kFailedPrecondition, why});
+    return;
+  }
   if (!proxy_reply(sock.get(), Status::Ok()).ok()) return;
   job->pumps.push_back(Pump::start_receiver(std::move(ctx), std::move(sock), pump_failure(job)));
 }
@@ -527,7 +644,7 @@ void Daemon::member_gone(const std::shared_ptr<LocalJob>& job, uint32_t rank) {
 }
 
 void Daemon::teardown(const std::shared_ptr<LocalJob>& job) {
-  std::vector<std::unique_ptr<Pump>> pumps;
+  std::vector<std::unique_ptr<ChannelPump>> pumps;
   bool clean;
   {
     std::lock_guard lock(mu_);

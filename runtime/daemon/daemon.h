@@ -15,6 +15,10 @@
 #include "topology/node_info.h"
 
 namespace gradsync {
+namespace verbs {
+struct IbvApi;
+}
+class VerbsNode;
 
 struct DaemonConfig {
   std::string coordinator = "127.0.0.1:29500";
@@ -29,6 +33,11 @@ struct DaemonConfig {
   uint32_t rings = 1;            // parallel rings; must match on every node of a job
   std::string ready_file;        // written once serving
   std::string transport;         // auto|tcp|verbs (GRADSYNC_TRANSPORT)
+  std::string verbs_device;      // RDMA device to use; default the first (GRADSYNC_IB_HCA)
+  uint8_t verbs_port = 1;        // its port
+  int gid_index = -1;            // RoCE GID index; -1 picks one (GRADSYNC_IB_GID_INDEX)
+  // The verbs function table; null loads libibverbs.so.1. Tests pass verbs::emulated_ibv().
+  const verbs::IbvApi* ibv = nullptr;
   std::chrono::milliseconds register_timeout{30'000};
 };
 
@@ -43,6 +52,8 @@ class Daemon {
   void stop();
 
   std::string data_endpoint() const { return endpoint_; }
+  // "tcp" or "verbs": what this node offers its peers for cross-node channels.
+  const std::string& transport() const { return transport_; }
 
  private:
   Result<std::string> choose_data_host(const topology::NodeInfo& topo, std::string* why) const;
@@ -65,6 +76,9 @@ class Daemon {
   DaemonConfig cfg_;
   std::string hostname_;
   std::string endpoint_;  // data_host:port
+  std::string transport_ = "tcp";
+  std::string transport_why_;
+  std::shared_ptr<VerbsNode> verbs_;  // set when transport_ is "verbs"
   std::unique_ptr<CoordinatorLink> link_;
   Fd trainer_listener_;
   Fd peer_listener_;
@@ -74,6 +88,7 @@ class Daemon {
   std::condition_variable cv_;
   std::map<std::string, std::shared_ptr<LocalJob>> jobs_;
   bool stopping_ = false;
+  int threads_ = 0;  // connection threads running (spawn)
 
   std::thread trainer_acceptor_;
   std::thread peer_acceptor_;

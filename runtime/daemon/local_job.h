@@ -18,6 +18,9 @@
 #include "daemon/proxy.h"
 
 namespace gradsync {
+namespace verbs {
+class MemoryRegion;
+}
 
 struct LocalMember {
   uint32_t rank = 0;
@@ -55,7 +58,10 @@ struct LocalJob {
   std::atomic<bool> stop{false};        // aborted or torn down: pumps exit
   std::atomic<bool> drain{false};       // every local rank left: senders flush, then Bye
   bool aborted = false;
-  std::vector<std::unique_ptr<Pump>> pumps;
+  std::vector<std::unique_ptr<ChannelPump>> pumps;
+  // The job's shared memory registered with the daemon's RDMA device (verbs channels only).
+  // Declared after `shm`'s users; released after the pumps that post from it.
+  std::shared_ptr<verbs::MemoryRegion> verbs_mr;
 
   std::string ids() const { return "job=" + id + " gen=" + std::to_string(generation); }
   bool is_local(uint32_t rank) const;

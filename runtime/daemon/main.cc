@@ -29,6 +29,9 @@ void usage(FILE* out) {
                "  --slot-bytes N            bytes per slot (default 1048576)\n"
                "  --rings N                 parallel rings per job (default 1, or $GRADSYNC_NRINGS)\n"
                "  --transport T             auto|tcp|verbs between nodes ($GRADSYNC_TRANSPORT; default auto)\n"
+               "  --ib-hca NAME             RDMA device for verbs channels ($GRADSYNC_IB_HCA; default the first)\n"
+               "  --ib-port N               its port (default 1)\n"
+               "  --gid-index N             RoCE GID index ($GRADSYNC_IB_GID_INDEX; default: IPv4-mapped v2)\n"
                "  --ready-file PATH         written with the proxy endpoint once serving\n"
                "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n");
 }
@@ -40,6 +43,8 @@ int main(int argc, char** argv) {
   if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
   if (const char* i = std::getenv("GRADSYNC_SOCKET_IFNAME"); i && *i) cfg.ifname = i;
   if (const char* t = std::getenv("GRADSYNC_TRANSPORT"); t && *t) cfg.transport = t;
+  if (const char* h = std::getenv("GRADSYNC_IB_HCA"); h && *h) cfg.verbs_device = h;
+  if (const char* g = std::getenv("GRADSYNC_IB_GID_INDEX"); g && *g) cfg.gid_index = std::clamp(std::atoi(g), -1, 255);
   if (const char* b = std::getenv("GRADSYNC_SLOT_BYTES"); b && *b) cfg.slot_bytes = static_cast<uint32_t>(std::clamp(std::atol(b), 4096L, 256L << 20));
   if (const char* n = std::getenv("GRADSYNC_SLOTS"); n && *n) cfg.slots = static_cast<uint32_t>(std::clamp(std::atoi(n), 2, int(gradsync::kMaxSlots)));
   if (const char* r = std::getenv("GRADSYNC_NRINGS"); r && *r) cfg.rings = static_cast<uint32_t>(std::clamp(std::atoi(r), 1, int(gradsync::kMaxRings)));
@@ -70,6 +75,9 @@ int main(int argc, char** argv) {
     else if (a == "--data-host") cfg.data_host = value();
     else if (a == "--ifname") cfg.ifname = value();
     else if (a == "--transport") cfg.transport = value();
+    else if (a == "--ib-hca") cfg.verbs_device = value();
+    else if (a == "--ib-port") cfg.verbs_port = static_cast<uint8_t>(number(1, 255));
+    else if (a == "--gid-index") cfg.gid_index = static_cast<int>(number(-1, 255));
     else if (a == "--slots") cfg.slots = static_cast<uint32_t>(number(2, gradsync::kMaxSlots));
     else if (a == "--slot-bytes") cfg.slot_bytes = static_cast<uint32_t>(number(4096, 256 << 20));
     else if (a == "--rings") cfg.rings = static_cast<uint32_t>(number(1, gradsync::kMaxRings));

@@ -25,6 +25,8 @@ constexpr int kSocketBufferBytes = 4 << 20;
 struct HelloWire {
   uint32_t magic;
   uint32_t version;
+  uint32_t transport;
+  uint32_t reserved;
   uint64_t generation;
   uint32_t tag;
   uint32_t src_rank;
@@ -111,18 +113,12 @@ Result<Fd> proxy_connect(const std::string& endpoint, const ProxyHello& hello, D
     return Status(Code::kUnavailable, "cannot connect to gradsyncd at " + endpoint + ": " +
                                           errno_string("connect") + " (peer daemon down?)");
   }
-  HelloWire w{kProxyMagic, kProxyVersion, hello.generation, hello.tag, hello.src_rank, hello.dst_rank,
-              static_cast<uint32_t>(hello.job.size())};
+  HelloWire w{kProxyMagic, kProxyVersion, static_cast<uint32_t>(hello.transport), 0, hello.generation,
+              hello.tag, hello.src_rank, hello.dst_rank, static_cast<uint32_t>(hello.job.size())};
   GS_RETURN_IF_ERROR(write_all(fd.get(), &w, sizeof(w)));
   GS_RETURN_IF_ERROR(write_all(fd.get(), hello.job.data(), hello.job.size()));
-  uint32_t reply[2];
-  Status s = read_all(fd.get(), reply, sizeof(reply), deadline);
-  if (!s.ok()) {
-    return Status(s.code(), "gradsyncd at " + endpoint + " did not accept the channel: " + s.message());
-  }
-  std::string msg(reply[1], '\0');
-  GS_RETURN_IF_ERROR(read_all(fd.get(), msg.data(), msg.size(), deadline));
-  if (reply[0] != 0) return Status(static_cast<Code>(reply[0]), "gradsyncd at " + endpoint + ": " + msg);
+  Status s = proxy_read_reply(fd.get(), deadline);
+  if (!s.ok()) return Status(s.code(), "gradsyncd at " + endpoint + ": " + s.message());
   return fd;
 }
 
@@ -132,11 +128,15 @@ Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline) {
   if (w.magic != kProxyMagic || w.version != kProxyVersion) {
     return Status(Code::kInvalidArgument, "not a gradsync proxy connection (bad magic/version)");
   }
+  if (w.transport > static_cast<uint32_t>(ChannelTransport::kVerbs)) {
+    return Status(Code::kInvalidArgument, "unknown channel transport " + std::to_string(w.transport));
+  }
   constexpr uint32_t kMaxJobIdBytes = 4096;
   if (w.job_len > kMaxJobIdBytes) return Status(Code::kInvalidArgument, "job id too long");
   ProxyHello h;
   h.job.resize(w.job_len);
   GS_RETURN_IF_ERROR(read_all(sock, h.job.data(), w.job_len, deadline));
+  h.transport = static_cast<ChannelTransport>(w.transport);
   h.generation = w.generation;
   h.tag = w.tag;
   h.src_rank = w.src_rank;
@@ -150,6 +150,25 @@ Status proxy_reply(int sock, const Status& status) {
   GS_RETURN_IF_ERROR(write_all(sock, head, sizeof(head)));
   return write_all(sock, status.message().data(), status.message().size());
 }
+
+Status proxy_read_reply(int sock, Deadline deadline) {
+  uint32_t reply[2];
+  Status s = read_all(sock, reply, sizeof(reply), deadline);
+  if (!s.ok()) return Status(s.code(), "did not accept the channel: " + s.message());
+  constexpr uint32_t kMaxReplyBytes = 64 << 10;
+  if (reply[1] > kMaxReplyBytes) return Status(Code::kInternal, "malformed reply (not a gradsyncd?)");
+  std::string msg(reply[1], '\0');
+  GS_RETURN_IF_ERROR(read_all(sock, msg.data(), msg.size(), deadline));
+  if (reply[0] != 0) return Status(static_cast<Code>(reply[0]), msg);
+  return Status::Ok();
+}
+
+bool proxy_readable(int sock) {
+  pollfd p{sock, POLLIN, 0};
+  return ::poll(&p, 1, 0) > 0;
+}
+
+const char* to_string(ChannelTransport t) { return t == ChannelTransport::kVerbs ? "verbs" : "tcp"; }
 
 std::unique_ptr<Pump> Pump::start(PumpContext ctx, Fd sock, PumpFailure on_failure, bool sender) {
   std::unique_ptr<Pump> p(new Pump());

@@ -22,11 +22,19 @@
 namespace gradsync {
 
 constexpr uint32_t kProxyMagic = 0x47535058;  // "GSPX"
-constexpr uint32_t kProxyVersion = 2;
+constexpr uint32_t kProxyVersion = 3;
 constexpr uint32_t kByeBytes = 0xFFFFFFFFu;
+
+// How a cross-node channel moves its slots once the handshake is done.
+enum class ChannelTransport : uint32_t {
+  kTcp = 0,    // frames on this connection
+  kVerbs = 1,  // RDMA writes on an RC QP; this connection only bootstraps and says Bye
+};
+const char* to_string(ChannelTransport t);
 
 struct ProxyHello {
   std::string job;
+  ChannelTransport transport = ChannelTransport::kTcp;
   uint64_t generation = 0;
   uint32_t tag = 0;  // which channel between the two ranks (collectives/topology.h)
   uint32_t src_rank = 0;
@@ -47,19 +55,29 @@ struct PumpContext {
   std::string ids;                           // "job=x gen=1 ch=2" for logs
 };
 
-// One cross-node channel end, with its thread.
-class Pump {
+// One end of a cross-node channel, on its own thread: the transport-independent face that
+// LocalJob and the daemon's teardown use (TCP: Pump below; verbs: daemon/verbs_pump.h).
+class ChannelPump {
+ public:
+  virtual ~ChannelPump() = default;
+  // Unblocks the thread (it also watches the job's stop flag) and joins it.
+  virtual void stop_and_join() = 0;
+  virtual bool is_sender() const = 0;
+  virtual bool finished() const = 0;
+};
+
+// One cross-node channel end over TCP, with its thread.
+class Pump : public ChannelPump {
  public:
   // Sending side: staging channel -> socket.
   static std::unique_ptr<Pump> start_sender(PumpContext ctx, Fd sock, PumpFailure on_failure);
   // Receiving side: socket -> the local rank's incoming channel.
   static std::unique_ptr<Pump> start_receiver(PumpContext ctx, Fd sock, PumpFailure on_failure);
-  ~Pump();
+  ~Pump() override;
 
-  // Unblocks the thread (it also watches the stop flag) and joins it.
-  void stop_and_join();
-  bool is_sender() const { return sender_; }
-  bool finished() const { return finished_.load(std::memory_order_acquire); }
+  void stop_and_join() override;
+  bool is_sender() const override { return sender_; }
+  bool finished() const override { return finished_.load(std::memory_order_acquire); }
 
  private:
   Pump() = default;
@@ -79,6 +97,12 @@ Result<Fd> proxy_connect(const std::string& endpoint, const ProxyHello& hello, D
 // Server side: reads the Hello of an accepted connection.
 Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline);
 Status proxy_reply(int sock, const Status& status);
+// Reads what proxy_reply wrote: the peer's status.
+Status proxy_read_reply(int sock, Deadline deadline);
+
+// Whether the bootstrap connection of a running channel has something to read (the peer's Bye,
+// or EOF when its daemon died) without blocking.
+bool proxy_readable(int sock);
 
 // A listening TCP socket on `host:port` (port 0: any); returns the bound port.
 Result<Fd> tcp_listen(const std::string& host, uint16_t port, uint16_t* bound_port);

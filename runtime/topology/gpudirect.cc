@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -232,6 +233,7 @@ bool RdmaDevice::has_active_port() const {
 
 GpuPath decide_path(const PathInputs& in, PciDistance level) {
   GpuPath out;
+  const std::string gpu = in.gpu >= 0 ? "GPU " + std::to_string(in.gpu) : std::string("the GPU");
   if (!in.any_rdma_device) {
     out.path = DataPath::kTcp;
     out.reason = "no RDMA device";
@@ -246,7 +248,7 @@ GpuPath decide_path(const PathInputs& in, PciDistance level) {
   out.distance = in.distance;
   out.path = DataPath::kHostStagedRdma;
   if (in.gpu_direct_rdma_supported == 0) {
-    out.reason = "the GPU reports GPU_DIRECT_RDMA_SUPPORTED=0";
+    out.reason = gpu + " reports GPU_DIRECT_RDMA_SUPPORTED=0";
     return out;
   }
   // Registration: dma-buf first, then nvidia-peermem (design §3).
@@ -261,28 +263,75 @@ GpuPath decide_path(const PathInputs& in, PciDistance level) {
   }
   if (how.empty()) {
     std::string why;
-    if (in.dma_buf_supported == 0) why = "the GPU reports DMA_BUF_SUPPORTED=0";
+    if (in.dma_buf_supported == 0) why = gpu + " reports DMA_BUF_SUPPORTED=0";
     else if (in.dma_buf_supported < 0) why = "dma-buf support unknown (" + in.cuda_unknown_reason + ")";
     if (!in.kernel_rdma_dmabuf) {
       why += (why.empty() ? "" : ", ") + std::string("kernel older than 5.12 (no RDMA dma-buf)");
     }
-    out.reason = "GPU memory cannot be registered: " + why + " and nvidia-peermem is not loaded";
+    out.reason = gpu + " memory cannot be registered with " + in.nic + ": " + why +
+                 " and nvidia-peermem is not loaded";
     return out;
   }
   if (!in.distance) {
-    out.reason = "no PCIe path between the GPU and " + in.nic + " (distance unknown)";
+    out.reason = "no PCIe path between " + gpu + " and " + in.nic + " (distance unknown)";
     return out;
   }
+  const std::string pair = gpu + " - " + in.nic + " is " + distance_name(*in.distance);
   if (static_cast<int>(*in.distance) > static_cast<int>(level)) {
-    out.reason = std::string("GPU-NIC distance ") + distance_name(*in.distance) +
-                 " is beyond GRADSYNC_GDR_LEVEL=" + distance_name(level);
+    out.reason = pair + ", above GRADSYNC_GDR_LEVEL=" + distance_name(level);
     return out;
   }
   out.path = DataPath::kGpuDirectRdma;
   out.registration = how;
-  out.reason = std::string(distance_name(*in.distance)) + " <= " + distance_name(level) +
-               ", registration via " + how;
+  out.reason = pair + ", within GRADSYNC_GDR_LEVEL=" + distance_name(level) + "; registration via " + how;
   return out;
+}
+
+GpuPath path_for_message(const GpuPath& peer, size_t message_bytes, size_t gdr_min_bytes) {
+  if (peer.path != DataPath::kGpuDirectRdma || message_bytes >= gdr_min_bytes) return peer;
+  GpuPath out = peer;
+  out.path = DataPath::kHostStagedRdma;
+  out.registration.clear();
+  out.reason = std::to_string(message_bytes) + " bytes < GRADSYNC_GDR_MIN_BYTES=" +
+               std::to_string(gdr_min_bytes) + ": host-staged RDMA for this message (" + peer.reason + ")";
+  return out;
+}
+
+Result<size_t> parse_gdr_min_bytes(std::string_view text) {
+  const auto bad = [&](const char* why) {
+    return Status(Code::kInvalidArgument,
+                  "GRADSYNC_GDR_MIN_BYTES='" + std::string(text) + "' " + why +
+                      ": give a byte count such as 65536, 64K or 1M (K/M/G = 1024-based; 0 = GPUDirect RDMA "
+                      "for every message size)");
+  };
+  size_t i = 0;
+  unsigned long long value = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) {
+    const unsigned digit = static_cast<unsigned>(text[i] - '0');
+    if (value > (~0ull - digit) / 10) return bad("is too large");
+    value = value * 10 + digit;
+    ++i;
+  }
+  if (i == 0) return bad("is not a byte count");
+  unsigned shift = 0;
+  if (i < text.size()) {
+    switch (std::tolower(static_cast<unsigned char>(text[i]))) {
+      case 'k': shift = 10; break;
+      case 'm': shift = 20; break;
+      case 'g': shift = 30; break;
+      default: return bad("has an unknown suffix");
+    }
+    if (++i != text.size()) return bad("has trailing characters");
+  }
+  if (value > (~0ull >> shift) || (value << shift) > static_cast<unsigned long long>(SIZE_MAX))
+    return bad("is too large");
+  return static_cast<size_t>(value << shift);
+}
+
+Result<size_t> gdr_min_bytes_from_env(size_t measured) {
+  const char* env = std::getenv("GRADSYNC_GDR_MIN_BYTES");
+  if (env == nullptr || *env == '\0') return measured;
+  return parse_gdr_min_bytes(env);
 }
 
 bool GpuReport::all_gpus_gdr() const {
@@ -370,6 +419,7 @@ GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance
   for (size_t gi = 0; gi < rep.gpus.size(); ++gi) {
     const GpuInfo& g = rep.gpus[gi];
     PathInputs in;
+    in.gpu = static_cast<int>(gi);
     in.any_rdma_device = !rep.nics.empty();
     // Nearest device with an ACTIVE port; unknown distance counts as farthest.
     int best = -1, best_rank = 1 << 20;
@@ -524,8 +574,7 @@ std::string render(const GpuReport& r) {
     if (!p.nic.empty()) o << " via " << p.nic;
     o << " -- " << p.reason << "\n";
   }
-  o << "  (doctor reports what the machine allows; the runtime does not select paths, register "
-       "GPU memory or flush yet)\n";
+  o << "  (doctor reports what the machine allows, not what a running job chose)\n";
   return o.str();
 }
 

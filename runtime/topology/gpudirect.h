@@ -6,10 +6,13 @@
 // tools/doctor by dlopen-ing libcuda.so.1, or leaves them unavailable.
 #pragma once
 
+#include <cstddef>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "gradsync/status.h"
 
 namespace gradsync::topology {
 
@@ -107,6 +110,7 @@ struct GpuPath {
 
 // Inputs of the decision for one GPU, so it can be tested without a tree.
 struct PathInputs {
+  int gpu = -1;             // the GPU's index, for the reason text ("GPU 0 - mlx5_0 is SYS, ...")
   bool any_rdma_device = false;
   bool nic_active = false;  // the nearest device has an ACTIVE port
   std::string nic;          // nearest device with an ACTIVE port (else nearest device)
@@ -119,10 +123,28 @@ struct PathInputs {
   bool open_kernel_module = false;     // hint for dma-buf when CUDA is unknown
 };
 
-// Design §3: GPUDirect RDMA when a verbs device can register GPU memory and the GPU-NIC
-// distance is within `level`; host-staged RDMA when there is a verbs device but no GPUDirect;
-// TCP when there is no (usable) verbs device.
+// Design §3, per GPU (and so per peer reached through its NIC): GPUDirect RDMA when a verbs
+// device with an ACTIVE port is there, GPU memory can be registered with it (dma-buf or
+// nvidia-peermem) and the GPU-NIC distance is within `level` (GRADSYNC_GDR_LEVEL, default
+// PXB); host-staged RDMA when there is such a device but GPUDirect is not allowed; TCP when
+// there is none. The reason names the GPU, the NIC and the rule, e.g.
+// "GPU 0 - mlx5_0 is SYS, above GRADSYNC_GDR_LEVEL=PXB".
 GpuPath decide_path(const PathInputs& in, PciDistance level);
+
+// Design §3 rule 4, per message: a peer whose path is GPUDirect RDMA still sends a message
+// of fewer than `gdr_min_bytes` host-staged (registration, mapping and flush costs can exceed
+// the gain for small messages); any other path is returned as it is. The returned reason
+// says which rule applied ("1024 bytes < GRADSYNC_GDR_MIN_BYTES=65536: host-staged RDMA").
+GpuPath path_for_message(const GpuPath& peer, size_t message_bytes, size_t gdr_min_bytes);
+
+// GRADSYNC_GDR_MIN_BYTES: the smallest message sent by GPUDirect RDMA. A byte count with an
+// optional binary suffix K, M or G ("65536", "64K", "1M"); 0 = GPUDirect for every size.
+// Unset or empty: `measured` (the threshold the runtime measures at start; the measurement is
+// not built yet, callers pass their default). Anything else: kInvalidArgument naming the
+// variable and the bad value, so a typo does not silently change the path.
+Result<size_t> gdr_min_bytes_from_env(size_t measured);
+// The same parsing, for a given text (tests, command lines).
+Result<size_t> parse_gdr_min_bytes(std::string_view text);
 
 struct GpuReport {
   std::string root;

@@ -2,6 +2,8 @@
 #include "transport/verbs/emulated_fabric.h"
 
 #include <arpa/inet.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -23,6 +25,12 @@ constexpr int kMaxCqe = 4194303;         // entries per CQ
 constexpr uint16_t kFirstIbLid = 1;      // IB LIDs: 1 + device index * 16 + port
 constexpr uint8_t kPhysLinkUp = 5;       // ibv_port_attr.phys_state "LinkUp"
 constexpr uint8_t kPhysDisabled = 3;     // ibv_port_attr.phys_state "Disabled"
+// reg_dmabuf_mr: the access flags the man page allows, and the highest user address of any
+// Linux x86-64 (5-level paging) or arm64 process; an iova range above it cannot be memory here.
+constexpr int kDmabufAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+                              IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
+                              IBV_ACCESS_RELAXED_ORDERING;
+constexpr uint64_t kUserAddressLimit = uint64_t{1} << 57;
 
 struct Port {
   ibv_port_state state = IBV_PORT_ACTIVE;
@@ -43,6 +51,8 @@ struct Context {
 struct Mr {
   ibv_mr mr{};
   int access = 0;
+  uint64_t base = 0;           // address keys reach: addr for reg_mr, iova for reg_dmabuf_mr
+  bool device_memory = false;  // made by reg_dmabuf_mr
 };
 struct Cq {
   ibv_cq cq{};
@@ -75,11 +85,22 @@ struct Fabric {
   uint32_t next_key = 0x1000;  // lkeys/rkeys: distinct, never reused in a process
   uint32_t next_qpn = 0x100;   // QPNs below 0x100 look like special QPs on real NICs
   uint32_t next_handle = 1;
+  EmulatedFabric::Copier copier = nullptr;  // null: memmove
 };
 
 Fabric& fab() {
   static Fabric f;
   return f;
+}
+
+// Every byte the fabric moves goes through here (EmulatedFabric::set_copier).
+void copy_bytes(void* dst, const void* src, size_t n) {
+  if (n == 0) return;
+  if (fab().copier) {
+    fab().copier(dst, src, n);
+  } else {
+    std::memmove(dst, src, n);
+  }
 }
 
 template <typename M, typename K>
@@ -228,6 +249,39 @@ ibv_mr* emu_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
                  fab().next_key + 1};
   fab().next_key += 2;
   m->access = access;
+  m->base = reinterpret_cast<uint64_t>(addr);
+  ibv_mr* key = &m->mr;
+  fab().mrs.emplace(key, std::move(m));
+  return key;
+}
+// See "dma-buf MRs" in emulated_fabric.h for what is checked and why iova is the address.
+ibv_mr* emu_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                          int access) {
+  std::lock_guard lock(fab().mu);
+  struct stat st{};
+  if (fd < 0 || ::fstat(fd, &st) != 0) {
+    errno = EBADF;
+    return nullptr;
+  }
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const bool bad_access = (access & ~kDmabufAccess) != 0 ||
+                          ((access & IBV_ACCESS_REMOTE_WRITE) && !(access & IBV_ACCESS_LOCAL_WRITE));
+  const bool beyond_fd = offset > UINT64_MAX - length ||
+                         (st.st_size > 0 && offset + length > static_cast<uint64_t>(st.st_size));
+  const bool bad_iova = iova == 0 || iova > kUserAddressLimit || length > kUserAddressLimit - iova;
+  if (find(fab().pds, pd) == nullptr || length == 0 || bad_access || iova % page != offset % page ||
+      beyond_fd || bad_iova) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  auto m = std::make_unique<Mr>();
+  // rdma-core's ibv_reg_dmabuf_mr stores the dma-buf offset in addr, not iova.
+  m->mr = ibv_mr{pd->context, pd, reinterpret_cast<void*>(static_cast<uintptr_t>(offset)), length,
+                 fab().next_handle++, fab().next_key, fab().next_key + 1};
+  fab().next_key += 2;
+  m->access = access;
+  m->base = iova;
+  m->device_memory = true;
   ibv_mr* key = &m->mr;
   fab().mrs.emplace(key, std::move(m));
   return key;
@@ -378,7 +432,7 @@ int emu_modify_qp(ibv_qp* qp, ibv_qp_attr* a, int mask) {
 Mr* find_mr(ibv_pd* pd, uint32_t key, bool remote, uint64_t addr, uint64_t len) {
   for (auto& [k, m] : fab().mrs) {
     if (m->mr.pd != pd || (remote ? m->mr.rkey : m->mr.lkey) != key) continue;
-    auto base = reinterpret_cast<uint64_t>(m->mr.addr);
+    const uint64_t base = m->base;
     bool inside = addr >= base && len <= m->mr.length && addr - base <= m->mr.length - len;
     return inside ? m.get() : nullptr;
   }
@@ -409,20 +463,19 @@ Qp* resolve_peer(const Qp& q) {
 // Executes one send WR against the fabric; returns the sender's completion status.
 ibv_wc_status execute(Qp& q, const ibv_send_wr& wr) {
   const bool inl = wr.send_flags & IBV_SEND_INLINE;
-  std::vector<uint8_t> data;  // gathered payload
+  size_t total = 0;  // payload bytes over all SGEs
   for (int i = 0; i < wr.num_sge; ++i) {
     const ibv_sge& s = wr.sg_list[i];
     if (!inl && find_mr(q.qp.pd, s.lkey, false, s.addr, s.length) == nullptr)
       return IBV_WC_LOC_PROT_ERR;
-    auto* src = reinterpret_cast<const uint8_t*>(s.addr);
-    data.insert(data.end(), src, src + s.length);
+    total += s.length;
   }
   Qp* r = resolve_peer(q);
   if (r == nullptr) return IBV_WC_RETRY_EXC_ERR;
   const bool write = wr.opcode == IBV_WR_RDMA_WRITE || wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
   const bool imm = wr.opcode == IBV_WR_RDMA_WRITE_WITH_IMM || wr.opcode == IBV_WR_SEND_WITH_IMM;
   if (write) {
-    Mr* m = find_mr(r->qp.pd, wr.wr.rdma.rkey, true, wr.wr.rdma.remote_addr, data.size());
+    Mr* m = find_mr(r->qp.pd, wr.wr.rdma.rkey, true, wr.wr.rdma.remote_addr, total);
     if (m == nullptr || !(m->access & IBV_ACCESS_REMOTE_WRITE) ||
         !(r->access & IBV_ACCESS_REMOTE_WRITE))
       return IBV_WC_REM_ACCESS_ERR;
@@ -430,16 +483,28 @@ ibv_wc_status execute(Qp& q, const ibv_send_wr& wr) {
   const bool consumes_recv = imm || !write;
   if (consumes_recv && r->recvs.empty()) return IBV_WC_RNR_RETRY_EXC_ERR;
   if (write) {
-    if (!data.empty())
-      std::memmove(reinterpret_cast<void*>(wr.wr.rdma.remote_addr), data.data(), data.size());
+    // Straight from each local SGE into the remote MR (one copy, device to device for GPU MRs).
+    uint64_t dst = wr.wr.rdma.remote_addr;
+    for (int i = 0; i < wr.num_sge; ++i) {
+      const ibv_sge& s = wr.sg_list[i];
+      copy_bytes(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(s.addr), s.length);
+      dst += s.length;
+    }
   } else {
+    std::vector<uint8_t> data(total);  // gathered payload
+    size_t at = 0;
+    for (int i = 0; i < wr.num_sge; ++i) {
+      const ibv_sge& s = wr.sg_list[i];
+      copy_bytes(data.data() + at, reinterpret_cast<const void*>(s.addr), s.length);
+      at += s.length;
+    }
     size_t off = 0;
     for (const ibv_sge& s : r->recvs.front().sges) {
       if (off == data.size()) break;
       size_t n = std::min<size_t>(s.length, data.size() - off);
       if (find_mr(r->qp.pd, s.lkey, false, s.addr, n) == nullptr) off = SIZE_MAX;
       if (off == SIZE_MAX) break;
-      std::memcpy(reinterpret_cast<void*>(s.addr), data.data() + off, n);
+      copy_bytes(reinterpret_cast<void*>(s.addr), data.data() + off, n);
       off += n;
     }
     if (off != data.size()) {  // receive buffer too small or not registered
@@ -455,7 +520,7 @@ ibv_wc_status execute(Qp& q, const ibv_send_wr& wr) {
     r->recvs.pop_front();
     ibv_wc wc = make_wc(rw.wr_id, IBV_WC_SUCCESS,
                         write ? IBV_WC_RECV_RDMA_WITH_IMM : IBV_WC_RECV, r->qp.qp_num);
-    wc.byte_len = static_cast<uint32_t>(data.size());
+    wc.byte_len = static_cast<uint32_t>(total);
     wc.src_qp = q.qp.qp_num;
     if (imm) {
       wc.wc_flags = IBV_WC_WITH_IMM;
@@ -578,6 +643,18 @@ void EmulatedFabric::force_qp_error(ibv_qp* qp) {
   if (Qp* q = find(fab().qps, qp)) enter_error(*q);
 }
 
+int EmulatedFabric::force_device_qp_errors(const std::string& device) {
+  std::lock_guard lock(fab().mu);
+  int n = 0;
+  for (auto& [raw, q] : fab().qps) {
+    Context* c = find(fab().contexts, raw->context);
+    if (c == nullptr || c->device->name != device || q->qp.state == IBV_QPS_ERR) continue;
+    enter_error(*q);
+    ++n;
+  }
+  return n;
+}
+
 ibv_qp_state EmulatedFabric::qp_state(ibv_qp* qp) {
   std::lock_guard lock(fab().mu);
   Qp* q = find(fab().qps, qp);
@@ -589,6 +666,17 @@ void EmulatedFabric::reset() {
   fab().devices.clear();
 }
 
+void EmulatedFabric::set_copier(Copier copier) {
+  std::lock_guard lock(fab().mu);
+  fab().copier = copier;
+}
+
+bool EmulatedFabric::is_device_memory(ibv_mr* mr) {
+  std::lock_guard lock(fab().mu);
+  Mr* m = find(fab().mrs, mr);
+  return m != nullptr && m->device_memory;
+}
+
 const IbvApi* emulated_ibv() {
   static const IbvApi api = {
       "emulated",       &emu_get_device_list, &emu_free_device_list, &emu_get_device_name,
@@ -597,6 +685,7 @@ const IbvApi* emulated_ibv() {
       &emu_reg_mr,      &emu_dereg_mr,        &emu_create_cq,        &emu_destroy_cq,
       &emu_create_qp,   &emu_destroy_qp,      &emu_modify_qp,        &emu_wc_status_str,
       &emu_post_send,   &emu_post_recv,       &emu_poll_cq,
+      &emu_reg_dmabuf_mr, nullptr,
   };
   return &api;
 }

@@ -88,6 +88,13 @@ Result<const IbvApi*> load_once() {
   // Optional: GID types need rdma-core >= 32.
   g_query_gid_ex = reinterpret_cast<QueryGidExFn>(dlsym(handle, "_ibv_query_gid_ex"));
   api.query_gid_ex = g_query_gid_ex ? &real_query_gid_ex : nullptr;
+  // Optional: dma-buf registration (GPU memory) needs rdma-core >= 34.
+  api.reg_dmabuf_mr =
+      reinterpret_cast<decltype(api.reg_dmabuf_mr)>(dlsym(handle, "ibv_reg_dmabuf_mr"));
+  api.reg_dmabuf_mr_missing =
+      api.reg_dmabuf_mr ? nullptr
+                        : "libibverbs.so.1 has no ibv_reg_dmabuf_mr (rdma-core < 34): GPU memory "
+                          "cannot be registered by dma-buf";
   api.query_port = &real_query_port;
   api.post_send = &real_post_send;
   api.post_recv = &real_post_recv;

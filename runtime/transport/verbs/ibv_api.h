@@ -47,6 +47,13 @@ struct IbvApi {
   int (*post_send)(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr);
   int (*post_recv)(ibv_qp* qp, ibv_recv_wr* wr, ibv_recv_wr** bad_wr);
   int (*poll_cq)(ibv_cq* cq, int num_entries, ibv_wc* wc);
+
+  // Optional: ibv_reg_dmabuf_mr (rdma-core >= 34, IBVERBS_1.12), the registration of GPU
+  // memory exported as a dma-buf fd. Null when the library lacks it; reg_dmabuf_mr_missing
+  // then says why (for logs and errors), and is null while the entry is there.
+  ibv_mr* (*reg_dmabuf_mr)(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
+                           int access);
+  const char* reg_dmabuf_mr_missing;
 };
 
 // dlopen("libibverbs.so.1") once per process and resolve every entry. The handle stays open

@@ -34,6 +34,13 @@ void IbvDeleter<T, Destroy>::operator()(T* obj) const {
                             errno_text(rc));
 }
 
+// The wrappers are used (moved, destroyed) outside this file: every deleter is instantiated here.
+template struct IbvDeleter<ibv_context, &IbvApi::close_device>;
+template struct IbvDeleter<ibv_pd, &IbvApi::dealloc_pd>;
+template struct IbvDeleter<ibv_mr, &IbvApi::dereg_mr>;
+template struct IbvDeleter<ibv_cq, &IbvApi::destroy_cq>;
+template struct IbvDeleter<ibv_qp, &IbvApi::destroy_qp>;
+
 // ---- Context -----------------------------------------------------------------------------
 Result<Context> Context::open(const IbvApi* api, const std::string& device) {
   int n = 0;
@@ -159,6 +166,39 @@ Result<MemoryRegion> MemoryRegion::create(const ProtectionDomain& pd, void* addr
     return Status(Code::kInternal, "verbs device " + pd.device() + ": reg_mr of " + std::to_string(length) +
                                        " bytes failed: " + errno_text(errno) + " (memlock limit?)");
   MemoryRegion mr;
+  mr.base_ = reinterpret_cast<uint64_t>(raw->addr);
+  mr.mr_ = decltype(mr.mr_)(raw, {pd.api()});
+  return mr;
+}
+
+Result<MemoryRegion> MemoryRegion::create_dmabuf(const ProtectionDomain& pd, int fd, uint64_t offset,
+                                                 size_t length, uint64_t iova, int access) {
+  const std::string where = "verbs device " + pd.device() + ": reg_dmabuf_mr";
+  if (pd.api()->reg_dmabuf_mr == nullptr)
+    return Status(Code::kUnavailable,
+                  where + " unavailable: " +
+                      (pd.api()->reg_dmabuf_mr_missing ? pd.api()->reg_dmabuf_mr_missing
+                                                       : "not in the verbs function table"));
+  errno = 0;
+  ibv_mr* raw = pd.api()->reg_dmabuf_mr(pd.get(), offset, length, iova, fd, access);
+  if (raw == nullptr) {
+    const int err = errno;
+    char detail[160];
+    std::snprintf(detail, sizeof(detail), " of %zu bytes (fd %d, offset %llu, iova 0x%llx) failed: ", length,
+                  fd, static_cast<unsigned long long>(offset), static_cast<unsigned long long>(iova));
+    const bool unsupported = err == EOPNOTSUPP || err == EPROTONOSUPPORT;
+    const char* hint = unsupported ? " (the device, driver or kernel has no dma-buf MRs: kernel >= 5.12 and a "
+                                     "provider with reg_dmabuf_mr are needed)"
+                       : err == EBADF ? " (not an open dma-buf fd)"
+                       : err == EINVAL ? " (bad range, access flags, or iova/offset page offsets differ)"
+                                       : "";
+    const Code code = unsupported                       ? Code::kUnavailable
+                      : (err == EBADF || err == EINVAL) ? Code::kInvalidArgument
+                                                        : Code::kInternal;
+    return Status(code, where + detail + errno_text(err) + hint);
+  }
+  MemoryRegion mr;
+  mr.base_ = iova;
   mr.mr_ = decltype(mr.mr_)(raw, {pd.api()});
   return mr;
 }
@@ -255,8 +295,8 @@ Status QueuePair::to_rts(uint32_t psn) {
                        IBV_QP_MAX_QP_RD_ATOMIC, "RTS");
 }
 
-Status QueuePair::post_write_with_imm(const MemoryRegion& local, size_t offset, size_t len,
-                                      uint64_t remote_addr, uint32_t rkey, uint32_t imm, uint64_t wr_id) {
+Status QueuePair::post_rdma(ibv_wr_opcode opcode, const MemoryRegion& local, size_t offset, size_t len,
+                            uint64_t remote_addr, uint32_t rkey, uint32_t imm, uint64_t wr_id, bool signaled) {
   if (offset > local.length() || len > local.length() - offset || len > UINT32_MAX)
     return Status(Code::kInvalidArgument, where() + ": write of " + std::to_string(len) + " bytes at offset " +
                                               std::to_string(offset) + " exceeds the local region");
@@ -265,9 +305,9 @@ Status QueuePair::post_write_with_imm(const MemoryRegion& local, size_t offset, 
   wr.wr_id = wr_id;
   wr.sg_list = &sge;
   wr.num_sge = 1;
-  wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-  wr.send_flags = IBV_SEND_SIGNALED;
-  wr.imm_data = htonl(imm);
+  wr.opcode = opcode;
+  wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
+  if (opcode == IBV_WR_RDMA_WRITE_WITH_IMM) wr.imm_data = htonl(imm);
   wr.wr.rdma.remote_addr = remote_addr;
   wr.wr.rdma.rkey = rkey;
   ibv_send_wr* bad = nullptr;
@@ -275,6 +315,16 @@ Status QueuePair::post_write_with_imm(const MemoryRegion& local, size_t offset, 
     return Status(Code::kFailedPrecondition, where() + ": post_send refused: " + errno_text(rc) +
                                                  " (QP not in RTS, or send queue full)");
   return Status::Ok();
+}
+
+Status QueuePair::post_write_with_imm(const MemoryRegion& local, size_t offset, size_t len,
+                                      uint64_t remote_addr, uint32_t rkey, uint32_t imm, uint64_t wr_id) {
+  return post_rdma(IBV_WR_RDMA_WRITE_WITH_IMM, local, offset, len, remote_addr, rkey, imm, wr_id, true);
+}
+
+Status QueuePair::post_write(const MemoryRegion& local, size_t offset, size_t len, uint64_t remote_addr,
+                             uint32_t rkey, uint64_t wr_id, bool signaled) {
+  return post_rdma(IBV_WR_RDMA_WRITE, local, offset, len, remote_addr, rkey, 0, wr_id, signaled);
 }
 
 Status QueuePair::post_recv(uint64_t wr_id) {

@@ -80,13 +80,24 @@ class MemoryRegion {
   // Registers host memory [addr, addr + length) with IBV_ACCESS_* flags.
   static Result<MemoryRegion> create(const ProtectionDomain& pd, void* addr, size_t length,
                                      int access);
+  // Registers bytes [offset, offset + length) of the dma-buf `fd` (GPU memory exported by
+  // cuMemGetHandleForAddressRange), reached through the keys at [iova, iova + length); iova
+  // must have the same page offset as offset (pass the GPU virtual address, as NCCL does).
+  // The fd stays the caller's (gpu/gpu_memory_registration.h keeps it open while the MR
+  // lives). kUnavailable when the table has no reg_dmabuf_mr (rdma-core < 34) or the
+  // device/kernel refuses dma-buf (EOPNOTSUPP, EPROTONOSUPPORT).
+  static Result<MemoryRegion> create_dmabuf(const ProtectionDomain& pd, int fd, uint64_t offset,
+                                            size_t length, uint64_t iova, int access);
   ibv_mr* get() const { return mr_.get(); }
   uint32_t lkey() const { return mr_->lkey; }
   uint32_t rkey() const { return mr_->rkey; }
-  uint64_t addr() const { return reinterpret_cast<uint64_t>(mr_->addr); }
+  // Where the keys address the MR: addr for create, iova for create_dmabuf (rdma-core stores
+  // the dma-buf offset in ibv_mr::addr, so that field is not used).
+  uint64_t addr() const { return base_; }
   size_t length() const { return mr_->length; }
 
  private:
+  uint64_t base_ = 0;
   std::unique_ptr<ibv_mr, IbvDeleter<ibv_mr, &IbvApi::dereg_mr>> mr_;
 };
 
@@ -136,6 +147,10 @@ class QueuePair {
   // WRITE_WITH_IMM of local[offset, offset + len) to remote_addr; imm in host order.
   Status post_write_with_imm(const MemoryRegion& local, size_t offset, size_t len,
                              uint64_t remote_addr, uint32_t rkey, uint32_t imm, uint64_t wr_id);
+  // RDMA WRITE (no immediate, no receive consumed at the peer). Unsignaled writes complete
+  // silently; their send-queue entries are freed by the next signaled completion.
+  Status post_write(const MemoryRegion& local, size_t offset, size_t len, uint64_t remote_addr,
+                    uint32_t rkey, uint64_t wr_id, bool signaled);
   // A zero-length receive, consumed by one incoming WRITE_WITH_IMM.
   Status post_recv(uint64_t wr_id);
 
@@ -144,6 +159,8 @@ class QueuePair {
 
  private:
   Status modify(ibv_qp_attr& attr, int mask, const char* what);
+  Status post_rdma(ibv_wr_opcode opcode, const MemoryRegion& local, size_t offset, size_t len,
+                   uint64_t remote_addr, uint32_t rkey, uint32_t imm, uint64_t wr_id, bool signaled);
   std::string where() const;
 
   const IbvApi* api_ = nullptr;
