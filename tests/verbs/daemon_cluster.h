@@ -1,0 +1,182 @@
+// Test harness for the verbs transport: several gradsyncd (the Daemon class, each with its own
+// Unix socket, shared memory and emulated RoCE device: a "node") and a real coordinator in
+// this process, and a job of ranks as threads through the public API on top of them. The
+// emulated fabric is in-process, which is why the daemons are objects here and not processes.
+#pragma once
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "collectives/collective.h"
+#include "coordinator/service.h"
+#include "daemon/daemon.h"
+#include "gradsync/gradsync.h"
+#include "transport/verbs/emulated_fabric.h"
+#include "transport/verbs/ibv_api.h"
+
+namespace gradsync::testing {
+
+using namespace std::chrono_literals;
+
+// Every cluster gets fresh device names: the fabric is process-wide and never reset here.
+inline std::atomic<int> g_clusters{0};
+
+struct ClusterOptions {
+  int nodes = 2;
+  std::vector<std::string> transport;  // per node; default "verbs" everywhere
+  uint32_t slots = 4;
+  uint32_t slot_bytes = 4096;
+  uint32_t rings = 1;
+};
+
+class DaemonCluster {
+ public:
+  explicit DaemonCluster(ClusterOptions o) : opts_(std::move(o)) {
+    char tmpl[] = "/tmp/gsverbs-XXXXXX";
+    if (char* d = ::mkdtemp(tmpl)) dir_ = d;
+    coord_ = std::make_unique<coordinator::CoordinatorServer>();
+    if (Status s = coord_->start("127.0.0.1:0"); !s.ok()) {
+      error_ = "coordinator: " + s.to_string();
+      return;
+    }
+    const int id = ++g_clusters;
+    for (int i = 0; i < opts_.nodes; ++i) {
+      std::string dev = "emu" + std::to_string(id) + "n" + std::to_string(i);
+      verbs::EmulatedFabric::instance().add_device(dev, 1, verbs::LinkLayer::kEthernet);
+      devices_.push_back(dev);
+      DaemonConfig cfg;
+      cfg.coordinator = "127.0.0.1:" + std::to_string(coord_->port());
+      cfg.socket_path = dir_ + "/node" + std::to_string(i) + ".sock";
+      cfg.node_name = "node" + std::to_string(i);
+      cfg.data_listen = "127.0.0.1";
+      cfg.data_host = "127.0.0.1";
+      cfg.slots = opts_.slots;
+      cfg.slot_bytes = opts_.slot_bytes;
+      cfg.rings = opts_.rings;
+      cfg.transport = size_t(i) < opts_.transport.size() ? opts_.transport[i] : "verbs";
+      cfg.ibv = verbs::emulated_ibv();
+      cfg.verbs_device = dev;
+      auto d = std::make_unique<Daemon>(cfg);
+      if (Status s = d->start(); !s.ok()) {
+        error_ = "gradsyncd node" + std::to_string(i) + ": " + s.to_string();
+        return;
+      }
+      sockets_.push_back(cfg.socket_path);
+      daemons_.push_back(std::move(d));
+    }
+  }
+  ~DaemonCluster() {
+    daemons_.clear();
+    if (coord_) coord_->shutdown();
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+
+  bool ok() const { return error_.empty(); }
+  const std::string& error() const { return error_; }
+  Daemon& daemon(int node) { return *daemons_.at(node); }
+  const std::string& socket(int node) const { return sockets_.at(node); }
+  const std::string& device(int node) const { return devices_.at(node); }
+
+ private:
+  ClusterOptions opts_;
+  std::string dir_;
+  std::string error_;
+  std::unique_ptr<coordinator::CoordinatorServer> coord_;
+  std::vector<std::unique_ptr<Daemon>> daemons_;
+  std::vector<std::string> sockets_;
+  std::vector<std::string> devices_;
+};
+
+inline Status dispatch(Communicator& c, const CollectiveCall& k) {
+  CallOptions o{k.algorithm};
+  switch (k.kind) {
+    case CollectiveKind::kAllreduce: return c.allreduce(k.send, k.recv, k.count, k.type, k.op, o);
+    case CollectiveKind::kReduceScatter: return c.reduce_scatter(k.send, k.recv, k.count, k.type, k.op, o);
+    case CollectiveKind::kAllGather: return c.all_gather(k.send, k.recv, k.count, k.type, o);
+    case CollectiveKind::kBroadcast: return c.broadcast(k.recv, k.count, k.type, k.root, o);
+    case CollectiveKind::kBarrier: return c.barrier();
+  }
+  return {Code::kInternal, "unknown collective"};
+}
+
+// A job of `nodes` x `per_node` ranks on a cluster, one communicator per rank; the World of
+// collective_matrix.h.
+class DaemonWorld {
+ public:
+  // `tweak` may adjust each rank's JoinOptions (e.g. a CUDA device).
+  DaemonWorld(DaemonCluster& cluster, int nodes, int per_node, const std::string& job,
+              std::chrono::milliseconds op_timeout = 30s,
+              std::function<void(int rank, JoinOptions&)> tweak = nullptr)
+      : n_(nodes * per_node), comms_(n_), status_(n_) {
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n_; ++r) {
+      threads.emplace_back([&, r] {
+        auto session = Session::connect(cluster.socket(r / per_node));
+        if (!session.ok()) {
+          status_[r] = session.status();
+          return;
+        }
+        JoinOptions o;
+        o.job = job;
+        o.rank = r;
+        o.world_size = n_;
+        o.local_rank = r % per_node;
+        o.local_world_size = per_node;
+        o.join_timeout = 30s;
+        o.op_timeout = op_timeout;
+        if (tweak) tweak(r, o);
+        auto comm = session->join(o);
+        if (!comm.ok()) {
+          status_[r] = comm.status();
+          return;
+        }
+        comms_[r] = std::make_unique<Communicator>(std::move(comm).value());
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+  ~DaemonWorld() {
+    std::vector<std::thread> threads;
+    for (auto& c : comms_) {
+      if (c) threads.emplace_back([&c] { (void)c->leave(); c.reset(); });
+    }
+    for (auto& t : threads) t.join();
+  }
+
+  std::string join_error() const {
+    std::string e;
+    for (int r = 0; r < n_; ++r) {
+      if (!status_[r].ok()) e += "rank " + std::to_string(r) + ": " + status_[r].to_string() + "\n";
+    }
+    return e;
+  }
+  int size() const { return n_; }
+  Communicator& comm(int r) { return *comms_.at(r); }
+
+  // Runs fn(rank) on one thread per rank.
+  std::vector<Status> run(const std::function<Status(int)>& fn) {
+    std::vector<Status> out(n_);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n_; ++r) threads.emplace_back([&, r] { out[r] = fn(r); });
+    for (auto& t : threads) t.join();
+    return out;
+  }
+  std::vector<Status> collective(std::vector<CollectiveCall> calls) {
+    return run([&](int r) { return dispatch(*comms_[r], calls[r]); });
+  }
+
+ private:
+  int n_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+  std::vector<Status> status_;
+};
+
+}  // namespace gradsync::testing
