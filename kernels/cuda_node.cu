@@ -1,4 +1,4 @@
-// One-node GPU allreduce by peer pushes (cuda_node.cuh) and the host-flag wait kernel.
+// One-node GPU collectives by peer pushes (cuda_node.cuh) and the host-flag wait kernels.
 #include "kernels/cuda_node.cuh"
 
 #include <cuda_runtime.h>
@@ -92,14 +92,161 @@ __device__ inline Pack<S> load_pack_cg(const S* p, size_t v) {
   return x;
 }
 
-template <class Tr, class Op, class Last>
-__global__ void __launch_bounds__(kThreads)
-    node_allreduce_kernel(NodeArgs a, Geometry g, uint32_t blocks, const typename Tr::S* in,
-                          typename Tr::S* out, size_t count, size_t chunk_elems, size_t nchunks,
-                          bool vec, Op op, Last last) {
-  using S = typename Tr::S;
+// ---- chunk movers: all threads of a block, 16-byte packs when `vec`, a scalar tail --------
+
+// Sources and destinations are functions of a rank (computed, not looked up in a table that
+// would live in local memory).
+
+// dst_of(p)[0, len) = src_of(p)[0, len) for every peer p != me; kOneSource: src_of is the same
+// for every p, and its packs are loaded once and stored n - 1 times.
+template <class S, bool kOneSource, class SrcOf, class DstOf>
+__device__ void push_chunk(SrcOf src_of, DstOf dst_of, int n, int me, size_t len, bool vec) {
   using P = Pack<S>;
   constexpr int kN = P::kN;
+  const size_t nv = vec ? len / kN : 0;
+  for (size_t v0 = threadIdx.x; v0 < nv; v0 += size_t(kThreads) * kUnroll) {
+    if constexpr (kOneSource) {
+      P x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const size_t v = v0 + size_t(u) * kThreads;
+        if (v < nv) x[u] = load_pack(src_of(me), v);
+      }
+      for (int p = 0; p < n; ++p) {
+        if (p == me) continue;
+        uint4* d = reinterpret_cast<uint4*>(dst_of(p));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const size_t v = v0 + size_t(u) * kThreads;
+          if (v < nv) d[v] = x[u].v;
+        }
+      }
+    } else {
+      for (int p = 0; p < n; ++p) {
+        if (p == me) continue;
+        P x[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const size_t v = v0 + size_t(u) * kThreads;
+          if (v < nv) x[u] = load_pack(src_of(p), v);
+        }
+        uint4* d = reinterpret_cast<uint4*>(dst_of(p));
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const size_t v = v0 + size_t(u) * kThreads;
+          if (v < nv) d[v] = x[u].v;
+        }
+      }
+    }
+  }
+  for (size_t e = nv * kN + threadIdx.x; e < len; e += kThreads) {
+    for (int p = 0; p < n; ++p) {
+      if (p != me) dst_of(p)[e] = src_of(p)[e];
+    }
+  }
+}
+
+// dst = src; `from_slot`: src was written by another GPU (read from L2).
+template <class S>
+__device__ void copy_chunk(S* dst, const S* src, size_t len, bool vec, bool from_slot) {
+  using P = Pack<S>;
+  constexpr int kN = P::kN;
+  const size_t nv = vec ? len / kN : 0;
+  for (size_t v0 = threadIdx.x; v0 < nv; v0 += size_t(kThreads) * kUnroll) {
+    P x[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const size_t v = v0 + size_t(u) * kThreads;
+      if (v < nv) x[u] = from_slot ? load_pack_cg(src, v) : load_pack(src, v);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const size_t v = v0 + size_t(u) * kThreads;
+      if (v < nv) reinterpret_cast<uint4*>(dst)[v] = x[u].v;
+    }
+  }
+  for (size_t e = nv * kN + threadIdx.x; e < len; e += kThreads) {
+    dst[e] = from_slot ? __ldcg(src + e) : src[e];
+  }
+}
+
+// dst = src_of(0) op src_of(1) op ... op src_of(n-1) (the last step with `last`), element by
+// element; src_of(me) is this rank's own input, the others are slots. dst may be src_of(me)
+// exactly: every element is read before the same thread stores it.
+template <class S, class SrcOf, class Op, class Last>
+__device__ void fold_chunk(SrcOf src_of, int n, int me, S* dst, size_t len, bool vec, Op op,
+                           Last last) {
+  using P = Pack<S>;
+  constexpr int kN = P::kN;
+  auto load = [&](int r, size_t v) {
+    return r == me ? load_pack(src_of(r), v) : load_pack_cg(src_of(r), v);
+  };
+  const size_t nv = vec ? len / kN : 0;
+  for (size_t v0 = threadIdx.x; v0 < nv; v0 += size_t(kThreads) * kUnroll) {
+    P acc[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const size_t v = v0 + size_t(u) * kThreads;
+      if (v < nv) acc[u] = load(0, v);
+    }
+    for (int r = 1; r < n; ++r) {
+      P x[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const size_t v = v0 + size_t(u) * kThreads;
+        if (v < nv) x[u] = load(r, v);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (r + 1 < n) {
+#pragma unroll
+          for (int e = 0; e < kN; ++e) acc[u].e[e] = op(acc[u].e[e], x[u].e[e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kN; ++e) acc[u].e[e] = last(acc[u].e[e], x[u].e[e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const size_t v = v0 + size_t(u) * kThreads;
+      if (v < nv) reinterpret_cast<uint4*>(dst)[v] = acc[u].v;
+    }
+  }
+  for (size_t e = nv * kN + threadIdx.x; e < len; e += kThreads) {
+    auto at = [&](int r) { return r == me ? src_of(r)[e] : __ldcg(src_of(r) + e); };
+    S acc = at(0);
+    for (int r = 1; r < n; ++r) acc = r + 1 < n ? op(acc, at(r)) : last(acc, at(r));
+    dst[e] = acc;
+  }
+}
+
+// ---- who does what in a call --------------------------------------------------------------
+
+__host__ __device__ constexpr bool is_reduction(NodeCollective k) {
+  return k == NodeCollective::kAllreduce || k == NodeCollective::kReduceScatter;
+}
+// Input or output made of nranks segments of `count` elements.
+__host__ __device__ constexpr bool is_strided(NodeCollective k) {
+  return k == NodeCollective::kReduceScatter || k == NodeCollective::kAllGather;
+}
+// Does `r` push data in this call (every rank but a broadcast's non-roots)?
+template <NodeCollective K>
+__device__ inline bool pushes(int r, int root) {
+  return K != NodeCollective::kBroadcast || r == root;
+}
+
+// Ops of the collectives that reduce nothing (never called).
+struct NoOp {};
+
+// ---- the chunked protocol -----------------------------------------------------------------
+
+template <class Tr, class Op, class Last, NodeCollective K>
+__global__ void __launch_bounds__(kThreads)
+    node_chunked_kernel(NodeArgs a, Geometry g, uint32_t blocks, const typename Tr::S* in,
+                        typename Tr::S* out, size_t count, int root, size_t chunk_elems,
+                        size_t nchunks, bool vec, Op op, Last last) {
+  using S = typename Tr::S;
   const uint32_t b = blockIdx.x;
   const uint32_t nb = gridDim.x;
   const int me = a.me;
@@ -114,13 +261,15 @@ __global__ void __launch_bounds__(kThreads)
   const size_t mine = nchunks > b ? (nchunks - 1 - b) / nb + 1 : 0;
   uint8_t* const my_region = a.region[me];
 
-  // Chunk i of this block: elements [e0, e0 + len), sequence number base + i, slot k % slots.
+  // Chunk i of this block: elements [e0, e0 + len) of the segment, sequence number base + i,
+  // slot k % slots.
   auto chunk = [&](size_t i, size_t* e0, size_t* len) {
     *e0 = (b + i * nb) * chunk_elems;
     *len = min(chunk_elems, count - *e0);
   };
 
   auto push = [&](size_t i) -> bool {
+    if (!pushes<K>(me, root)) return true;  // uniform over the block
     const uint64_t k = base + i;
     const uint32_t s = uint32_t(k % g.slots);
     size_t e0, len;
@@ -135,31 +284,12 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     if (!ok) return false;
-    const S* src = in + e0;
-    const size_t nv = vec ? len / kN : 0;
-    for (size_t v0 = threadIdx.x; v0 < nv; v0 += size_t(kThreads) * kUnroll) {
-      P x[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const size_t v = v0 + size_t(u) * kThreads;
-        if (v < nv) x[u] = load_pack(src, v);
-      }
-      for (int p = 0; p < n; ++p) {
-        if (p == me) continue;
-        uint4* dst = reinterpret_cast<uint4*>(g.slot(a.region[p], b, me, s));
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const size_t v = v0 + size_t(u) * kThreads;
-          if (v < nv) dst[v] = x[u].v;
-        }
-      }
-    }
-    for (size_t e = nv * kN + threadIdx.x; e < len; e += kThreads) {
-      const S x = src[e];
-      for (int p = 0; p < n; ++p) {
-        if (p != me) reinterpret_cast<S*>(g.slot(a.region[p], b, me, s))[e] = x;
-      }
-    }
+    // reduce_scatter: peer p gets segment p of the input; the others: the input.
+    auto src_of = [&](int p) {
+      return in + (K == NodeCollective::kReduceScatter ? size_t(p) * count : 0) + e0;
+    };
+    auto dst_of = [&](int p) { return reinterpret_cast<S*>(g.slot(a.region[p], b, me, s)); };
+    push_chunk<S, K != NodeCollective::kReduceScatter>(src_of, dst_of, n, me, len, vec);
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -170,14 +300,15 @@ __global__ void __launch_bounds__(kThreads)
     return true;
   };
 
-  auto reduce = [&](size_t i) -> bool {
+  auto consume = [&](size_t i) -> bool {
     const uint64_t k = base + i;
     const uint32_t s = uint32_t(k % g.slots);
     size_t e0, len;
     chunk(i, &e0, &len);
     if (threadIdx.x == 0) {
       for (int p = 0; p < n; ++p) {
-        if (p != me && !wait_at_least(g.ready(my_region, b, p), k + 1, a, p, 1)) {
+        if (p != me && pushes<K>(p, root) &&
+            !wait_at_least(g.ready(my_region, b, p), k + 1, a, p, 1)) {
           ok = 0;
           break;
         }
@@ -185,52 +316,26 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     if (!ok) return false;
-    const S* mine_in = in + e0;
-    S* dst = out + e0;
-    auto source = [&](int r) {
-      return reinterpret_cast<const S*>(g.slot(my_region, b, r, s));
-    };
-    const size_t nv = vec ? len / kN : 0;
-    for (size_t v0 = threadIdx.x; v0 < nv; v0 += size_t(kThreads) * kUnroll) {
-      P acc[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const size_t v = v0 + size_t(u) * kThreads;
-        if (v < nv) acc[u] = me == 0 ? load_pack(mine_in, v) : load_pack_cg(source(0), v);
+    // What rank r contributed to this chunk: its slot in my region, or my own input.
+    auto slot_of = [&](int r) { return reinterpret_cast<const S*>(g.slot(my_region, b, r, s)); };
+    if constexpr (is_reduction(K)) {
+      const S* own = in + (K == NodeCollective::kReduceScatter ? size_t(me) * count : 0) + e0;
+      auto src_of = [&](int r) { return r == me ? own : slot_of(r); };
+      fold_chunk(src_of, n, me, out + e0, len, vec, op, last);
+    } else if constexpr (K == NodeCollective::kAllGather) {
+      for (int r = 0; r < n; ++r) {
+        S* dst = out + size_t(r) * count + e0;
+        if (r != me)
+          copy_chunk(dst, slot_of(r), len, vec, true);
+        else if (dst != in + e0)
+          copy_chunk(dst, in + e0, len, vec, false);  // not in place
       }
-      for (int r = 1; r < n; ++r) {
-        P x[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const size_t v = v0 + size_t(u) * kThreads;
-          if (v < nv) x[u] = r == me ? load_pack(mine_in, v) : load_pack_cg(source(r), v);
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (r + 1 < n) {
-#pragma unroll
-            for (int e = 0; e < kN; ++e) acc[u].e[e] = op(acc[u].e[e], x[u].e[e]);
-          } else {
-#pragma unroll
-            for (int e = 0; e < kN; ++e) acc[u].e[e] = last(acc[u].e[e], x[u].e[e]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const size_t v = v0 + size_t(u) * kThreads;
-        if (v < nv) reinterpret_cast<uint4*>(dst)[v] = acc[u].v;
-      }
-    }
-    for (size_t e = nv * kN + threadIdx.x; e < len; e += kThreads) {
-      S acc = me == 0 ? mine_in[e] : __ldcg(source(0) + e);
-      for (int r = 1; r < n; ++r) {
-        const S x = r == me ? mine_in[e] : __ldcg(source(r) + e);
-        acc = r + 1 < n ? op(acc, x) : last(acc, x);
-      }
-      dst[e] = acc;
+    } else {
+      if (me != root) copy_chunk(out + e0, slot_of(root), len, vec, true);
     }
     __syncthreads();  // every read of this slot is done before the peers may refill it
+    // Every rank says it is done with sequence k, to every peer, even a broadcast root that
+    // read nothing: the peers' next pushes into this sequence's slot wait for it.
     if (threadIdx.x == 0) {
       for (int p = 0; p < n; ++p) {
         if (p != me) store_release(g.freed(a.region[p], b, me, blocks), k + 1);
@@ -243,7 +348,7 @@ __global__ void __launch_bounds__(kThreads)
   if (!push(0)) return;
   for (size_t i = 0; i < mine; ++i) {
     if (i + 1 < mine && !push(i + 1)) return;
-    if (!reduce(i)) return;
+    if (!consume(i)) return;
   }
   if (threadIdx.x == 0) a.progress[b] = base + mine;
 }
@@ -297,15 +402,37 @@ __device__ inline void store_unit(S* buf, size_t u, size_t bytes, bool aligned8,
   }
 }
 
-template <class Tr, class Op, class Last>
+// Waits for the line `line` to carry `flag` in both halves; its data goes to *v. False (error
+// recorded) on a deadline, an abort, or a failure another thread already recorded.
+__device__ bool read_line(const NodeArgs& a, const uint8_t* line, uint32_t flag, int peer,
+                          uint2* v) {
+  uint32_t d0, f0, d1, f1;
+  load_line(line, &d0, &f0, &d1, &f1);
+  if (f0 != flag || f1 != flag) {
+    const uint64_t start = now_ns();
+    for (uint32_t n = 1;; ++n) {
+      load_line(line, &d0, &f0, &d1, &f1);
+      if (f0 == flag && f1 == flag) break;
+      if ((n & 1023) == 0) {
+        if (host_word(&a.error->code) != 0) return false;
+        if (host_word(a.abort) != 0) return fail(a.error, 2, peer, 1), false;
+        if (now_ns() - start > a.timeout_ns) return fail(a.error, 1, peer, 1), false;
+      }
+    }
+  }
+  *v = make_uint2(d0, d1);
+  return true;
+}
+
+template <class Tr, class Op, class Last, NodeCollective K>
 __global__ void __launch_bounds__(kThreads)
-    node_ll_kernel(NodeArgs a, int nranks, uint32_t blocks, uint64_t ll_offset,
-                   uint64_t ll_stride, const typename Tr::S* in, typename Tr::S* out,
-                   size_t count, bool aligned8, Op op, Last last) {
+    node_ll_kernel(NodeArgs a, int nranks, uint32_t blocks, uint64_t ll_offset, uint64_t ll_stride,
+                   const typename Tr::S* in, typename Tr::S* out, size_t count, int root,
+                   bool aligned8, Op op, Last last) {
   using S = typename Tr::S;
   using U = Unit<S>;
   const int me = a.me;
-  const size_t bytes = count * sizeof(S);
+  const size_t bytes = count * sizeof(S);  // of one segment
   const size_t units = (bytes + 7) / 8;
   uint64_t* counter = a.progress + blocks + blockIdx.x;
   const uint64_t seq = *counter + 1;
@@ -316,53 +443,86 @@ __global__ void __launch_bounds__(kThreads)
   };
   const size_t stride = size_t(gridDim.x) * blockDim.x;
   const size_t first = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (size_t u = first; u < units; u += stride) {
-    const U x = load_unit(in, u, bytes, aligned8);
-    for (int p = 0; p < nranks; ++p) {
-      if (p != me) store_line(lines(a.region[p], me) + u * 16, x.v.x, x.v.y, flag);
-    }
-  }
-  uint8_t* const mine = lines(a.region[me], 0);  // source r's lines: mine + r * ll_stride
-  bool failed = false;
-  for (size_t u = first; u < units && !failed; u += stride) {
-    auto input = [&](int r, U* x) -> bool {
-      if (r == me) {
-        *x = load_unit(in, u, bytes, aligned8);
-        return true;
-      }
-      const uint8_t* line = mine + size_t(r) * ll_stride + u * 16;
-      uint32_t d0, f0, d1, f1;
-      load_line(line, &d0, &f0, &d1, &f1);
-      if (f0 != flag || f1 != flag) {
-        const uint64_t start = now_ns();
-        for (uint32_t n = 1;; ++n) {
-          load_line(line, &d0, &f0, &d1, &f1);
-          if (f0 == flag && f1 == flag) break;
-          if ((n & 1023) == 0) {
-            if (host_word(&a.error->code) != 0) return false;
-            if (host_word(a.abort) != 0) return fail(a.error, 2, r, 1), false;
-            if (now_ns() - start > a.timeout_ns) return fail(a.error, 1, r, 1), false;
-          }
+  // This rank's own input: reduce_scatter's segment me, else the send buffer.
+  const S* const own = in + (K == NodeCollective::kReduceScatter ? size_t(me) * count : 0);
+
+  // Push.
+  if (pushes<K>(me, root)) {
+    for (size_t u = first; u < units; u += stride) {
+      if constexpr (K == NodeCollective::kReduceScatter) {
+        for (int p = 0; p < nranks; ++p) {
+          if (p == me) continue;
+          const U x = load_unit(in + size_t(p) * count, u, bytes, aligned8);
+          store_line(lines(a.region[p], me) + u * 16, x.v.x, x.v.y, flag);
+        }
+      } else {
+        const U x = load_unit(in, u, bytes, aligned8);
+        for (int p = 0; p < nranks; ++p) {
+          if (p != me) store_line(lines(a.region[p], me) + u * 16, x.v.x, x.v.y, flag);
         }
       }
-      x->v = make_uint2(d0, d1);
-      return true;
-    };
-    U acc;
-    if (!input(0, &acc)) {
-      failed = true;
-      break;
     }
-    for (int r = 1; r < nranks; ++r) {
-      U x;
-      if (!input(r, &x)) {
+  } else if (first == 0) {
+    // A broadcast's non-root: one acknowledgement line to every peer (see the header).
+    for (int p = 0; p < nranks; ++p) {
+      if (p != me) store_line(lines(a.region[p], me), 0, 0, flag);
+    }
+  }
+
+  // Consume.
+  uint8_t* const mine = lines(a.region[me], 0);  // source r's lines: mine + r * ll_stride
+  bool failed = false;
+  auto input = [&](int r, size_t u, U* x) -> bool {
+    if (r == me) {
+      *x = load_unit(own, u, bytes, aligned8);
+      return true;
+    }
+    return read_line(a, mine + size_t(r) * ll_stride + u * 16, flag, r, &x->v);
+  };
+  if constexpr (K == NodeCollective::kBroadcast) {
+    if (first == 0) {
+      for (int r = 0; r < nranks && !failed; ++r) {
+        U ack;
+        if (r != me && r != root) failed = !input(r, 0, &ack);
+      }
+    }
+  }
+  for (size_t u = first; u < units && !failed; u += stride) {
+    if constexpr (is_reduction(K)) {
+      U acc;
+      if (!input(0, u, &acc)) {
         failed = true;
         break;
       }
+      for (int r = 1; r < nranks; ++r) {
+        U x;
+        if (!input(r, u, &x)) {
+          failed = true;
+          break;
+        }
 #pragma unroll
-      for (int e = 0; e < U::kN; ++e) acc.e[e] = r + 1 < nranks ? op(acc.e[e], x.e[e]) : last(acc.e[e], x.e[e]);
+        for (int e = 0; e < U::kN; ++e)
+          acc.e[e] = r + 1 < nranks ? op(acc.e[e], x.e[e]) : last(acc.e[e], x.e[e]);
+      }
+      if (!failed) store_unit(out, u, bytes, aligned8, acc);
+    } else if constexpr (K == NodeCollective::kAllGather) {
+      for (int r = 0; r < nranks && !failed; ++r) {
+        S* dst = out + size_t(r) * count;
+        if (r == me && dst == in) continue;  // in place
+        U x;
+        if (!input(r, u, &x))
+          failed = true;
+        else
+          store_unit(dst, u, bytes, aligned8, x);
+      }
+    } else {
+      if (me == root) break;  // the root's buffer is the data
+      U x;
+      if (!input(root, u, &x))
+        failed = true;
+      else
+        store_unit(out, u, bytes, aligned8, x);
     }
-    if (!failed) store_unit(out, u, bytes, aligned8, acc);
   }
   __syncthreads();
   if (threadIdx.x == 0) *counter = seq;
@@ -414,37 +574,72 @@ uint64_t chunk_for(const NodeLayout& l, uint64_t bytes) {
   return std::clamp<uint64_t>(per_block, 1024, l.chunk_bytes);
 }
 
-template <class Tr, class Op, class Last>
-cudaError_t launch_typed(const NodeLayout& l, const NodeArgs& a, const void* send, void* recv,
-                         size_t count, Op op, Last last, cudaStream_t stream) {
+template <class Tr, NodeCollective K, class Op, class Last>
+cudaError_t launch_typed(const NodeLayout& l, const NodeArgs& a, const NodeCall& c, Op op,
+                         Last last, cudaStream_t stream) {
   using S = typename Tr::S;
-  const uint64_t bytes = uint64_t(count) * sizeof(S);
+  const auto send = reinterpret_cast<uintptr_t>(c.send), recv = reinterpret_cast<uintptr_t>(c.recv);
+  const uint64_t bytes = uint64_t(c.count) * sizeof(S);  // of one segment
+  // Every segment's start shares the buffer's alignment when the segment's size keeps it.
+  auto aligned = [&](uint64_t m) {
+    return send % m == 0 && recv % m == 0 && (!is_strided(K) || bytes % m == 0);
+  };
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
   if (bytes <= l.ll_max_bytes) {
     const uint64_t units = (bytes + 7) / 8;
-    const uint32_t grid = uint32_t(std::min<uint64_t>(l.blocks, (units + kThreads - 1) / kThreads));
-    const bool aligned8 = reinterpret_cast<uintptr_t>(send) % 8 == 0 &&
-                          reinterpret_cast<uintptr_t>(recv) % 8 == 0;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(grid);
-    cfg.blockDim = dim3(kThreads);
-    cfg.stream = stream;
-    return cudaLaunchKernelEx(&cfg, node_ll_kernel<Tr, Op, Last>, a, l.nranks, l.blocks,
-                              l.ll_offset(), l.ll_stride(), static_cast<const S*>(send),
-                              static_cast<S*>(recv), count, aligned8, op, last);
+    cfg.gridDim = dim3(uint32_t(std::min<uint64_t>(l.blocks, (units + kThreads - 1) / kThreads)));
+    return cudaLaunchKernelEx(&cfg, node_ll_kernel<Tr, Op, Last, K>, a, l.nranks, l.blocks,
+                              l.ll_offset(), l.ll_stride(), static_cast<const S*>(c.send),
+                              static_cast<S*>(c.recv), c.count, c.root, aligned(8), op, last);
   }
   const uint64_t cb = chunk_for(l, bytes);
   const size_t nchunks = (bytes + cb - 1) / cb;
-  const uint32_t grid = uint32_t(std::min<size_t>(l.blocks, nchunks));
-  const bool vec = reinterpret_cast<uintptr_t>(send) % 16 == 0 &&
-                   reinterpret_cast<uintptr_t>(recv) % 16 == 0;
+  cfg.gridDim = dim3(uint32_t(std::min<size_t>(l.blocks, nchunks)));
   Geometry g{l.flags_bytes(), l.chunk_bytes, l.slots, l.nranks};
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  return cudaLaunchKernelEx(&cfg, node_allreduce_kernel<Tr, Op, Last>, a, g, l.blocks,
-                            static_cast<const S*>(send), static_cast<S*>(recv), count,
-                            size_t(cb / sizeof(S)), nchunks, vec, op, last);
+  return cudaLaunchKernelEx(&cfg, node_chunked_kernel<Tr, Op, Last, K>, a, g, l.blocks,
+                            static_cast<const S*>(c.send), static_cast<S*>(c.recv), c.count, c.root,
+                            size_t(cb / sizeof(S)), nchunks, aligned(16), op, last);
+}
+
+// allreduce, reduce_scatter: by type and op.
+template <NodeCollective K>
+cudaError_t launch_reduction(const NodeLayout& l, const NodeArgs& a, const NodeCall& c,
+                             cudaStream_t stream) {
+  const int world = l.nranks;
+  return with_traits(c.type, [&]<class Tr>() -> cudaError_t {
+    switch (c.op) {
+      case ReduceOp::kSum:
+        return launch_typed<Tr, K>(l, a, c, OpSum<Tr>{}, OpSum<Tr>{}, stream);
+      case ReduceOp::kProd:
+        return launch_typed<Tr, K>(l, a, c, OpProd<Tr>{}, OpProd<Tr>{}, stream);
+      case ReduceOp::kMin:
+        return launch_typed<Tr, K>(l, a, c, OpMinMax<Tr, false>{}, OpMinMax<Tr, false>{}, stream);
+      case ReduceOp::kMax:
+        return launch_typed<Tr, K>(l, a, c, OpMinMax<Tr, true>{}, OpMinMax<Tr, true>{}, stream);
+      case ReduceOp::kAvg:
+        return launch_typed<Tr, K>(l, a, c, OpSum<Tr>{}, OpSumDivide<Tr>{world}, stream);
+    }
+    return cudaErrorInvalidValue;
+  });
+}
+
+// all_gather, broadcast: bits moved as unsigned words of the element's size.
+template <NodeCollective K>
+cudaError_t launch_copy(const NodeLayout& l, const NodeArgs& a, const NodeCall& c, size_t es,
+                        cudaStream_t stream) {
+  switch (es) {
+    case 1:
+      return launch_typed<Native<uint8_t>, K>(l, a, c, NoOp{}, NoOp{}, stream);
+    case 2:
+      return launch_typed<Native<uint16_t>, K>(l, a, c, NoOp{}, NoOp{}, stream);
+    case 4:
+      return launch_typed<Native<uint32_t>, K>(l, a, c, NoOp{}, NoOp{}, stream);
+    case 8:
+      return launch_typed<Native<uint64_t>, K>(l, a, c, NoOp{}, NoOp{}, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -468,41 +663,36 @@ uint32_t node_blocks_used(const NodeLayout& l, size_t bytes) {
   return uint32_t(std::min<uint64_t>(l.blocks, (bytes + cb - 1) / cb));
 }
 
-cudaError_t launch_node_allreduce(const NodeLayout& l, const NodeArgs& a, DataType type,
-                                  ReduceOp op, const void* send, void* recv, size_t count,
-                                  cudaStream_t stream) {
-  const size_t es = esize(type);
-  if (!l.valid() || es == 0 || unsigned(op) >= unsigned(kNumReduceOps) || a.me < 0 ||
+cudaError_t launch_node_collective(const NodeLayout& l, const NodeArgs& a, const NodeCall& c,
+                                   cudaStream_t stream) {
+  const size_t es = esize(c.type);
+  const bool reduction =
+      c.kind == NodeCollective::kAllreduce || c.kind == NodeCollective::kReduceScatter;
+  if (!l.valid() || es == 0 || unsigned(c.kind) > unsigned(NodeCollective::kBroadcast) ||
+      (reduction && unsigned(c.op) >= unsigned(kNumReduceOps)) ||
+      (c.kind == NodeCollective::kBroadcast && (c.root < 0 || c.root >= l.nranks)) || a.me < 0 ||
       a.me >= l.nranks || a.progress == nullptr || a.error == nullptr || a.abort == nullptr) {
     return cudaErrorInvalidValue;
   }
-  if (count == 0) return cudaSuccess;
-  if (send == nullptr || recv == nullptr || reinterpret_cast<uintptr_t>(send) % es != 0 ||
-      reinterpret_cast<uintptr_t>(recv) % es != 0) {
+  if (c.count == 0) return cudaSuccess;
+  if (c.send == nullptr || c.recv == nullptr || reinterpret_cast<uintptr_t>(c.send) % es != 0 ||
+      reinterpret_cast<uintptr_t>(c.recv) % es != 0) {
     return cudaErrorInvalidValue;
   }
   for (int r = 0; r < l.nranks; ++r) {
     if (a.region[r] == nullptr) return cudaErrorInvalidValue;
   }
-  const int world = l.nranks;
-  return with_traits(type, [&]<class Tr>() -> cudaError_t {
-    switch (op) {
-      case ReduceOp::kSum:
-        return launch_typed<Tr>(l, a, send, recv, count, OpSum<Tr>{}, OpSum<Tr>{}, stream);
-      case ReduceOp::kProd:
-        return launch_typed<Tr>(l, a, send, recv, count, OpProd<Tr>{}, OpProd<Tr>{}, stream);
-      case ReduceOp::kMin:
-        return launch_typed<Tr>(l, a, send, recv, count, OpMinMax<Tr, false>{},
-                                OpMinMax<Tr, false>{}, stream);
-      case ReduceOp::kMax:
-        return launch_typed<Tr>(l, a, send, recv, count, OpMinMax<Tr, true>{},
-                                OpMinMax<Tr, true>{}, stream);
-      case ReduceOp::kAvg:
-        return launch_typed<Tr>(l, a, send, recv, count, OpSum<Tr>{}, OpSumDivide<Tr>{world},
-                                stream);
-    }
-    return cudaErrorInvalidValue;
-  });
+  switch (c.kind) {
+    case NodeCollective::kAllreduce:
+      return launch_reduction<NodeCollective::kAllreduce>(l, a, c, stream);
+    case NodeCollective::kReduceScatter:
+      return launch_reduction<NodeCollective::kReduceScatter>(l, a, c, stream);
+    case NodeCollective::kAllGather:
+      return launch_copy<NodeCollective::kAllGather>(l, a, c, es, stream);
+    case NodeCollective::kBroadcast:
+      return launch_copy<NodeCollective::kBroadcast>(l, a, c, es, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_wait_host(const volatile uint64_t* flag, uint64_t value,

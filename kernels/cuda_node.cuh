@@ -1,15 +1,33 @@
-// Allreduce among the GPUs of one node in one kernel per rank: every rank pushes its input,
-// chunk by chunk, into a slot in each peer's GPU memory (NVLink or PCIe peer stores through
-// CUDA IPC mappings) and reduces the chunks its peers pushed into its own slots.
+// The collectives among the GPUs of one node, one kernel per rank and call: every rank pushes
+// its input, chunk by chunk, into a slot in its peers' GPU memory (NVLink or PCIe peer stores
+// through CUDA IPC mappings) and consumes what its peers pushed into its own slots.
 //
-// Shape. The buffer is cut into chunks; chunk j belongs to block j % blocks, on every rank.
-// Block b of rank r owns, in every rank p's region, `slots` slots [b][r][0..slots) that only
-// it writes, and the flags:
-//   ready[b][r] in p's region: how many chunks block b of r has pushed into p (r writes);
-//   freed[b][p] in r's region: how many of those p has consumed (p writes).
-// A block pushes chunk i+1 before it waits for and reduces chunk i, so the push of one chunk
-// overlaps the flag round trip and the reduction of the previous one. Every rank folds the
-// inputs in rank order (x0 op x1 op ... ), so every rank gets the same bytes.
+// Collectives (NodeCollective). A call works on `count` elements per rank's segment:
+// - allreduce: every rank pushes its input to every peer; each rank folds all inputs.
+// - reduce_scatter: send has nranks segments; rank r pushes only segment s to rank s, and
+//   rank s folds segment s of every input (its own read in place).
+// - all_gather: every rank pushes its input to every peer; each rank copies every peer's
+//   chunk into the peer's segment of recv (its own from send, unless in place).
+// - broadcast: the root pushes, the others copy; the root consumes nothing.
+// Folds run in rank order (x0 op x1 op ... ), the last step with the final op (avg divides
+// there), so every rank gets the same bytes and they equal the host loops' rank-order fold.
+//
+// Shape. The segment is cut into chunks; chunk j belongs to block j % blocks, on every rank
+// (the grid and the chunks depend only on the segment's bytes and the layout, so all ranks
+// agree whatever the collective). Block b of rank r owns, in every rank p's region, `slots`
+// slots [b][r][0..slots) that only it writes, and the flags:
+//   ready[b][r] in p's region: the sequence number + 1 of the last chunk block b of r pushed
+//                              into p (r writes);
+//   freed[b][p] in r's region: the sequence number + 1 of the last chunk p finished, i.e.
+//                              stopped reading its slots of (p writes, into every peer).
+// Every rank gives every sequence number of a block a meaning (one chunk of one call), and
+// every rank publishes freed for every sequence number, whether it read anything or not (a
+// broadcast root, or a rank that no one pushed to): a pusher waits only for "the peer is done
+// with sequence k - slots", which then holds across collectives. ready is waited for only
+// from ranks that push in that call; it is stored as an absolute value, so the sequences a
+// rank did not push (broadcasts of another root) are simply skipped.
+// A block pushes chunk i+1 before it waits for and consumes chunk i, so the push of one chunk
+// overlaps the flag round trip and the consumption of the previous one.
 //
 // The per-block counts live in device memory (`progress`, one word a block), advanced by the
 // kernel itself: nothing per call comes from the host, so a CUDA graph that captured the
@@ -63,22 +81,41 @@ struct NodeArgs {
   uint64_t timeout_ns = 0;
 };
 
-// Low-latency protocol (messages up to layout.ll_max_bytes): every 8 bytes of input travel as
+enum class NodeCollective : uint8_t { kAllreduce, kReduceScatter, kAllGather, kBroadcast };
+
+// One call. `count` is the elements of one segment: allreduce and broadcast the buffer,
+// reduce_scatter the elements each rank receives (send holds nranks * count), all_gather the
+// elements each rank sends (recv holds nranks * count). In place: allreduce send == recv;
+// reduce_scatter recv == send + me * count; all_gather send == recv + me * count; broadcast
+// always (send == recv == the buffer). `op` only for allreduce and reduce_scatter, `root`
+// only for broadcast.
+struct NodeCall {
+  NodeCollective kind = NodeCollective::kAllreduce;
+  DataType type = DataType::kFloat32;
+  ReduceOp op = ReduceOp::kSum;
+  int root = 0;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t count = 0;
+};
+
+// Low-latency protocol (segments up to layout.ll_max_bytes): every 8 bytes of input travel as
 // one 16-byte line {data, flag, data, flag} stored at once into each peer's line buffer, the
 // flag being the block's call count; the receiver spins on the lines themselves, so there is
 // no fence, no separate flag and no slot credit. Lines alternate between two buffers by call
 // parity: a peer cannot write call c + 2's lines before this rank pushed call c + 1's, which
-// it does only after it finished reading call c's. Twice the bytes on the link, a fraction
-// of the latency.
+// it does only after it finished reading call c's. That argument needs every rank to read at
+// least one line from every peer in every call: allreduce, reduce_scatter and all_gather do;
+// in a broadcast every non-root also pushes one acknowledgement line to every peer, which
+// the root and the other non-roots wait for. Twice the bytes on the link, a fraction of the
+// latency.
 //
-// recv[i] = op over ranks of send[i]. Queues one kernel on `stream`. send == recv is allowed.
-// cudaErrorInvalidValue (nothing launched) for an invalid layout, type or op, null or
-// misaligned buffers.
-cudaError_t launch_node_allreduce(const NodeLayout& layout, const NodeArgs& args, DataType type,
-                                  ReduceOp op, const void* send, void* recv, size_t count,
-                                  cudaStream_t stream);
+// Queues one kernel on `stream`. cudaErrorInvalidValue (nothing launched) for an invalid
+// layout, kind, type, op or root, null or misaligned buffers.
+cudaError_t launch_node_collective(const NodeLayout& layout, const NodeArgs& args,
+                                   const NodeCall& call, cudaStream_t stream);
 
-// The blocks a launch of `count` elements uses (the others have no chunk); all ranks agree.
+// The blocks a launch on segments of `bytes` uses (the others have no chunk); all ranks agree.
 uint32_t node_blocks_used(const NodeLayout& layout, size_t bytes);
 
 // One thread waits until *flag >= value (flag in mapped pinned host memory, written by a host

@@ -6,8 +6,9 @@
 // time per iteration and the #wrong elements summed over ranks. Exits 1 when anything was
 // wrong or a call failed, 2 on a bad command line. Flags: gradsync-bench --help.
 //
-// --device cuda (bench/gpu.cc, CUDA builds): allreduce on device buffers, timed on a stream,
-// beside NCCL on the same buffers (--nccl 1, the default where NCCL was found at build time).
+// --device cuda (bench/gpu.cc, CUDA builds): allreduce, reduce_scatter, all_gather or
+// broadcast (--collective) on device buffers, timed on a stream, beside NCCL's on the same
+// buffers (--nccl 1, the default where NCCL was found at build time).
 #include <unistd.h>
 
 #include <algorithm>

@@ -221,8 +221,9 @@ class CommunicatorImpl {
       CollectiveCall c{CollectiveKind::kAllreduce, send, recv, count, type, op, 0, Algorithm::kRing, next_seq_++};
       return run(c);
     };
-    ops.allreduce_on_worker = [this](const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
-      CollectiveCall c{CollectiveKind::kAllreduce, send, recv, count, type, op, 0, Algorithm::kAuto, 0};
+    ops.run_on_worker = [this](const CollectiveCall& call) {
+      CollectiveCall c = call;
+      c.algorithm = Algorithm::kAuto;
       c.algorithm = resolve(c);
       {
         std::lock_guard lock(mu_);
@@ -517,15 +518,45 @@ std::string Communicator::cost_model() const { return impl_->describe_model(); }
 Status Communicator::abort(const std::string& reason) { return impl_->abort(reason); }
 
 #if GRADSYNC_HAVE_CUDA
-Status Communicator::allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
-                               CUstream_st* stream, CallOptions) {
-  DeviceComm* gpu = impl_->gpu();
+namespace {
+// A GPU collective: queued on `stream` by the communicator's DeviceComm.
+Status run_on_device(CommunicatorImpl& impl, const CollectiveCall& call, CUstream_st* stream) {
+  DeviceComm* gpu = impl.gpu();
   if (gpu == nullptr) {
-    return {Code::kFailedPrecondition, "job=" + job() + " rank " + std::to_string(rank()) +
-                                           ": GPU allreduce on a communicator joined without a device "
-                                           "(set JoinOptions::device or GRADSYNC_DEVICE)"};
+    const JoinOptions& o = impl.options();
+    return {Code::kFailedPrecondition, "job=" + o.job + " rank " + std::to_string(o.rank) +
+                                           ": GPU " + to_string(call.kind) +
+                                           " on a communicator joined without a "
+                                           "device (set JoinOptions::device or GRADSYNC_DEVICE)"};
   }
-  return gpu->allreduce(send, recv, count, type, op, stream);
+  return gpu->run(call, stream);
+}
+}  // namespace
+
+Status Communicator::allreduce(const void* send, void* recv, size_t count, DataType type,
+                               ReduceOp op, CUstream_st* stream, CallOptions opts) {
+  return run_on_device(
+      *impl_, make_call(CollectiveKind::kAllreduce, send, recv, count, type, op, 0, opts), stream);
+}
+Status Communicator::reduce_scatter(const void* send, void* recv, size_t recv_count, DataType type,
+                                    ReduceOp op, CUstream_st* stream, CallOptions opts) {
+  return run_on_device(
+      *impl_, make_call(CollectiveKind::kReduceScatter, send, recv, recv_count, type, op, 0, opts),
+      stream);
+}
+Status Communicator::all_gather(const void* send, void* recv, size_t send_count, DataType type,
+                                CUstream_st* stream, CallOptions opts) {
+  return run_on_device(
+      *impl_,
+      make_call(CollectiveKind::kAllGather, send, recv, send_count, type, ReduceOp::kSum, 0, opts),
+      stream);
+}
+Status Communicator::broadcast(void* buf, size_t count, DataType type, int root,
+                               CUstream_st* stream, CallOptions opts) {
+  return run_on_device(
+      *impl_,
+      make_call(CollectiveKind::kBroadcast, buf, buf, count, type, ReduceOp::kSum, root, opts),
+      stream);
 }
 Status Communicator::async_error() {
   DeviceComm* gpu = impl_->gpu();
@@ -540,8 +571,23 @@ std::string Communicator::gpu_path() const {
   return gpu ? gpu->path() : "none";
 }
 #else
-Status Communicator::allreduce(const void*, void*, size_t, DataType, ReduceOp, CUstream_st*, CallOptions) {
+namespace {
+Status no_cuda() {
   return {Code::kUnimplemented, "gradsync was built without CUDA: no GPU collectives"};
+}
+}  // namespace
+Status Communicator::allreduce(const void*, void*, size_t, DataType, ReduceOp, CUstream_st*, CallOptions) {
+  return no_cuda();
+}
+Status Communicator::reduce_scatter(const void*, void*, size_t, DataType, ReduceOp, CUstream_st*,
+                                    CallOptions) {
+  return no_cuda();
+}
+Status Communicator::all_gather(const void*, void*, size_t, DataType, CUstream_st*, CallOptions) {
+  return no_cuda();
+}
+Status Communicator::broadcast(void*, size_t, DataType, int, CUstream_st*, CallOptions) {
+  return no_cuda();
 }
 Status Communicator::async_error() { return Status::Ok(); }
 int Communicator::device() const { return JoinOptions::kNoDevice; }

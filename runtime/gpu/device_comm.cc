@@ -31,7 +31,7 @@ struct HostWords {
   uint32_t pad;
   // host-staged, counted in pieces since set-up (monotonic):
   uint64_t landed;   // the stream copied this many pieces to the staging slots
-  uint64_t reduced;  // the worker reduced this many pieces in place
+  uint64_t reduced;  // the worker ran the host collective on this many pieces, in place
   uint64_t done;     // calls whose results the stream copied back
   uint64_t start_ns, done_ns, waited_ns;  // GPU clock: the last call's span, its waits
   uint64_t start_seq;                     // the call start_ns belongs to
@@ -72,8 +72,11 @@ struct DeviceComm::Impl {
 
   // host-staged
   static constexpr size_t kStagingSlots = 4;
-  uint8_t* staging = nullptr;  // kStagingSlots pieces of pinned host memory
-  size_t piece_bytes = 4u << 20;
+  uint8_t* staging = nullptr;  // kStagingSlots slots of pinned host memory
+  size_t piece_bytes =
+      4u << 20;  // a piece's bytes (all ranks' rows of it: reduce_scatter, all_gather)
+  size_t slot_bytes = 4u << 20;  // one staging slot: >= piece_bytes and >= one element per rank
+  size_t max_pitch = 0;          // cudaDevAttrMaxPitch: the largest pitch of a 2D copy
   uint64_t staged_seq = 0;
   uint64_t pieces_queued = 0;  // pieces of every staged call so far (the stream's count)
   std::mutex mu;             // staged_error and timing: the worker writes, the caller reads
@@ -274,8 +277,15 @@ Status DeviceComm::setup_staged() {
   Impl& m = *impl_;
   m.piece_bytes = size_t(env_long("GRADSYNC_STAGE_PIECE", 4 << 20));
   m.piece_bytes = std::max<size_t>(4096, m.piece_bytes / 64 * 64);
+  // A reduce_scatter or all_gather piece holds at least one element (8 bytes at most) of every
+  // rank's segment.
+  m.slot_bytes = std::max(m.piece_bytes, (size_t(cfg_.world_size) * 8 + 63) / 64 * 64);
+  int pitch = 0;
+  GS_CUDA(cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, cfg_.device),
+          "cudaDeviceGetAttribute");
+  m.max_pitch = size_t(std::max(pitch, 0));
   void* p = nullptr;
-  GS_CUDA(cudaHostAlloc(&p, Impl::kStagingSlots * m.piece_bytes, cudaHostAllocDefault),
+  GS_CUDA(cudaHostAlloc(&p, Impl::kStagingSlots * m.slot_bytes, cudaHostAllocDefault),
           "cudaHostAlloc of the staging slots");
   m.staging = static_cast<uint8_t*>(p);
   return Status::Ok();
@@ -329,13 +339,14 @@ Status DeviceComm::fail_from_error_word() {
            std::to_string(e.peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
   }
   if (e.code == 1) {
-    failed_ = {Code::kDeadlineExceeded,
-               who() + ": a GPU allreduce did not finish: " + what + " for more than " +
-                   std::to_string(int64_t(ms)) + " ms (op timeout); that rank is slow, hung, or "
-                   "never called the same allreduce"};
+    failed_ = {Code::kDeadlineExceeded, who() + ": a GPU collective did not finish: " + what +
+                                            " for more than " + std::to_string(int64_t(ms)) +
+                                            " ms (op timeout); that rank is slow, hung, or "
+                                            "never called the same collective"};
   } else {
     std::string reason = ops_.abort_reason();
-    failed_ = {Code::kAborted, who() + ": a GPU allreduce stopped: " + what + " when the job was aborted" +
+    failed_ = {Code::kAborted, who() + ": a GPU collective stopped: " + what +
+                                   " when the job was aborted" +
                                    (reason.empty() ? "" : ": " + reason)};
   }
   return failed_;
@@ -346,52 +357,102 @@ Status DeviceComm::async_error() {
   return fail_from_error_word();
 }
 
-Status DeviceComm::check_buffers(const void* send, void* recv, size_t bytes) const {
-  for (const void* p : {send, static_cast<const void*>(recv)}) {
-    const char* name = p == send ? "send" : "recv";
-    if (p == nullptr) return {Code::kInvalidArgument, std::string("null ") + name + " buffer"};
-    cudaPointerAttributes a{};
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return {Code::kInvalidArgument, std::string(name) + " buffer is not memory CUDA knows"};
-    }
-    if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) {
-      return {Code::kInvalidArgument,
-              std::string(name) + " buffer is host memory; the stream form of allreduce takes "
-                                  "device memory (use the form without a stream for host buffers)"};
-    }
-    if (a.device != cfg_.device) {
-      return {Code::kInvalidArgument, std::string(name) + " buffer is on GPU " + std::to_string(a.device) +
-                                          ", the communicator on GPU " + std::to_string(cfg_.device)};
-    }
+namespace {
+
+// "reduce_scatter #3 (count=10 type=float32 op=sum)", for messages.
+std::string describe_gpu(const CollectiveCall& c, uint64_t number) {
+  std::string s = std::string(to_string(c.kind)) + " #" + std::to_string(number) +
+                  " (count=" + std::to_string(c.count) + " type=" + to_string(c.type);
+  if (c.kind == CollectiveKind::kAllreduce || c.kind == CollectiveKind::kReduceScatter) {
+    s += std::string(" op=") + to_string(c.op);
   }
-  const auto s = reinterpret_cast<uintptr_t>(send), r = reinterpret_cast<uintptr_t>(recv);
-  if (s != r && s < r + bytes && r < s + bytes) {
-    return {Code::kInvalidArgument, "send and recv overlap without being the same buffer"};
+  if (c.kind == CollectiveKind::kBroadcast) s += " root=" + std::to_string(c.root);
+  return s + ")";
+}
+
+kernels::NodeCollective node_kind(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::kReduceScatter:
+      return kernels::NodeCollective::kReduceScatter;
+    case CollectiveKind::kAllGather:
+      return kernels::NodeCollective::kAllGather;
+    case CollectiveKind::kBroadcast:
+      return kernels::NodeCollective::kBroadcast;
+    default:
+      return kernels::NodeCollective::kAllreduce;
+  }
+}
+
+// Buffers made of world_size segments: reduce_scatter's send, all_gather's recv.
+bool strided(CollectiveKind k) {
+  return k == CollectiveKind::kReduceScatter || k == CollectiveKind::kAllGather;
+}
+
+}  // namespace
+
+Status DeviceComm::check_device_buffer(const char* name, const void* p) const {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {Code::kInvalidArgument, std::string(name) + " buffer is not memory CUDA knows"};
+  }
+  if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged) {
+    return {Code::kInvalidArgument,
+            std::string(name) +
+                " buffer is host memory; the stream forms of the collectives take "
+                "device memory (use the forms without a stream for host buffers)"};
+  }
+  if (a.device != cfg_.device) {
+    return {Code::kInvalidArgument, std::string(name) + " buffer is on GPU " +
+                                        std::to_string(a.device) + ", the communicator on GPU " +
+                                        std::to_string(cfg_.device)};
   }
   return Status::Ok();
 }
 
-Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataType type,
-                             ReduceOp op, cudaStream_t stream) {
-  const uint64_t call = ++calls_;
+// The host path's checks (validate: type, op, root, null and misaligned buffers, overflowing
+// counts, reduce_scatter/all_gather overlap), then what only the GPU path needs.
+Status DeviceComm::check_call(const CollectiveCall& c) const {
+  GS_RETURN_IF_ERROR(validate(c, cfg_.world_size, cfg_.rank));
+  const size_t es = element_size(c.type);
+  // The larger buffer stays below 2^62 bytes: every offset the kernels compute fits.
+  if (c.count > (size_t(1) << 62) / es / (strided(c.kind) ? size_t(cfg_.world_size) : 1)) {
+    return {Code::kInvalidArgument,
+            "count " + std::to_string(c.count) + " too large (" +
+                (strided(c.kind) ? "world_size * count" : std::string("count")) +
+                " elements must stay below 2^62 bytes)"};
+  }
+  if (c.count == 0) return Status::Ok();
+  const bool bcast = c.kind == CollectiveKind::kBroadcast;
+  if (!bcast) GS_RETURN_IF_ERROR(check_device_buffer("send", c.send));
+  GS_RETURN_IF_ERROR(check_device_buffer(bcast ? "broadcast" : "recv", c.recv));
+  if (c.kind == CollectiveKind::kAllreduce) {
+    const size_t bytes = c.count * es;
+    const auto s = reinterpret_cast<uintptr_t>(c.send), r = reinterpret_cast<uintptr_t>(c.recv);
+    if (s != r && s < r + bytes && r < s + bytes) {
+      return {Code::kInvalidArgument, "send and recv overlap without being the same buffer"};
+    }
+  }
+  return Status::Ok();
+}
+
+Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
+  CollectiveCall c = call;
+  c.algorithm = Algorithm::kAuto;  // one GPU path per communicator: the option has no say
+  const uint64_t number = ++calls_;
   auto refused = [&](const Status& s) {
-    return Status(s.code(), who() + ": GPU allreduce #" + std::to_string(call) + " (count=" +
-                                std::to_string(count) + " type=" + to_string(type) + " op=" +
-                                to_string(op) + ") refused: " + s.message());
+    return Status(s.code(),
+                  who() + ": GPU " + describe_gpu(c, number) + " refused: " + s.message());
   };
+  if (c.kind != CollectiveKind::kAllreduce && c.kind != CollectiveKind::kReduceScatter &&
+      c.kind != CollectiveKind::kAllGather && c.kind != CollectiveKind::kBroadcast) {
+    return refused({Code::kInvalidArgument, "not a GPU collective"});
+  }
   if (Status s = async_error(); !s.ok()) {
     return {Code::kFailedPrecondition, "communicator failed earlier: " + s.to_string()};
   }
-  const size_t es = element_size(type);
-  if (es == 0) return refused({Code::kInvalidArgument, "unknown data type"});
-  if (unsigned(op) >= unsigned(kNumReduceOps)) return refused({Code::kInvalidArgument, "unknown op"});
-  if (count == 0) return Status::Ok();
-  if (count > (size_t(1) << 62) / es) return refused({Code::kInvalidArgument, "count too large"});
-  if (Status s = check_buffers(send, recv, count * es); !s.ok()) return refused(s);
-  if (reinterpret_cast<uintptr_t>(send) % es || reinterpret_cast<uintptr_t>(recv) % es) {
-    return refused({Code::kInvalidArgument, "buffers must be aligned to the element size"});
-  }
+  if (Status s = check_call(c); !s.ok()) return refused(s);
+  if (c.count == 0) return Status::Ok();
 
   int prev = -1;
   (void)cudaGetDevice(&prev);
@@ -406,26 +467,22 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
   Impl& m = *impl_;
   switch (m.path) {
     case Impl::Path::kSingle:
-      if (send != recv) {
-        GS_CUDA(cudaMemcpyAsync(recv, send, count * es, cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync");
+      // One rank: every collective is a copy of its one segment, or nothing.
+      if (c.kind != CollectiveKind::kBroadcast && c.send != c.recv) {
+        GS_CUDA(cudaMemcpyAsync(c.recv, c.send, c.count * element_size(c.type),
+                                cudaMemcpyDeviceToDevice, stream),
+                "cudaMemcpyAsync");
       }
       return Status::Ok();
-    case Impl::Path::kIpc:
-      GS_CUDA(kernels::launch_node_allreduce(m.layout, m.args, type, op, send, recv, count, stream),
-              "launching the node allreduce kernel");
+    case Impl::Path::kIpc: {
+      const kernels::NodeCall nc{node_kind(c.kind), c.type, c.op, c.root, c.send, c.recv, c.count};
+      GS_CUDA(kernels::launch_node_collective(m.layout, m.args, nc, stream),
+              std::string("launching the node ") + to_string(c.kind) + " kernel");
       return Status::Ok();
+    }
     case Impl::Path::kStaged:
       break;
   }
-
-  // Host-staged. Everything the GPU does is queued now, on the caller's stream; the worker
-  // makes no CUDA call (one could wait behind a synchronous copy the caller makes while the
-  // stream waits for the worker). Pieces cycle through kStagingSlots pinned slots:
-  //   D2H p0, signal(landed) ... D2H p(K-1), signal(landed),
-  //   for each piece i: wait(reduced >= i), H2D p_i, D2H p_(i+K), signal(landed),
-  //   signal(done).
-  // The worker waits for `landed`, runs the host allreduce on the slot, publishes `reduced`.
-  // Stream order makes slot reuse safe: D2H of piece i + K is queued after H2D of piece i.
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   GS_CUDA(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
   if (capture != cudaStreamCaptureStatusNone) {
@@ -433,21 +490,77 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
                     "the host-staged path (ranks on several nodes) cannot be captured in a CUDA "
                     "graph: its host half is started by the call, not by the graph's launch"});
   }
-  const size_t bytes = count * es;
-  const size_t piece = std::max(es, m.piece_bytes / es * es);
-  const size_t pieces = (bytes + piece - 1) / piece;
+  return run_staged(c, stream, number);
+}
+
+// Host-staged. Everything the GPU does is queued now, on the caller's stream; the worker
+// makes no CUDA call (one could wait behind a synchronous copy the caller makes while the
+// stream waits for the worker). Pieces cycle through kStagingSlots pinned slots:
+//   D2H p0, signal(landed) ... D2H p(K-1), signal(landed),
+//   for each piece i: wait(reduced >= i), H2D p_i, D2H p_(i+K), signal(landed),
+//   signal(done).
+// The worker waits for `landed`, runs the host collective on the slot, publishes `reduced`.
+// Stream order makes slot reuse safe: D2H of piece i + K is queued after H2D of piece i (and
+// after the wait for the worker's piece i, where a rank copies nothing back).
+// Piece i covers element offsets [i * per, i * per + len(i)) of the segment; reduce_scatter
+// and all_gather stage that range of every rank's segment, as `rows` rows of len(i) elements.
+Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint64_t number) {
+  Impl& m = *impl_;
+  const int n = cfg_.world_size, me = cfg_.rank;
+  const size_t es = element_size(c.type);
+  const int rows = strided(c.kind) ? n : 1;
+  const size_t per = std::max<size_t>(1, m.piece_bytes / (es * size_t(rows)));
+  const size_t pieces = (c.count + per - 1) / per;
   const size_t K = Impl::kStagingSlots;
   const uint64_t seq = ++m.staged_seq;
   const uint64_t base = m.pieces_queued;
   m.pieces_queued += pieces;
   const uint64_t timeout_ns = uint64_t(cfg_.op_timeout.count()) * 1'000'000ull;
+  const bool root = c.kind == CollectiveKind::kBroadcast && c.root == me;
+  const bool leaf = c.kind == CollectiveKind::kBroadcast && c.root != me;
+  const auto* send = static_cast<const uint8_t*>(c.send);
+  auto* recv = static_cast<uint8_t*>(c.recv);
+  const size_t seg_pitch = c.count * es;  // from one segment to the next in a strided buffer
   HostWords* w = m.words_dev;
-  auto span = [&](size_t i) { return std::min(piece, bytes - i * piece); };
-  auto slot_mem = [&](size_t i) { return m.staging + (i % K) * m.piece_bytes; };
+  auto width = [&](size_t i) { return std::min(per, c.count - i * per) * es; };
+  auto slot_mem = [&](size_t i) { return m.staging + (i % K) * m.slot_bytes; };
+  // rows x `bytes`: one 2D copy where the pitches allow it, else a copy per row.
+  auto copy_rows = [&](uint8_t* dst, size_t dpitch, const uint8_t* src, size_t spitch, size_t bytes,
+                       cudaMemcpyKind kind) -> Status {
+    if (dpitch <= m.max_pitch && spitch <= m.max_pitch) {
+      GS_CUDA(cudaMemcpy2DAsync(dst, dpitch, src, spitch, bytes, size_t(rows), kind, stream),
+              "cudaMemcpy2DAsync");
+      return Status::Ok();
+    }
+    for (int r = 0; r < rows; ++r) {
+      GS_CUDA(cudaMemcpyAsync(dst + r * dpitch, src + r * spitch, bytes, kind, stream),
+              "cudaMemcpyAsync");
+    }
+    return Status::Ok();
+  };
   auto d2h = [&](size_t i) -> Status {
-    GS_CUDA(cudaMemcpyAsync(slot_mem(i), static_cast<const uint8_t*>(send) + i * piece, span(i),
-                            cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync device-to-host");
+    const size_t off = i * per * es, len = width(i);
+    uint8_t* slot = slot_mem(i);
+    if (c.kind == CollectiveKind::kReduceScatter) {
+      GS_RETURN_IF_ERROR(copy_rows(slot, len, send + off, seg_pitch, len, cudaMemcpyDeviceToHost));
+    } else if (!leaf) {  // a broadcast's non-root sends nothing
+      uint8_t* at = c.kind == CollectiveKind::kAllGather ? slot + size_t(me) * len : slot;
+      GS_CUDA(cudaMemcpyAsync(at, send + off, len, cudaMemcpyDeviceToHost, stream),
+              "cudaMemcpyAsync device-to-host");
+    }
     GS_CUDA(kernels::launch_signal_host(&w->landed, base + i + 1, nullptr, stream), "signal kernel");
+    return Status::Ok();
+  };
+  auto h2d = [&](size_t i) -> Status {
+    const size_t off = i * per * es, len = width(i);
+    const uint8_t* slot = slot_mem(i);
+    if (c.kind == CollectiveKind::kAllGather) {
+      return copy_rows(recv + off, seg_pitch, slot, len, len, cudaMemcpyHostToDevice);
+    }
+    if (root) return Status::Ok();  // the root's buffer is the data
+    const uint8_t* from = c.kind == CollectiveKind::kReduceScatter ? slot + size_t(me) * len : slot;
+    GS_CUDA(cudaMemcpyAsync(recv + off, from, len, cudaMemcpyHostToDevice, stream),
+            "cudaMemcpyAsync host-to-device");
     return Status::Ok();
   };
   GS_CUDA(kernels::launch_signal_host(&w->start_seq, seq, &w->start_ns, stream), "signal kernel");
@@ -455,37 +568,45 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
   for (size_t i = 0; i < pieces; ++i) {
     GS_CUDA(kernels::launch_wait_host(&w->reduced, base + i + 1, &w->abort, &w->error, timeout_ns,
                                       &w->waited_ns, stream), "wait kernel");
-    GS_CUDA(cudaMemcpyAsync(static_cast<uint8_t*>(recv) + i * piece, slot_mem(i), span(i),
-                            cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync host-to-device");
+    GS_RETURN_IF_ERROR(h2d(i));
     if (i + K < pieces) GS_RETURN_IF_ERROR(d2h(i + K));
   }
   GS_CUDA(kernels::launch_signal_host(&w->done, seq, &w->done_ns, stream), "signal kernel");
 
-  ops_.enqueue([this, seq, base, pieces, piece, bytes, type, op, es]() -> Status {
+  ops_.enqueue([this, c, number, seq, base, pieces, per, rows, es, me]() -> Status {
     Impl& m = *impl_;
     const auto deadline = Clock::now() + cfg_.op_timeout;
     auto word = [](const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); };
     const size_t K = Impl::kStagingSlots;
+    const std::string what =
+        std::string("staged ") + to_string(c.kind) + " #" + std::to_string(number);
     double network_us = 0;
     const auto t0 = Clock::now();
     Status s = Status::Ok();
     for (size_t i = 0; i < pieces && s.ok(); ++i) {
       auto landed = [&] { return word(&m.words->landed) >= base + i + 1 || !ops_.abort_reason().empty(); };
       if (!poll_until(landed, deadline)) {
-        s = {Code::kDeadlineExceeded, who() + ": staged allreduce #" + std::to_string(seq) +
-                                          ": the stream did not copy piece " + std::to_string(i) +
-                                          " to host memory within the op timeout (work queued "
-                                          "before it on the stream is not finishing?)"};
+        s = {Code::kDeadlineExceeded,
+             who() + ": " + what + ": the stream did not copy piece " + std::to_string(i) +
+                 " to host memory within the op timeout "
+                 "(work queued before it on the stream is not finishing?)"};
         break;
       }
       if (std::string r = ops_.abort_reason(); !r.empty()) {
         s = {Code::kAborted, r};
         break;
       }
-      uint8_t* mem = m.staging + (i % K) * m.piece_bytes;
-      const size_t len = std::min(piece, bytes - i * piece);
+      // The host collective of the same kind on the slot, in place (the host API's in-place
+      // layouts: reduce_scatter's recv is row `rank` of send, all_gather's send row `rank`).
+      uint8_t* mem = m.staging + (i % K) * m.slot_bytes;
+      CollectiveCall h = c;
+      h.count = std::min(per, c.count - i * per);
+      h.send = mem;
+      h.recv = mem;
+      if (c.kind == CollectiveKind::kReduceScatter) h.recv = mem + size_t(me) * h.count * es;
+      if (c.kind == CollectiveKind::kAllGather) h.send = mem + size_t(me) * h.count * es;
       const auto n0 = Clock::now();
-      s = ops_.allreduce_on_worker(mem, mem, len / es, type, op);
+      s = ops_.run_on_worker(h);
       network_us += std::chrono::duration<double, std::micro>(Clock::now() - n0).count();
       if (s.ok()) __atomic_store_n(&m.words->reduced, base + i + 1, __ATOMIC_RELEASE);
     }
@@ -523,10 +644,14 @@ Status DeviceComm::allreduce(const void* send, void* recv, size_t count, DataTyp
     if (m.log_timing && cfg_.rank == 0) {
       // The stream copies (busy time c) while the network reduces (n): of c, what did not
       // lengthen the call (span - n) was hidden.
-      const double c = t.copy_us, hidden = c > 0 ? std::clamp(1.0 - (t.wall_us - t.network_us) / c, 0.0, 1.0) : 0;
-      log::get("gpu")->info("staged allreduce #{} {} bytes, {} pieces: span {:.0f} us, host allreduce "
-                            "{:.0f} us, stream copying {:.0f} us, copy time hidden {:.0f}%",
-                            seq, bytes, t.pieces, t.wall_us, t.network_us, c, 100 * hidden);
+      const double cp = t.copy_us,
+                   hidden =
+                       cp > 0 ? std::clamp(1.0 - (t.wall_us - t.network_us) / cp, 0.0, 1.0) : 0;
+      log::get("gpu")->info(
+          "{} {} bytes, {} pieces: span {:.0f} us, host {} {:.0f} us, stream "
+          "copying {:.0f} us, copy time hidden {:.0f}%",
+          what, c.count * es * size_t(rows), t.pieces, t.wall_us, to_string(c.kind), t.network_us,
+          cp, 100 * hidden);
     }
     return s;
   });

@@ -1,15 +1,34 @@
-// The GPU side of a communicator: allreduce on device memory, queued on the caller's stream.
+// The GPU side of a communicator: allreduce, reduce_scatter, all_gather and broadcast on
+// device memory, queued on the caller's stream; the call returns without waiting for the GPU.
+// Same semantics as the host collectives (gradsync.h; in place like NCCL), same numeric rules.
 //
-// Two paths, chosen once at join and agreed by every rank:
+// Two paths, chosen once at join and agreed by every rank; every collective takes the same one:
 // - cuda-ipc: every rank on one node (and at most kernels::kMaxNodeRanks of them). Each rank
 //   allocates one region of its GPU's memory (flags + slots, kernels/cuda_node.cuh), exports
 //   it with cudaIpcGetMemHandle, and opens every peer's; one kernel per call pushes into the
-//   peers' slots and reduces what they pushed. Nothing per call touches the host.
-// - host-staged: ranks on several nodes. The caller's stream gets an event and a kernel that
-//   copies the buffer piece by piece to pinned host memory, with kernels that signal and wait
-//   on words in mapped host memory in between; the communicator's worker runs the host
-//   allreduce on each piece as it lands (daemons, TCP proxy: design §3), and the stream copies
-//   each result back while the next piece is on the network. All queued at the call.
+//   peers' slots and consumes what they pushed. Nothing per call touches the host, so every
+//   collective can be captured in a CUDA graph. What each pushes and consumes:
+//     allreduce       input to every peer; folds all inputs in rank order;
+//     reduce_scatter  segment s of the input to rank s only; folds segment `rank` of every
+//                     input in rank order (the host loops' rank-order fold, bit for bit);
+//     all_gather      input to every peer; copies each peer's into its segment of recv;
+//     broadcast       the root pushes its buffer, the others copy it.
+//   The per-block sequence numbers and the low-latency call counts advance the same way on
+//   every rank whatever the collective, so calls of different collectives interleave freely
+//   (cuda_node.cuh says how the flags and the line parity stay consistent).
+// - host-staged: ranks on several nodes. The caller's stream gets kernels that signal and wait
+//   on words in mapped host memory and copies between the device buffers and pinned staging
+//   slots, piece by piece; the communicator's worker runs the host collective of the same kind
+//   on each piece as it lands (daemons, TCP proxy: design §3), and the stream copies each
+//   result back while the next piece is on the network. All queued at the call. A piece is a
+//   range of element offsets of the segment:
+//     allreduce       D2H the range; host allreduce in place; H2D back;
+//     reduce_scatter  D2H the range of every segment (one 2D copy) into nranks rows of the
+//                     slot; host reduce_scatter in place (recv = row `rank`); H2D that row;
+//     all_gather      D2H the range of send into row `rank`; host all_gather in place; H2D
+//                     every row into its segment of recv (one 2D copy);
+//     broadcast       the root copies D2H, the others H2D; host broadcast in place.
+//   Not capturable in a CUDA graph (its host half starts at the call; refused under capture).
 //
 // Built only with CUDA (GRADSYNC_HAVE_CUDA); communicator.cc refuses a device otherwise.
 #pragma once
@@ -24,6 +43,7 @@
 #include <thread>
 #include <vector>
 
+#include "collectives/collective.h"
 #include "gradsync/gradsync.h"
 
 namespace gradsync {
@@ -34,8 +54,9 @@ struct HostOps {
   std::function<Status(const void* send, void* recv, size_t count, DataType, ReduceOp)> allreduce_now;
   // Runs `task` on the communicator's worker, after everything queued before it.
   std::function<void(std::function<Status()> task)> enqueue;
-  // A host allreduce from inside a task on the worker.
-  std::function<Status(const void* send, void* recv, size_t count, DataType, ReduceOp)> allreduce_on_worker;
+  // A host collective (allreduce, reduce_scatter, all_gather or broadcast: call.kind, on host
+  // buffers) from inside a task on the worker; the communicator numbers it.
+  std::function<Status(const CollectiveCall& call)> run_on_worker;
   // Non-empty once the job was aborted or the daemon lost: GPU waits stop.
   std::function<std::string()> abort_reason;
 };
@@ -59,8 +80,10 @@ class DeviceComm {
   DeviceComm(const DeviceComm&) = delete;
   DeviceComm& operator=(const DeviceComm&) = delete;
 
-  Status allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
-                   cudaStream_t stream);
+  // Queues one collective on `stream`: call.kind is allreduce, reduce_scatter, all_gather or
+  // broadcast, with the host API's arguments (count per rank as there; call.algorithm and
+  // call.seq are ignored). Bad arguments are refused before anything is queued.
+  Status run(const CollectiveCall& call, cudaStream_t stream);
   Status async_error();
   int device() const { return cfg_.device; }
   const char* path() const;
@@ -69,7 +92,7 @@ class DeviceComm {
   struct StagedTiming {
     double wall_us = 0;     // the call's span on the stream (GPU clock; the worker's if unknown)
     double copy_us = 0;     // the stream's busy time in the call: D2H + H2D copies
-    double network_us = 0;  // sum over pieces of the host allreduce
+    double network_us = 0;  // sum over pieces of the host collective
     int pieces = 0;
   };
   StagedTiming last_staged_timing() const;
@@ -80,7 +103,9 @@ class DeviceComm {
   DeviceComm(DeviceCommConfig cfg, HostOps ops);
   Status setup_ipc(bool* usable);
   Status setup_staged();
-  Status check_buffers(const void* send, void* recv, size_t bytes) const;
+  Status check_call(const CollectiveCall& call) const;
+  Status check_device_buffer(const char* name, const void* p) const;
+  Status run_staged(const CollectiveCall& call, cudaStream_t stream, uint64_t number);
   Status fail_from_error_word();
   std::string who() const;
 

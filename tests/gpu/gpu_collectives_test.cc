@@ -1,6 +1,11 @@
-// GPU allreduce through the real coordinator, daemons and trainer processes (gpu_worker):
-// one node (CUDA IPC between the ranks' GPUs) and two daemons as two nodes (host-staged).
-// Skips itself where no CUDA device is visible. Ranks get GPU rank % devices.
+// GPU collectives (allreduce, reduce_scatter, all_gather, broadcast on device memory) through
+// the real coordinator, daemons and trainer processes (gpu_worker): one node (CUDA IPC between
+// the ranks' GPUs) and two daemons as two nodes (host-staged). Skips itself where no CUDA
+// device is visible. Ranks get GPU rank % devices.
+//
+// On the GPU machine: gpu_collectives_test --gtest_filter='GpuAllreduce.*:GpuCollectives.*'
+// (GPU_TEST_COUNTS=1,1000,65537 for a shorter run; each rank's output is in the report of a
+// failing test, its stderr naming the collective, type, op, count, rank and first bad element).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -87,6 +92,96 @@ TEST(GpuAllreduce, LowLatencyProtocolCapturedInACudaGraphReplays) {
   Cluster c({.daemons = 1});
   ASSERT_TRUE(c.ok()) << c.error();
   auto ranks = c.spawn_ranks(gpu_job("graph-ll", 2, {2}, {"graph", "1000"}));
+  std::string bad = all_succeeded(ranks, Millis(120'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+}
+
+// reduce_scatter (every type and op), all_gather and broadcast (every type, every root), with
+// an allreduce between each type's calls, both protocols of the one-node path and several
+// staging pieces between nodes (1048579 elements: over 1 MiB a segment in every type).
+const char* kCollectiveCounts = "1,3,1000,4097,65537,1048579";
+
+TEST(GpuCollectives, OneNodeTwoRanksReduceScatterAllGatherBroadcast) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("coll1", 2, {2}, {"collectives", counts(kCollectiveCounts)}));
+  std::string bad = all_succeeded(ranks, Millis(300'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  EXPECT_NE(ranks[0].output().find("path cuda-ipc"), std::string::npos) << ranks[0].output();
+}
+
+// Three ranks, each on its own GPU (skips with fewer): an odd world (avg divides by 3, every
+// segment boundary off the 16-byte grid for odd counts) and a broadcast with two non-roots,
+// whose acknowledgement lines the low-latency protocol needs.
+TEST(GpuCollectives, OneNodeThreeRanksOwnGpus) {
+  REQUIRE_GPU();
+  if (devices() < 3) GTEST_SKIP() << "needs 3 CUDA devices, " << devices() << " visible";
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks =
+      c.spawn_ranks(gpu_job("coll3", 3, {3}, {"collectives", counts("1,3,1000,65537,1048579")}));
+  std::string bad = all_succeeded(ranks, Millis(300'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  EXPECT_NE(ranks[0].output().find("path cuda-ipc"), std::string::npos) << ranks[0].output();
+}
+
+// Small chunks, two slots, four blocks and a 4 KiB low-latency limit: many chunks a block in
+// one call, so slot credits are reused inside calls and across calls of different collectives
+// (the default geometry gives each block one chunk a call at these sizes).
+TEST(GpuCollectives, OneNodeTwoRanksManyChunksPerBlock) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  JobSpec spec =
+      gpu_job("coll-chunks", 2, {2}, {"collectives", counts("1,1000,4097,65537,300007")});
+  spec.env["GRADSYNC_GPU_BLOCKS"] = "4";
+  spec.env["GRADSYNC_GPU_CHUNK"] = "4096";
+  spec.env["GRADSYNC_GPU_SLOTS"] = "2";
+  spec.env["GRADSYNC_GPU_LL_MAX"] = "4096";
+  auto ranks = c.spawn_ranks(spec);
+  std::string bad = all_succeeded(ranks, Millis(300'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  EXPECT_NE(ranks[0].output().find("path cuda-ipc"), std::string::npos) << ranks[0].output();
+}
+
+TEST(GpuCollectives, TwoNodesHostStagedReduceScatterAllGatherBroadcast) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 2});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks =
+      c.spawn_ranks(gpu_job("coll2", 2, {1, 1}, {"collectives", counts(kCollectiveCounts)}));
+  std::string bad = all_succeeded(ranks, Millis(300'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  EXPECT_NE(ranks[0].output().find("path host-staged"), std::string::npos) << ranks[0].output();
+}
+
+TEST(GpuCollectives, FourRanksTwoNodesHostStaged) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 2});
+  ASSERT_TRUE(c.ok()) << c.error();
+  // 64 KiB pieces: up to 33 pieces a call through the 4 staging slots.
+  JobSpec spec = gpu_job("coll4", 4, {2, 2}, {"collectives", counts("1,1000,65537")});
+  spec.env["GRADSYNC_STAGE_PIECE"] = "65536";
+  auto ranks = c.spawn_ranks(spec);
+  std::string bad = all_succeeded(ranks, Millis(300'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+}
+
+TEST(GpuCollectives, AllFourCapturedInOneCudaGraphReplay) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("graph-all", 2, {2}, {"graph", "300001", "all"}));
+  std::string bad = all_succeeded(ranks, Millis(120'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+}
+
+TEST(GpuCollectives, AllFourLowLatencyCapturedInOneCudaGraphReplay) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("graph-all-ll", 2, {2}, {"graph", "1001", "all"}));
   std::string bad = all_succeeded(ranks, Millis(120'000));
   EXPECT_EQ(bad, "") << c.report(ranks);
 }

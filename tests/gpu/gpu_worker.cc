@@ -4,16 +4,29 @@
 //                   allreduce on device buffers against a host fold of the same inputs
 //                   (exact: small integers, so every order gives the same bytes); first the
 //                   refusals (host buffer, null, unknown type); prints "path P" and "PASS"
-//   graph COUNT     captures one allreduce in a CUDA graph and replays it 4 times with new
-//                   inputs, checking each result; prints "PASS"
+//   collectives COUNTS
+//                   the stream reduce_scatter (every type x op, in and out of place, against
+//                   the host loops' rank-order fold, exact), all_gather (every type, in and
+//                   out of place) and broadcast (every type, every root) on device buffers,
+//                   with arbitrary bit patterns for the copies (NaNs included: bits must move
+//                   unchanged), an allreduce before and after each type's calls (calls of
+//                   different collectives interleave), out-of-place inputs checked untouched;
+//                   first the refusals; prints "path P" and "PASS"
+//   graph COUNT [all]
+//                   captures one allreduce (all: allreduce, reduce_scatter, all_gather and a
+//                   broadcast from the last rank) in a CUDA graph and replays it 4 times with
+//                   new inputs, checking each result; prints "PASS"
 //   absent          rank 1 joins but never calls; rank 0's allreduce must fail by its
 //                   deadline: prints "async_error: STATUS" and "PASS" when it did
-// Exit code 0 on success, 1 on any failure (stderr says what).
+// Exit code 0 on success, 1 on any failure; stderr says which collective, type, op, count,
+// rank, the first differing element with expected and received bits, and how many differ.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -103,10 +116,117 @@ const DataType kTypes[] = {DataType::kFloat32, DataType::kFloat64, DataType::kFl
                            DataType::kInt8,    DataType::kUInt8,   DataType::kInt32,   DataType::kInt64};
 const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kProd, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kAvg};
 
+// ---- reporting --------------------------------------------------------------------------
+
+double decode(DataType t, const uint8_t* p) {
+  switch (t) {
+    case DataType::kFloat32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DataType::kFloat64: {
+      double f;
+      std::memcpy(&f, p, 8);
+      return f;
+    }
+    case DataType::kFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return gradsync::kernels::half_to_float(h);
+    }
+    case DataType::kBFloat16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return gradsync::kernels::bf16_to_float(h);
+    }
+    case DataType::kInt8:
+      return double(int8_t(p[0]));
+    case DataType::kUInt8:
+      return double(p[0]);
+    case DataType::kInt32: {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return double(v);
+    }
+    case DataType::kInt64: {
+      int64_t v;
+      std::memcpy(&v, p, 8);
+      return double(v);
+    }
+  }
+  return 0;
+}
+
+// "0x3c00 (1)": an element's bits and value.
+std::string element_str(DataType t, const uint8_t* p) {
+  const size_t es = gradsync::element_size(t);
+  uint64_t bits = 0;
+  std::memcpy(&bits, p, es);
+  char b[80];
+  std::snprintf(b, sizeof b, "0x%0*llx (%.9g)", int(2 * es), static_cast<unsigned long long>(bits),
+                decode(t, p));
+  return b;
+}
+
+// What a call was, for failure messages: "reduce_scatter float16 op=sum count=1000 in-place,
+// rank 1 of 2 (path cuda-ipc)".
+std::string label(gradsync::Communicator& comm, const char* collective, DataType t,
+                  const std::string& extra, size_t count, const char* placement) {
+  return std::string(collective) + " " + gradsync::to_string(t) +
+         (extra.empty() ? "" : " " + extra) + " count=" + std::to_string(count) +
+         (*placement ? std::string(" ") + placement : "") + ", rank " +
+         std::to_string(comm.rank()) + " of " + std::to_string(comm.world_size()) + " (path " +
+         comm.gpu_path() + ")";
+}
+
+// 0 when got equals want bit for bit (count elements); else prints the first difference, how
+// many elements differ and the last one, and returns 1.
+int compare(const std::string& what, const char* buffer, DataType t, const uint8_t* got,
+            const uint8_t* want, size_t count) {
+  const size_t es = gradsync::element_size(t);
+  if (std::memcmp(got, want, count * es) == 0) return 0;
+  size_t first = count, last = 0, wrong = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (std::memcmp(got + i * es, want + i * es, es) != 0) {
+      if (first == count) first = i;
+      last = i;
+      ++wrong;
+    }
+  }
+  std::fprintf(stderr,
+               "FAIL %s: %s element %zu differs: expected %s, got %s (%zu of %zu elements differ, "
+               "the last at %zu)\n",
+               what.c_str(), buffer, first, element_str(t, want + first * es).c_str(),
+               element_str(t, got + first * es).c_str(), wrong, count, last);
+  return 1;
+}
+
+// Arbitrary bits per (rank, element): NaNs, infinities, subnormals and all; the copying
+// collectives must move them unchanged, and every rank's differ.
+void fill_bits(DataType t, int rank, size_t count, uint8_t* out) {
+  const size_t es = gradsync::element_size(t);
+  for (size_t i = 0; i < count; ++i) {
+    uint64_t h = (uint64_t(rank) + 1) * 0x9E3779B97F4A7C15ull + uint64_t(i) * 0xBF58476D1CE4E5B9ull;
+    h ^= h >> 31;
+    h *= 0x94D049BB133111EBull;
+    h ^= h >> 29;
+    std::memcpy(out + i * es, &h, es);
+  }
+}
+
+// A refusal: kInvalidArgument, and the message names the rank and its host.
 int expect_refused(const char* what, const gradsync::Status& s) {
   std::printf("refused %s: %s\n", what, s.to_string().c_str());
   if (s.code() != gradsync::Code::kInvalidArgument) {
-    std::fprintf(stderr, "%s was not refused with INVALID_ARGUMENT: %s\n", what, s.to_string().c_str());
+    std::fprintf(stderr, "FAIL %s was not refused with INVALID_ARGUMENT: %s\n", what,
+                 s.to_string().c_str());
+    return 1;
+  }
+  if (s.message().find("rank ") == std::string::npos ||
+      s.message().find("host ") == std::string::npos) {
+    std::fprintf(stderr, "FAIL the refusal of %s does not name the rank and host: %s\n", what,
+                 s.to_string().c_str());
     return 1;
   }
   return 0;
@@ -157,13 +277,10 @@ int matrix(gradsync::Communicator& comm, const std::vector<size_t>& counts) {
             std::fprintf(stderr, "async error: %s\n", e.to_string().c_str());
             return 1;
           }
-          for (size_t i = 0; i < count; ++i) {
-            if (std::memcmp(&got[i * es], &want[i * es], es) != 0) {
-              std::fprintf(stderr, "%s %s count=%zu inplace=%d: element %zu differs from the host fold\n",
-                           gradsync::to_string(t), gradsync::to_string(op), count, inplace, i);
-              return 1;
-            }
-          }
+          const std::string what =
+              label(comm, "allreduce", t, std::string("op=") + gradsync::to_string(op), count,
+                    inplace ? "in-place" : "out-of-place");
+          if (compare(what, "recv", t, got.data(), want.data(), count)) return 1;
           ++checked;
         }
       }
@@ -219,6 +336,278 @@ int graph(gradsync::Communicator& comm, size_t count) {
   return 0;
 }
 
+// Queued call `s` of `what`, then `bytes` of device buffer `d` copied to *got once the stream
+// ran; 1 (printed) when the call was refused, the stream failed or an asynchronous error came.
+int finish(gradsync::Communicator& comm, cudaStream_t stream, const std::string& what,
+           const gradsync::Status& s, const void* d, size_t bytes, std::vector<uint8_t>* got) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "FAIL %s: the call returned %s\n", what.c_str(), s.to_string().c_str());
+    return 1;
+  }
+  got->resize(bytes + 16);
+  CUDA_OK(cudaMemcpyAsync(got->data(), d, bytes, cudaMemcpyDeviceToHost, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  if (gradsync::Status e = comm.async_error(); !e.ok()) {
+    std::fprintf(stderr, "FAIL %s: asynchronous error %s\n", what.c_str(), e.to_string().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+// The device buffers and stream of one worker.
+struct Bench {
+  gradsync::Communicator& comm;
+  cudaStream_t stream;
+  uint8_t* a;  // send side
+  uint8_t* b;  // recv side
+  int r, n;
+};
+
+int upload(Bench& x, void* d, const std::vector<uint8_t>& h, size_t bytes) {
+  CUDA_OK(cudaMemcpyAsync(d, h.data(), bytes, cudaMemcpyHostToDevice, x.stream));
+  return 0;
+}
+
+// allreduce sum, out of place: a plain call between the others.
+int check_allreduce(Bench& x, DataType t, size_t count) {
+  const size_t es = gradsync::element_size(t);
+  std::vector<uint8_t> in(count * es + 16), got;
+  fill(t, ReduceOp::kSum, x.r, count, &in);
+  const std::vector<uint8_t> want = expected(t, ReduceOp::kSum, x.n, count);
+  const std::string what = label(x.comm, "allreduce", t, "op=sum", count, "out-of-place");
+  if (upload(x, x.a, in, count * es)) return 1;
+  CUDA_OK(cudaMemsetAsync(x.b, 0xA5, count * es, x.stream));
+  gradsync::Status s = x.comm.allreduce(x.a, x.b, count, t, ReduceOp::kSum, x.stream);
+  if (finish(x.comm, x.stream, what, s, x.b, count * es, &got)) return 1;
+  return compare(what, "recv", t, got.data(), want.data(), count);
+}
+
+// reduce_scatter of every op, out of place and in place (recv = send + rank * count).
+int check_reduce_scatter(Bench& x, DataType t, size_t count, size_t* calls) {
+  const size_t es = gradsync::element_size(t), seg = count * es, total = size_t(x.n) * count;
+  std::vector<uint8_t> in(total * es + 16), got, back;
+  for (ReduceOp op : kOps) {
+    fill(t, op, x.r, total, &in);
+    // Every rank's full input folded in rank order; this rank's block of it.
+    const std::vector<uint8_t> full = expected(t, op, x.n, total);
+    const uint8_t* want = full.data() + size_t(x.r) * seg;
+    for (bool inplace : {false, true}) {
+      const std::string what =
+          label(x.comm, "reduce_scatter", t, std::string("op=") + gradsync::to_string(op), count,
+                inplace ? "in-place" : "out-of-place");
+      uint8_t* recv = inplace ? x.a + size_t(x.r) * seg : x.b;
+      if (upload(x, x.a, in, total * es)) return 1;
+      if (!inplace) CUDA_OK(cudaMemsetAsync(x.b, 0xA5, seg, x.stream));
+      gradsync::Status s = x.comm.reduce_scatter(x.a, recv, count, t, op, x.stream);
+      if (finish(x.comm, x.stream, what, s, recv, seg, &got)) return 1;
+      if (compare(what, "recv", t, got.data(), want, count)) return 1;
+      if (!inplace) {  // the input comes back untouched
+        if (finish(x.comm, x.stream, what, gradsync::Status::Ok(), x.a, total * es, &back))
+          return 1;
+        if (compare(what, "send (must be unchanged)", t, back.data(), in.data(), total)) return 1;
+      }
+      ++*calls;
+    }
+  }
+  return 0;
+}
+
+// all_gather, out of place and in place (send = recv + rank * count).
+int check_all_gather(Bench& x, DataType t, size_t count, size_t* calls) {
+  const size_t es = gradsync::element_size(t), seg = count * es, total = size_t(x.n) * count;
+  std::vector<uint8_t> in(seg + 16), want(total * es + 16), got, back;
+  for (int q = 0; q < x.n; ++q) fill_bits(t, q, count, want.data() + size_t(q) * seg);
+  fill_bits(t, x.r, count, in.data());
+  for (bool inplace : {false, true}) {
+    const std::string what =
+        label(x.comm, "all_gather", t, "", count, inplace ? "in-place" : "out-of-place");
+    uint8_t* send = inplace ? x.b + size_t(x.r) * seg : x.a;
+    CUDA_OK(cudaMemsetAsync(x.b, 0xA5, total * es, x.stream));
+    if (upload(x, send, in, seg)) return 1;
+    gradsync::Status s = x.comm.all_gather(send, x.b, count, t, x.stream);
+    if (finish(x.comm, x.stream, what, s, x.b, total * es, &got)) return 1;
+    if (compare(what, "recv", t, got.data(), want.data(), total)) return 1;
+    if (!inplace) {
+      if (finish(x.comm, x.stream, what, gradsync::Status::Ok(), x.a, seg, &back)) return 1;
+      if (compare(what, "send (must be unchanged)", t, back.data(), in.data(), count)) return 1;
+    }
+    ++*calls;
+  }
+  return 0;
+}
+
+// broadcast from every root.
+int check_broadcast(Bench& x, DataType t, size_t count, size_t* calls) {
+  const size_t es = gradsync::element_size(t), bytes = count * es;
+  std::vector<uint8_t> data(bytes + 16), got;
+  for (int root = 0; root < x.n; ++root) {
+    const std::string what =
+        label(x.comm, "broadcast", t, "root=" + std::to_string(root), count, "");
+    fill_bits(t, root, count, data.data());
+    if (x.r == root) {
+      if (upload(x, x.a, data, bytes)) return 1;
+    } else {
+      CUDA_OK(cudaMemsetAsync(x.a, 0xA5, bytes, x.stream));
+    }
+    gradsync::Status s = x.comm.broadcast(x.a, count, t, root, x.stream);
+    if (finish(x.comm, x.stream, what, s, x.a, bytes, &got)) return 1;
+    if (compare(what, "buffer", t, got.data(), data.data(), count)) return 1;
+    ++*calls;
+  }
+  return 0;
+}
+
+int collectives(gradsync::Communicator& comm, const std::vector<size_t>& counts) {
+  const int r = comm.rank(), n = comm.world_size();
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  size_t max_count = 16;
+  for (size_t c : counts) max_count = std::max(max_count, c);
+  void *d_a = nullptr, *d_b = nullptr;
+  CUDA_OK(cudaMalloc(&d_a, size_t(n) * max_count * 8 + 16));
+  CUDA_OK(cudaMalloc(&d_b, size_t(n) * max_count * 8 + 16));
+  Bench x{comm, stream, static_cast<uint8_t*>(d_a), static_cast<uint8_t*>(d_b), r, n};
+
+  // Refusals: nothing is queued, the communicator stays healthy (the calls below run on it).
+  std::vector<float> host(16 * size_t(n), 1.0f);
+  const auto f32 = DataType::kFloat32;
+  const auto sum = ReduceOp::kSum;
+  const size_t huge = std::numeric_limits<size_t>::max() / 2;
+  int bad = 0;
+  bad |= expect_refused("reduce_scatter host buffer",
+                        comm.reduce_scatter(host.data(), x.b, 16, f32, sum, stream));
+  bad |= expect_refused("reduce_scatter null recv",
+                        comm.reduce_scatter(x.a, nullptr, 16, f32, sum, stream));
+  bad |= expect_refused("reduce_scatter unknown op",
+                        comm.reduce_scatter(x.a, x.b, 16, f32, ReduceOp(42), stream));
+  bad |= expect_refused("reduce_scatter misaligned",
+                        comm.reduce_scatter(x.a + 2, x.b, 16, f32, sum, stream));
+  bad |= expect_refused("reduce_scatter overlap",
+                        comm.reduce_scatter(x.a, x.a + 4, 16, f32, sum, stream));
+  bad |= expect_refused("reduce_scatter count overflow",
+                        comm.reduce_scatter(x.a, x.b, huge, f32, sum, stream));
+  bad |=
+      expect_refused("all_gather host buffer", comm.all_gather(x.a, host.data(), 16, f32, stream));
+  bad |= expect_refused("all_gather null send", comm.all_gather(nullptr, x.b, 16, f32, stream));
+  bad |= expect_refused("all_gather unknown type",
+                        comm.all_gather(x.a, x.b, 16, DataType(42), stream));
+  bad |= expect_refused("all_gather overlap", comm.all_gather(x.b + 4, x.b, 16, f32, stream));
+  bad |= expect_refused("all_gather count overflow", comm.all_gather(x.a, x.b, huge, f32, stream));
+  bad |= expect_refused("broadcast root out of range", comm.broadcast(x.a, 16, f32, n, stream));
+  bad |= expect_refused("broadcast negative root", comm.broadcast(x.a, 16, f32, -1, stream));
+  bad |= expect_refused("broadcast null buffer", comm.broadcast(nullptr, 16, f32, 0, stream));
+  bad |= expect_refused("broadcast host buffer", comm.broadcast(host.data(), 16, f32, 0, stream));
+  bad |= expect_refused("broadcast count overflow",
+                        comm.broadcast(x.a, huge, DataType::kFloat64, 0, stream));
+  if (bad) return 1;
+
+  std::printf("path %s device %d\n", comm.gpu_path().c_str(), comm.device());
+  size_t calls = 0;
+  for (size_t count : counts) {
+    for (DataType t : kTypes) {
+      if (check_allreduce(x, t, count) || check_reduce_scatter(x, t, count, &calls) ||
+          check_all_gather(x, t, count, &calls) || check_broadcast(x, t, count, &calls) ||
+          check_allreduce(x, t, count)) {
+        return 1;
+      }
+      calls += 2;
+    }
+    std::printf("count %zu ok\n", count);
+    std::fflush(stdout);
+  }
+  std::printf("checked %zu calls\nPASS\n", calls);
+  CUDA_OK(cudaFree(d_a));
+  CUDA_OK(cudaFree(d_b));
+  CUDA_OK(cudaStreamDestroy(stream));
+  return 0;
+}
+
+// graph COUNT all: allreduce, reduce_scatter, all_gather and a broadcast from the last rank,
+// captured in one graph and replayed with new inputs (float32, exact small integers).
+int graph_all(gradsync::Communicator& comm, size_t count) {
+  const int r = comm.rank(), n = comm.world_size(), root = n - 1;
+  const size_t total = size_t(n) * count;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  float *ar_in, *ar_out, *rs_in, *rs_out, *ag_in, *ag_out, *bc;
+  for (float** p : {&ar_in, &ar_out, &rs_out, &ag_in, &bc})
+    CUDA_OK(cudaMalloc(p, count * sizeof(float)));
+  for (float** p : {&rs_in, &ag_out}) CUDA_OK(cudaMalloc(p, total * sizeof(float)));
+  cudaGraph_t g;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const gradsync::Status s[] = {
+      comm.allreduce(ar_in, ar_out, count, DataType::kFloat32, ReduceOp::kSum, stream),
+      comm.reduce_scatter(rs_in, rs_out, count, DataType::kFloat32, ReduceOp::kSum, stream),
+      comm.all_gather(ag_in, ag_out, count, DataType::kFloat32, stream),
+      comm.broadcast(bc, count, DataType::kFloat32, root, stream),
+  };
+  CUDA_OK(cudaStreamEndCapture(stream, &g));
+  for (const gradsync::Status& e : s) {
+    if (!e.ok()) {
+      std::fprintf(stderr, "FAIL a call under capture: %s\n", e.to_string().c_str());
+      return 1;
+    }
+  }
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+  std::vector<float> ar(count), rs(total), ag(count), b(count);
+  std::vector<uint8_t> got_ar, got_rs, got_ag, got_bc;
+  for (int replay = 0; replay < 4; ++replay) {
+    const int f = replay + 1;
+    for (size_t i = 0; i < count; ++i) {
+      ar[i] = float((r + 1) * f + int(i % 5));
+      ag[i] = float(r * 1000 + replay * 100 + int(i % 13));
+      b[i] = r == root ? float(f * 10 + int(i % 11)) : -1.0f;
+    }
+    for (size_t j = 0; j < total; ++j) rs[j] = float((r + 1) * f + int(j % 7));
+    CUDA_OK(
+        cudaMemcpyAsync(ar_in, ar.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
+    CUDA_OK(
+        cudaMemcpyAsync(rs_in, rs.data(), total * sizeof(float), cudaMemcpyHostToDevice, stream));
+    CUDA_OK(
+        cudaMemcpyAsync(ag_in, ag.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(bc, b.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    const std::string what =
+        "graph replay " + std::to_string(replay) + ", rank " + std::to_string(r);
+    if (finish(comm, stream, what, gradsync::Status::Ok(), ar_out, count * 4, &got_ar) ||
+        finish(comm, stream, what, gradsync::Status::Ok(), rs_out, count * 4, &got_rs) ||
+        finish(comm, stream, what, gradsync::Status::Ok(), ag_out, total * 4, &got_ag) ||
+        finish(comm, stream, what, gradsync::Status::Ok(), bc, count * 4, &got_bc)) {
+      return 1;
+    }
+    std::vector<float> w_ar(count), w_rs(count), w_ag(total), w_bc(count);
+    const int tri = n * (n + 1) / 2;
+    for (size_t i = 0; i < count; ++i) {
+      w_ar[i] = float(f * tri + n * int(i % 5));
+      w_rs[i] = float(f * tri + n * int((size_t(r) * count + i) % 7));
+      w_bc[i] = float(f * 10 + int(i % 11));
+    }
+    for (int q = 0; q < n; ++q) {
+      for (size_t i = 0; i < count; ++i)
+        w_ag[size_t(q) * count + i] = float(q * 1000 + replay * 100 + int(i % 13));
+    }
+    auto bytes = [](const std::vector<float>& v) {
+      return reinterpret_cast<const uint8_t*>(v.data());
+    };
+    const auto f32 = DataType::kFloat32;
+    if (compare("allreduce sum in a " + what, "recv", f32, got_ar.data(), bytes(w_ar), count) ||
+        compare("reduce_scatter sum in a " + what, "recv", f32, got_rs.data(), bytes(w_rs),
+                count) ||
+        compare("all_gather in a " + what, "recv", f32, got_ag.data(), bytes(w_ag), total) ||
+        compare("broadcast root=" + std::to_string(root) + " in a " + what, "buffer", f32,
+                got_bc.data(), bytes(w_bc), count)) {
+      return 1;
+    }
+    std::printf("replay %d ok\n", replay);
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(g));
+  for (float* p : {ar_in, ar_out, rs_in, rs_out, ag_in, ag_out, bc}) CUDA_OK(cudaFree(p));
+  std::printf("PASS\n");
+  return 0;
+}
+
 int absent(gradsync::Communicator& comm) {
   if (comm.rank() != 0) {
     // Joined, alive, never calls: rank 0 must give up by its own deadline.
@@ -251,7 +640,9 @@ int absent(gradsync::Communicator& comm) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: gpu_worker matrix COUNTS | graph COUNT | absent\n");
+    std::fprintf(
+        stderr,
+        "usage: gpu_worker matrix COUNTS | collectives COUNTS | graph COUNT [all] | absent\n");
     return 2;
   }
   const std::string mode = argv[1];
@@ -269,6 +660,10 @@ int main(int argc, char** argv) {
   }
   int rc = 2;
   if (mode == "matrix" && argc >= 3) rc = matrix(*comm, parse_counts(argv[2]));
+  else if (mode == "collectives" && argc >= 3)
+    rc = collectives(*comm, parse_counts(argv[2]));
+  else if (mode == "graph" && argc >= 4 && std::string(argv[3]) == "all")
+    rc = graph_all(*comm, std::stoull(argv[2]));
   else if (mode == "graph" && argc >= 3) rc = graph(*comm, std::stoull(argv[2]));
   else if (mode == "absent") rc = absent(*comm);
   else std::fprintf(stderr, "unknown mode %s\n", mode.c_str());

@@ -1,15 +1,22 @@
 // gradsync-bench --device cuda (bench/gpu.h).
 //
-// Per type, op and size, one row: device buffers allocated once for the row, then for
-// gradsync and (with --nccl 1) NCCL, out-of-place then in-place like nccl-tests:
+// One collective (--collective allreduce, reduce_scatter, all_gather or broadcast). Per type,
+// op (the reducing collectives; "none" for the others) and size, one row: device buffers
+// allocated once for the row, then for gradsync and (with --nccl 1) NCCL, out-of-place then
+// in-place like nccl-tests (in place: reduce_scatter's recv is send + rank * count,
+// all_gather's send is recv + rank * count):
 //   - a checked call: inputs filled on the host with a rank-dependent pattern of small
-//     integers whose reduction is exact in every type, copied to the device, reduced, copied
-//     back and compared with the expected reduction (out of place, the input must also come
+//     integers whose reduction is exact in every type, copied to the device, run, copied
+//     back and compared with the expected result (out of place, the input must also come
 //     back untouched);
 //   - `warmup` calls, then `iters` calls between two CUDA events on one stream; the time is
 //     the elapsed event time / iters, the slowest rank's.
-// gradsync's allreduce and ncclAllReduce see the same buffers, counts and stream. The ranks'
-// numbers travel through gradsync's host path (bench::gather), as in host mode.
+// gradsync and NCCL (ncclAllReduce, ncclReduceScatter, ncclAllGather, ncclBroadcast) see the
+// same buffers, counts and stream. gradsync's broadcast has one buffer: its out-of-place group
+// is not run, and the ratio columns of broadcast compare the in-place groups. Sizes and
+// busbw as nccl-tests: size is the full buffer (reduce_scatter's send, all_gather's recv),
+// busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (reduce_scatter, all_gather), 1 (broadcast).
+// The ranks' numbers travel through gradsync's host path (bench::gather), as in host mode.
 #include "bench/gpu.h"
 
 #include <cuda_runtime.h>
@@ -170,29 +177,61 @@ double unit_roundoff(DataType t) {
 
 constexpr size_t kPeriod = size_t(1) << 16;  // the inputs repeat every kPeriod elements
 
+bool reduces(Collective c) {
+  return c == Collective::kAllreduce || c == Collective::kReduceScatter;
+}
+
 // One row of the table: its buffers and its data.
 struct Row {
+  Collective collective = Collective::kAllreduce;
   DataType type;
   ReduceOp op;
-  size_t esize = 0, count = 0, bytes = 0;
+  int root = 0;  // broadcast
+  int rank = 0;
+  size_t esize = 0;
+  size_t count = 0;  // the call's count argument (per rank for reduce_scatter and all_gather)
+  size_t bytes = 0;  // the printed size: the full buffer
+  size_t send_elems = 0, recv_elems = 0;
+  size_t alloc = 0;   // bytes of each device buffer: the larger of send and recv (in-place layouts)
+  size_t period = 1;  // the inputs repeat every `period` elements of the send buffer
   void* d_send = nullptr;
   void* d_recv = nullptr;
-  std::vector<uint8_t> in;    // this rank's input, `bytes` long
+  std::vector<uint8_t> in;    // this rank's input, send_elems long (broadcast: the root's data)
   std::vector<uint8_t> out;   // scratch for copies back
-  std::vector<double> want;   // one period of the expected result
+  std::vector<double> want;   // reductions: one period of the expected result
   std::vector<double> tol;    // allowed |got - want| per element of the period
+  std::vector<std::vector<double>> inputs;  // copies: one period of every rank's input
 };
 
-// Fills row.in (this rank's input) and one period of the expected result.
+// Fills row.in (this rank's input, repeated every `period` elements of the whole send
+// buffer, so that reduce_scatter's segments differ) and one period of the expected result:
+// the reduction (allreduce, reduce_scatter), or every rank's input (the others, whose inputs
+// follow the sum pattern: small integers that differ between ranks).
 void make_data(Row& w, int rank, int n) {
-  const size_t p = std::max<size_t>(1, std::min(kPeriod, w.count));
+  const size_t p = std::max<size_t>(1, std::min(kPeriod, w.send_elems));
+  w.period = p;
   std::vector<uint8_t> period(p * w.esize);
   w.want.assign(p, 0);
   w.tol.assign(p, 0);
+  w.inputs.clear();
+  if (!reduces(w.collective)) {
+    const int source = w.collective == Collective::kBroadcast ? w.root : rank;
+    w.inputs.assign(size_t(n), std::vector<double>(p));
+    with_type(w.type, [&](auto tag) {
+      using T = decltype(tag);
+      T* mine = reinterpret_cast<T*>(period.data());
+      for (int r = 0; r < n; ++r) {
+        for (size_t k = 0; k < p; ++k) {
+          w.inputs[size_t(r)][k] = value(w.type, ReduceOp::kSum, r, n, k);
+          if (r == source) mine[k] = encode<T>(w.inputs[size_t(r)][k]);
+        }
+      }
+    });
+  }
   with_type(w.type, [&](auto tag) {
     using T = decltype(tag);
     T* mine = reinterpret_cast<T*>(period.data());
-    for (size_t k = 0; k < p; ++k) {
+    for (size_t k = 0; k < p && reduces(w.collective); ++k) {
       double acc = w.op == ReduceOp::kProd ? 1 : 0, mag = 0;
       for (int r = 0; r < n; ++r) {
         const double x = value(w.type, w.op, r, n, k);
@@ -223,53 +262,72 @@ void make_data(Row& w, int rank, int n) {
       w.want[k] = acc;
     }
   });
-  w.in.resize(w.bytes);
-  const size_t pb = p * w.esize;
-  for (size_t off = 0; off < w.bytes; off += pb) {
-    std::memcpy(w.in.data() + off, period.data(), std::min(pb, w.bytes - off));
+  const size_t send_bytes = w.send_elems * w.esize, pb = p * w.esize;
+  w.in.resize(send_bytes);
+  for (size_t off = 0; off < send_bytes; off += pb) {
+    std::memcpy(w.in.data() + off, period.data(), std::min(pb, send_bytes - off));
   }
 }
 
-// Elements of got (count of them) that differ from the expected reduction.
+// Elements of got (the recv buffer, recv_elems of them) that differ from the expected result.
 size_t count_wrong(const Row& w, const void* got) {
   return with_type(w.type, [&](auto tag) {
     using T = decltype(tag);
     const T* g = static_cast<const T*>(got);
-    const size_t p = w.want.size();
+    const size_t p = w.period;
     size_t wrong = 0;
-    for (size_t i = 0, k = 0; i < w.count; ++i) {
-      if (!(std::abs(decode(g[i]) - w.want[k]) <= w.tol[k])) ++wrong;  // NaN is wrong too
-      if (++k == p) k = 0;
+    for (size_t i = 0; i < w.recv_elems; ++i) {
+      double want = 0, tol = 0;
+      switch (w.collective) {
+        case Collective::kReduceScatter: {  // this rank's segment of the reduction
+          const size_t k = (size_t(w.rank) * w.count + i) % p;
+          want = w.want[k];
+          tol = w.tol[k];
+          break;
+        }
+        case Collective::kAllGather:  // segment q is rank q's input
+          want = w.inputs[i / w.count][(i % w.count) % p];
+          break;
+        case Collective::kBroadcast:
+          want = w.inputs[size_t(w.root)][i % p];
+          break;
+        default:
+          want = w.want[i % p];
+          tol = w.tol[i % p];
+          break;
+      }
+      if (!(std::abs(decode(g[i]) - want) <= tol)) ++wrong;  // NaN is wrong too
     }
     return wrong;
   });
 }
 
-// Elements of got that are not bit-equal to this rank's input.
+// Elements of got (a send buffer) that are not bit-equal to this rank's input.
 size_t count_changed(const Row& w, const uint8_t* got) {
-  if (std::memcmp(got, w.in.data(), w.bytes) == 0) return 0;
+  if (std::memcmp(got, w.in.data(), w.in.size()) == 0) return 0;
   size_t changed = 0;
-  for (size_t i = 0; i < w.count; ++i) {
+  for (size_t i = 0; i < w.send_elems; ++i) {
     changed += std::memcmp(got + i * w.esize, w.in.data() + i * w.esize, w.esize) != 0;
   }
   return changed;
 }
 
-// row.out = `count` copies of v (exact in every type).
+// row.out = a device buffer's worth (alloc bytes) of v (exact in every type).
 void fill_constant(Row& w, int v) {
-  w.out.resize(w.bytes);
+  w.out.resize(w.alloc);
   with_type(w.type, [&](auto tag) {
     using T = decltype(tag);
-    std::fill_n(reinterpret_cast<T*>(w.out.data()), w.count, encode<T>(v));
+    std::fill_n(reinterpret_cast<T*>(w.out.data()), w.alloc / w.esize, encode<T>(v));
   });
 }
 
 // ---- the two libraries --------------------------------------------------------------------------
 
-// One allreduce implementation: queue one call on the stream; the first asynchronous error.
-// Both return "" when fine, else what went wrong.
+// One implementation of the collectives: queue one call of the row's collective on the
+// stream; the first asynchronous error. Both return "" when fine, else what went wrong.
 struct Library {
   const char* name;
+  bool one_buffer_broadcast;  // broadcast(buf): no out-of-place form (gradsync)
   std::function<std::string(const Row&, const void* send, void* recv)> call;
   std::function<std::string()> async_error;
 };
@@ -357,8 +415,11 @@ class GpuBench {
     if (!setup()) return die();
     header();
     const std::vector<size_t> all_sizes = sizes(opt_);
+    // The copying collectives have no op: one pass, printed as nccl-tests does.
+    const std::vector<OpName> ops =
+        reduces(opt_.collective) ? opt_.ops : std::vector<OpName>{{ReduceOp::kSum, "none"}};
     for (const auto& t : opt_.types) {
-      for (const auto& o : opt_.ops) {
+      for (const auto& o : ops) {
         for (size_t bytes : all_sizes) {
           const bool ok = row(t, o, bytes);
           if (!fatal_.empty()) return die();
@@ -383,6 +444,11 @@ class GpuBench {
       return false;
     }
     if (!cuda(cudaSetDevice(device_), "cudaSetDevice")) return false;
+    if (opt_.collective == Collective::kBroadcast && opt_.root >= n_) {
+      fatal_ = "broadcast root " + std::to_string(opt_.root) + " outside [0, " +
+               std::to_string(n_) + ")";
+      return false;
+    }
     if (!cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"))
       return false;
     if (!cuda(cudaEventCreate(&start_), "cudaEventCreate") ||
@@ -390,16 +456,30 @@ class GpuBench {
       return false;
 
     gradsync::CallOptions call_options{opt_.algo};
-    libs_.push_back({"gradsync",
-                     [this, call_options](const Row& w, const void* send, void* recv) {
-                       gradsync::Status s = comm_.allreduce(send, recv, w.count, w.type, w.op,
-                                                            stream_, call_options);
-                       return s.ok() ? std::string() : s.to_string();
-                     },
-                     [this] {
-                       gradsync::Status s = comm_.async_error();
-                       return s.ok() ? std::string() : s.to_string();
-                     }});
+    libs_.push_back(
+        {"gradsync", true,
+         [this, call_options](const Row& w, const void* send, void* recv) {
+           gradsync::Status s;
+           switch (w.collective) {
+             case Collective::kReduceScatter:
+               s = comm_.reduce_scatter(send, recv, w.count, w.type, w.op, stream_, call_options);
+               break;
+             case Collective::kAllGather:
+               s = comm_.all_gather(send, recv, w.count, w.type, stream_, call_options);
+               break;
+             case Collective::kBroadcast:
+               s = comm_.broadcast(recv, w.count, w.type, w.root, stream_, call_options);
+               break;
+             default:
+               s = comm_.allreduce(send, recv, w.count, w.type, w.op, stream_, call_options);
+               break;
+           }
+           return s.ok() ? std::string() : s.to_string();
+         },
+         [this] {
+           gradsync::Status s = comm_.async_error();
+           return s.ok() ? std::string() : s.to_string();
+         }});
 #ifdef GRADSYNC_BENCH_NCCL
     if (opt_.nccl) {
       ncclUniqueId id;
@@ -411,18 +491,33 @@ class GpuBench {
         return false;
       }
       if (!nccl(ncclCommInitRank(&nccl_, n_, id, rank_), "ncclCommInitRank")) return false;
-      libs_.push_back({"NCCL",
-                       [this](const Row& w, const void* send, void* recv) {
-                         ncclResult_t r = ncclAllReduce(send, recv, w.count, nccl_type(w.type),
-                                                        nccl_op(w.op), nccl_, stream_);
-                         return r == ncclSuccess ? std::string() : nccl_error(r);
-                       },
-                       [this] {
-                         ncclResult_t async = ncclSuccess;
-                         ncclResult_t r = ncclCommGetAsyncError(nccl_, &async);
-                         if (r != ncclSuccess) return nccl_error(r);
-                         return async == ncclSuccess ? std::string() : nccl_error(async);
-                       }});
+      libs_.push_back(
+          {"NCCL", false,
+           [this](const Row& w, const void* send, void* recv) {
+             const ncclDataType_t t = nccl_type(w.type);
+             ncclResult_t r;
+             switch (w.collective) {
+               case Collective::kReduceScatter:
+                 r = ncclReduceScatter(send, recv, w.count, t, nccl_op(w.op), nccl_, stream_);
+                 break;
+               case Collective::kAllGather:
+                 r = ncclAllGather(send, recv, w.count, t, nccl_, stream_);
+                 break;
+               case Collective::kBroadcast:
+                 r = ncclBroadcast(send, recv, w.count, t, w.root, nccl_, stream_);
+                 break;
+               default:
+                 r = ncclAllReduce(send, recv, w.count, t, nccl_op(w.op), nccl_, stream_);
+                 break;
+             }
+             return r == ncclSuccess ? std::string() : nccl_error(r);
+           },
+           [this] {
+             ncclResult_t async = ncclSuccess;
+             ncclResult_t r = ncclCommGetAsyncError(nccl_, &async);
+             if (r != ncclSuccess) return nccl_error(r);
+             return async == ncclSuccess ? std::string() : nccl_error(async);
+           }});
     }
 #endif
     // Which device each rank uses, for the header.
@@ -444,7 +539,7 @@ class GpuBench {
     std::string types, ops;
     for (const auto& t : opt_.types) types += std::string(types.empty() ? "" : ",") + t.name;
     for (const auto& o : opt_.ops) ops += std::string(ops.empty() ? "" : ",") + o.name;
-    std::printf("# gradsync-bench allreduce  nranks %d  node %s  pid %d\n", n_,
+    std::printf("# gradsync-bench %s  nranks %d  node %s  pid %d\n", name(opt_.collective), n_,
                 session_.node_name().c_str(), int(getpid()));
     std::printf(
         "# minBytes %zu maxBytes %zu step: %zu(factor) warmup iters: %d iters: %d "
@@ -452,6 +547,12 @@ class GpuBench {
         opt_.min_bytes, opt_.max_bytes, opt_.factor, opt_.warmup, opt_.iters, int(opt_.check),
         types.c_str(), ops.c_str(), name(opt_.algo), name(opt_.device), int(opt_.nccl));
     std::printf("# gpu path: %s\n", comm_.gpu_path().c_str());
+    if (opt_.collective == Collective::kBroadcast) {
+      std::printf(
+          "# root %d; gradsync's broadcast has one buffer: no out-of-place group, the "
+          "ratios compare the in-place groups\n",
+          opt_.root);
+    }
     int runtime = 0, driver = 0;
     cudaRuntimeGetVersion(&runtime);
     cudaDriverGetVersion(&driver);
@@ -476,7 +577,7 @@ class GpuBench {
                 "gradsync in-place");
     if (opt_.nccl)
       std::printf("  %-23s  %-15s  %s", "NCCL out-of-place", "NCCL in-place",
-                  "gradsync/NCCL, out-of-place");
+                  ratio_in_place() ? "gradsync/NCCL, in-place" : "gradsync/NCCL, out-of-place");
     std::printf("\n# %10s  %12s  %8s  %6s", "size", "count", "type", "redop");
     for (int g = 0; g < 2; ++g) std::printf("  %7s  %6s  %6s  %6s", "time", "algbw", "busbw", "#wrong");
     if (opt_.nccl)
@@ -495,25 +596,36 @@ class GpuBench {
   bool row(const TypeName& t, const OpName& o, size_t bytes) {
     Row& w = row_;
     free_row();
+    w.collective = opt_.collective;
     w.type = t.type;
     w.op = o.op;
+    w.root = opt_.root;
+    w.rank = rank_;
     w.esize = esize_of(t.type);
-    const Geometry g = geometry(Collective::kAllreduce, bytes, w.esize, n_);
+    const Geometry g = geometry(opt_.collective, bytes, w.esize, n_);
     w.count = g.count;
     w.bytes = g.bytes;
-    // Allocated once for the row, shared by every group (at least 1 byte: -b 0).
-    if (!cuda(cudaMalloc(&w.d_send, std::max<size_t>(w.bytes, 1)), "cudaMalloc") ||
-        !cuda(cudaMalloc(&w.d_recv, std::max<size_t>(w.bytes, 1)), "cudaMalloc"))
+    w.send_elems = g.send_elems;
+    w.recv_elems = g.recv_elems;
+    w.alloc = std::max(g.send_elems, g.recv_elems) * w.esize;
+    // Allocated once for the row, shared by every group (at least 1 byte: -b 0); both the size
+    // of the larger buffer, for the in-place layouts.
+    if (!cuda(cudaMalloc(&w.d_send, std::max<size_t>(w.alloc, 1)), "cudaMalloc") ||
+        !cuda(cudaMalloc(&w.d_recv, std::max<size_t>(w.alloc, 1)), "cudaMalloc"))
       return false;
     make_data(w, rank_, n_);
-    w.out.resize(w.bytes);
-    const std::string label = std::string("allreduce ") + t.name + " " + o.name;
+    w.out.resize(w.alloc);
+    const std::string label =
+        std::string(name(opt_.collective)) + " " + t.name +
+        (reduces(opt_.collective) ? std::string(" ") + o.name : std::string());
 
     Cell cells[kCells];
     for (size_t li = 0; li < libs_.size(); ++li) {
       for (int ip = 0; ip < 2; ++ip) {
         const bool in_place = ip == 1;
         if (in_place ? !opt_.in_place : !opt_.out_of_place) continue;
+        if (!in_place && w.collective == Collective::kBroadcast && libs_[li].one_buffer_broadcast)
+          continue;
         // NCCL's in-place group has no #wrong column: it is timed, not checked.
         const bool check = opt_.check && !(li == 1 && in_place);
         Cell& c = cells[li * 2 + ip];
@@ -587,7 +699,7 @@ class GpuBench {
       line += cell;
     }
     if (opt_.nccl) {
-      const Cell &gs = sum[0], &nc = sum[2];
+      const Cell &gs = sum[ratio_in_place() ? 1 : 0], &nc = sum[ratio_in_place() ? 3 : 2];
       char cell[64];
       if (gs.ran && nc.ran && !gs.failed && !nc.failed && gs.time_us > 0 && nc.time_us > 0) {
         // busbw ratio = (bytes / gs time) / (bytes / NCCL time): the bus factor cancels.
@@ -618,8 +730,16 @@ class GpuBench {
   Cell group(const Library& lib, Row& w, bool in_place, bool check, const std::string& label) {
     Cell c;
     c.ran = true;
-    void* recv = w.d_recv;
-    void* send = in_place ? w.d_recv : w.d_send;
+    // Layouts as nccl-tests: in place, reduce_scatter's recv is this rank's block of send and
+    // all_gather's send this rank's block of recv; a one-buffer broadcast uses recv.
+    auto* const r0 = static_cast<uint8_t*>(w.d_recv);
+    const size_t block = size_t(rank_) * w.count * w.esize;
+    const bool bcast = w.collective == Collective::kBroadcast;
+    void* recv = w.collective == Collective::kReduceScatter && in_place ? r0 + block : r0;
+    void* send = !in_place && !(bcast && lib.one_buffer_broadcast) ? w.d_send
+                 : w.collective == Collective::kAllGather          ? r0 + block
+                                                                   : r0;
+    const size_t send_bytes = w.send_elems * w.esize, recv_bytes = w.recv_elems * w.esize;
     const char* title = in_place ? "in-place" : "out-of-place";
     auto failed = [&](const std::string& why) {
       std::fprintf(stderr, "gradsync-bench: rank %d: %s %s %zu B %s failed: %s\n", rank_, lib.name,
@@ -642,18 +762,21 @@ class GpuBench {
       // Both on the legacy stream, which does not order against stream_ (non-blocking), and
       // cudaMemcpy from pageable memory may return before the data landed: synchronise the
       // device before the call reads the buffers.
-      if (!cuda(cudaMemset(w.d_recv, 0x7f, w.bytes), "cudaMemset") ||
-          !cuda(cudaMemcpy(send, w.in.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy") ||
+      // A broadcast's input is uploaded on the root only: the others must receive it.
+      const bool upload = !bcast || rank_ == w.root;
+      if (!cuda(cudaMemset(w.d_recv, 0x7f, w.alloc), "cudaMemset") ||
+          (upload && !cuda(cudaMemcpy(send, w.in.data(), send_bytes, cudaMemcpyHostToDevice),
+                           "cudaMemcpy")) ||
           !cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (uploads)"))
         return c;
       if (std::string e = lib.call(w, send, recv); !e.empty()) return failed(e);
       if (!cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (checked call)")) return c;
       if (async_failed("in the checked call")) return c;
-      if (!cuda(cudaMemcpy(w.out.data(), recv, w.bytes, cudaMemcpyDeviceToHost), "cudaMemcpy"))
+      if (!cuda(cudaMemcpy(w.out.data(), recv, recv_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy"))
         return c;
       c.wrong = count_wrong(w, w.out.data());
-      if (!in_place) {
-        if (!cuda(cudaMemcpy(w.out.data(), send, w.bytes, cudaMemcpyDeviceToHost), "cudaMemcpy"))
+      if (!in_place && !bcast) {
+        if (!cuda(cudaMemcpy(w.out.data(), send, send_bytes, cudaMemcpyDeviceToHost), "cudaMemcpy"))
           return c;
         c.wrong += count_changed(w, w.out.data());
       }
@@ -662,10 +785,11 @@ class GpuBench {
     // 1 otherwise). Out of place the input as checked (or uploaded now).
     if (in_place) {
       fill_constant(w, w.op == ReduceOp::kSum ? 0 : 1);
-      if (!cuda(cudaMemcpy(w.d_recv, w.out.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy"))
+      if (!cuda(cudaMemcpy(w.d_recv, w.out.data(), w.alloc, cudaMemcpyHostToDevice), "cudaMemcpy"))
         return c;
     } else if (!check) {
-      if (!cuda(cudaMemcpy(w.d_send, w.in.data(), w.bytes, cudaMemcpyHostToDevice), "cudaMemcpy"))
+      if (!cuda(cudaMemcpy(w.d_send, w.in.data(), send_bytes, cudaMemcpyHostToDevice),
+                "cudaMemcpy"))
         return c;
     }
     if (!cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (uploads)")) return c;
@@ -707,9 +831,10 @@ class GpuBench {
                   nccl_bw_lines_ ? nccl_bw_sum_ / nccl_bw_lines_ : 0.0);
       if (ratios_ > 0) {
         std::printf(
-            "# busbw ratio gradsync/NCCL, out-of-place: geometric mean %.3f over %d rows, "
+            "# busbw ratio gradsync/NCCL, %s: geometric mean %.3f over %d rows, "
             "lowest %.3f at %zu B\n",
-            std::exp(log_ratio_sum_ / ratios_), ratios_, worst_ratio_, worst_bytes_);
+            ratio_in_place() ? "in-place" : "out-of-place", std::exp(log_ratio_sum_ / ratios_),
+            ratios_, worst_ratio_, worst_bytes_);
       }
     }
     std::printf("#\n");
@@ -729,6 +854,9 @@ class GpuBench {
     (void)comm_.abort("gradsync-bench rank " + std::to_string(rank_) + ": " + fatal_);
     return 1;
   }
+
+  // gradsync's broadcast has no out-of-place group: its ratio columns compare the in-place ones.
+  bool ratio_in_place() const { return opt_.collective == Collective::kBroadcast; }
 
   bool cuda(cudaError_t e, const char* what) {
     if (e == cudaSuccess) return true;

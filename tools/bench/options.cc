@@ -40,8 +40,9 @@ constexpr const char* kUsage =
     "      --inplace 0|1       only out-of-place (0) or in-place (1); default both\n"
     "      --device D          host (default): host buffers, the host path; cuda: device\n"
     "                          buffers on the device of LOCAL_RANK (or $GRADSYNC_DEVICE),\n"
-    "                          GPU allreduce on a stream timed with CUDA events; allreduce only\n"
-    "      --nccl 0|1          --device cuda: NCCL's allreduce on the same buffers and stream\n"
+    "                          GPU collectives on a stream timed with CUDA events (allreduce,\n"
+    "                          reduce_scatter, all_gather, broadcast)\n"
+    "      --nccl 0|1          --device cuda: NCCL's collective on the same buffers and stream\n"
     "                          beside gradsync's, with ratio columns (default 1 where built)\n"
     "size is the bytes of the full buffer (reduce_scatter's input, all_gather's output);\n"
     "time is the mean per iteration, max over ranks; busbw = algbw x 2(n-1)/n for\n"
@@ -227,9 +228,14 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
                    "(configure with -DGRADSYNC_WITH_CUDA=ON where nvcc is installed)\n");
       return false;
     }
-    if (o->collective != Collective::kAllreduce) {
-      std::fprintf(stderr, "gradsync-bench: --device cuda runs allreduce only, not %s\n",
-                   name(o->collective));
+    if (o->collective == Collective::kBarrier) {
+      std::fprintf(stderr,
+                   "gradsync-bench: --device cuda has no barrier (it moves no device data)\n");
+      return false;
+    }
+    if (o->collective == Collective::kBroadcast && !o->in_place) {
+      std::fprintf(stderr,
+                   "gradsync-bench: broadcast is in-place only in gradsync; drop --inplace 0\n");
       return false;
     }
     if (o->model) {

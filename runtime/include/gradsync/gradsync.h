@@ -127,21 +127,40 @@ class Communicator {
   Work allreduce_async(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                        CallOptions opts = {});
 
-  // GPU allreduce on device memory of device(): queued on `stream` (a cudaStream_t; nullptr
-  // is the legacy default stream) and returns without waiting for the GPU, like
-  // ncclAllReduce. Work queued on `stream` after it sees the result. What goes wrong once the
-  // work runs (a peer that never arrives, an abort) is reported by async_error() and by every
-  // later call. Bad arguments are refused here, before anything is queued.
+  // GPU collectives: the forms with a `stream` work on device memory of device(). Each is
+  // queued on `stream` (a cudaStream_t; nullptr is the legacy default stream) and returns
+  // without waiting for the GPU, like ncclAllReduce, ncclReduceScatter, ncclAllGather and
+  // ncclBroadcast; work queued on `stream` after it sees the result. Semantics, in-place
+  // layouts and numeric rules are those of the host forms below (reduce_scatter's and
+  // all_gather's counts are per rank; in a reduction every rank folds the inputs in rank
+  // order, so all ranks get the same bytes). What goes wrong once the work runs (a peer that
+  // never arrives, an abort) is reported by async_error() and by every later call. Bad
+  // arguments (null, misaligned or overlapping buffers, host memory or another GPU's, unknown
+  // type or op, a root outside the world, an overflowing count) are refused here with
+  // kInvalidArgument naming the rank and host, before anything is queued. Calls of one
+  // communicator must be ordered (one stream, or streams ordered by events), as with NCCL.
+  // On one node the calls can be captured in a CUDA graph; across nodes (host-staged) they
+  // cannot (refused while capturing). Without CUDA in the build: kUnimplemented. CallOptions'
+  // algorithm has no effect on the GPU paths.
   Status allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                    CUstream_st* stream, CallOptions opts = {});
+  // send holds world_size * recv_count elements; rank r receives block r of the reduction.
+  Status reduce_scatter(const void* send, void* recv, size_t recv_count, DataType type, ReduceOp op,
+                        CUstream_st* stream, CallOptions opts = {});
+  // recv holds world_size * send_count elements: block r is rank r's send.
+  Status all_gather(const void* send, void* recv, size_t send_count, DataType type,
+                    CUstream_st* stream, CallOptions opts = {});
+  // Every rank's buf ends equal to the root's.
+  Status broadcast(void* buf, size_t count, DataType type, int root, CUstream_st* stream,
+                   CallOptions opts = {});
   // The first error of GPU work queued earlier that has since failed (Ok while none has);
   // does not wait for the GPU. Like ncclCommGetAsyncError.
   Status async_error();
   // The CUDA device of GPU collectives, or JoinOptions::kNoDevice.
   int device() const;
-  // How GPU allreduce moves data on this communicator, for logs: "cuda-ipc" (every rank on
-  // one node: kernels write into peers' GPU memory), "host-staged" (through pinned host
-  // memory and the daemons), or "none" on a host-only communicator.
+  // How the GPU collectives move data on this communicator, for logs: "cuda-ipc" (every rank
+  // on one node: kernels write into peers' GPU memory), "host-staged" (through pinned host
+  // memory and the daemons), "single-rank", or "none" on a host-only communicator.
   std::string gpu_path() const;
 
   // send holds world_size * recv_count elements; rank r receives block r of the reduction.
