@@ -31,7 +31,7 @@ inline std::atomic<int> g_clusters{0};
 
 struct ClusterOptions {
   int nodes = 2;
-  std::vector<std::string> transport;  // per node; default "verbs" everywhere
+  std::vector<std::string> transport = {};  // per node; default "verbs" everywhere
   uint32_t slots = 4;
   uint32_t slot_bytes = 4096;
   uint32_t rings = 1;
