@@ -241,11 +241,13 @@ struct NoOp {};
 
 // ---- the chunked protocol -----------------------------------------------------------------
 
-template <class Tr, class Op, class Last, NodeCollective K>
+// kTimeline: thread 0 stamps the steps into `tl` (cuda_node.cuh); without it `tl` is unused
+// and the kernel is the plain protocol.
+template <class Tr, class Op, class Last, NodeCollective K, bool kTimeline>
 __global__ void __launch_bounds__(kThreads)
     node_chunked_kernel(NodeArgs a, Geometry g, uint32_t blocks, const typename Tr::S* in,
                         typename Tr::S* out, size_t count, int root, size_t chunk_elems,
-                        size_t nchunks, bool vec, Op op, Last last) {
+                        size_t nchunks, bool vec, Op op, Last last, NodeTimeline tl) {
   using S = typename Tr::S;
   const uint32_t b = blockIdx.x;
   const uint32_t nb = gridDim.x;
@@ -253,7 +255,16 @@ __global__ void __launch_bounds__(kThreads)
   const int n = g.nranks;
   __shared__ uint64_t base;
   __shared__ int ok;
+  // This block's timeline record (cuda_node.cuh): only thread 0 writes it.
+  auto record = [&]() { return tl.stamps + b * node_timeline_stride(tl.chunks); };
+  auto stamp = [&](size_t i, TimelineStep step, bool happens = true) {
+    if constexpr (kTimeline) {
+      if (threadIdx.x == 0 && i < tl.chunks)
+        record()[kTimelineHeader + i * kTimelineSteps + step] = happens ? now_ns() : 0;
+    }
+  };
   if (threadIdx.x == 0) {
+    if constexpr (kTimeline) record()[0] = now_ns();
     base = a.progress[b];
     ok = 1;
   }
@@ -269,11 +280,15 @@ __global__ void __launch_bounds__(kThreads)
   };
 
   auto push = [&](size_t i) -> bool {
-    if (!pushes<K>(me, root)) return true;  // uniform over the block
+    if (!pushes<K>(me, root)) {  // uniform over the block
+      for (TimelineStep st : {kCreditWait, kPushStart, kPushEnd}) stamp(i, st, false);
+      return true;
+    }
     const uint64_t k = base + i;
     const uint32_t s = uint32_t(k % g.slots);
     size_t e0, len;
     chunk(i, &e0, &len);
+    stamp(i, kCreditWait);
     if (threadIdx.x == 0 && k >= g.slots) {
       for (int p = 0; p < n; ++p) {
         if (p != me && !wait_at_least(g.freed(my_region, b, p, blocks), k - g.slots + 1, a, p, 0)) {
@@ -284,6 +299,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     if (!ok) return false;
+    stamp(i, kPushStart);
     // reduce_scatter: peer p gets segment p of the input; the others: the input.
     auto src_of = [&](int p) {
       return in + (K == NodeCollective::kReduceScatter ? size_t(p) * count : 0) + e0;
@@ -292,6 +308,7 @@ __global__ void __launch_bounds__(kThreads)
     push_chunk<S, K != NodeCollective::kReduceScatter>(src_of, dst_of, n, me, len, vec);
     __threadfence_system();
     __syncthreads();
+    stamp(i, kPushEnd);  // before the release: a peer sees ready after this stamp
     if (threadIdx.x == 0) {
       for (int p = 0; p < n; ++p) {
         if (p != me) store_release(g.ready(a.region[p], b, me), k + 1);
@@ -305,6 +322,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t s = uint32_t(k % g.slots);
     size_t e0, len;
     chunk(i, &e0, &len);
+    stamp(i, kReadyWait);
     if (threadIdx.x == 0) {
       for (int p = 0; p < n; ++p) {
         if (p != me && pushes<K>(p, root) &&
@@ -316,6 +334,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     if (!ok) return false;
+    stamp(i, kFoldStart);
     // What rank r contributed to this chunk: its slot in my region, or my own input.
     auto slot_of = [&](int r) { return reinterpret_cast<const S*>(g.slot(my_region, b, r, s)); };
     if constexpr (is_reduction(K)) {
@@ -334,6 +353,7 @@ __global__ void __launch_bounds__(kThreads)
       if (me != root) copy_chunk(out + e0, slot_of(root), len, vec, true);
     }
     __syncthreads();  // every read of this slot is done before the peers may refill it
+    stamp(i, kFoldEnd);  // before the release: a peer's push into the slot starts after it
     // Every rank says it is done with sequence k, to every peer, even a broadcast root that
     // read nothing: the peers' next pushes into this sequence's slot wait for it.
     if (threadIdx.x == 0) {
@@ -350,7 +370,15 @@ __global__ void __launch_bounds__(kThreads)
     if (i + 1 < mine && !push(i + 1)) return;
     if (!consume(i)) return;
   }
-  if (threadIdx.x == 0) a.progress[b] = base + mine;
+  if (threadIdx.x == 0) {
+    a.progress[b] = base + mine;
+    if constexpr (kTimeline) {
+      uint64_t* r = record();
+      r[1] = now_ns();
+      r[2] = mine;
+      r[3] = base;
+    }
+  }
 }
 
 // ---- low-latency protocol ---------------------------------------------------------------
@@ -576,7 +604,7 @@ uint64_t chunk_for(const NodeLayout& l, uint64_t bytes) {
 
 template <class Tr, NodeCollective K, class Op, class Last>
 cudaError_t launch_typed(const NodeLayout& l, const NodeArgs& a, const NodeCall& c, Op op,
-                         Last last, cudaStream_t stream) {
+                         Last last, cudaStream_t stream, const NodeTimeline* tl) {
   using S = typename Tr::S;
   const auto send = reinterpret_cast<uintptr_t>(c.send), recv = reinterpret_cast<uintptr_t>(c.recv);
   const uint64_t bytes = uint64_t(c.count) * sizeof(S);  // of one segment
@@ -598,28 +626,30 @@ cudaError_t launch_typed(const NodeLayout& l, const NodeArgs& a, const NodeCall&
   const size_t nchunks = (bytes + cb - 1) / cb;
   cfg.gridDim = dim3(uint32_t(std::min<size_t>(l.blocks, nchunks)));
   Geometry g{l.flags_bytes(), l.chunk_bytes, l.slots, l.nranks};
-  return cudaLaunchKernelEx(&cfg, node_chunked_kernel<Tr, Op, Last, K>, a, g, l.blocks,
-                            static_cast<const S*>(c.send), static_cast<S*>(c.recv), c.count, c.root,
-                            size_t(cb / sizeof(S)), nchunks, aligned(16), op, last);
+  auto* kernel = tl != nullptr ? node_chunked_kernel<Tr, Op, Last, K, true>
+                               : node_chunked_kernel<Tr, Op, Last, K, false>;
+  return cudaLaunchKernelEx(&cfg, kernel, a, g, l.blocks, static_cast<const S*>(c.send),
+                            static_cast<S*>(c.recv), c.count, c.root, size_t(cb / sizeof(S)),
+                            nchunks, aligned(16), op, last, tl != nullptr ? *tl : NodeTimeline{});
 }
 
 // allreduce, reduce_scatter: by type and op.
 template <NodeCollective K>
 cudaError_t launch_reduction(const NodeLayout& l, const NodeArgs& a, const NodeCall& c,
-                             cudaStream_t stream) {
+                             cudaStream_t stream, const NodeTimeline* tl) {
   const int world = l.nranks;
   return with_traits(c.type, [&]<class Tr>() -> cudaError_t {
     switch (c.op) {
       case ReduceOp::kSum:
-        return launch_typed<Tr, K>(l, a, c, OpSum<Tr>{}, OpSum<Tr>{}, stream);
+        return launch_typed<Tr, K>(l, a, c, OpSum<Tr>{}, OpSum<Tr>{}, stream, tl);
       case ReduceOp::kProd:
-        return launch_typed<Tr, K>(l, a, c, OpProd<Tr>{}, OpProd<Tr>{}, stream);
+        return launch_typed<Tr, K>(l, a, c, OpProd<Tr>{}, OpProd<Tr>{}, stream, tl);
       case ReduceOp::kMin:
-        return launch_typed<Tr, K>(l, a, c, OpMinMax<Tr, false>{}, OpMinMax<Tr, false>{}, stream);
+        return launch_typed<Tr, K>(l, a, c, OpMinMax<Tr, false>{}, OpMinMax<Tr, false>{}, stream, tl);
       case ReduceOp::kMax:
-        return launch_typed<Tr, K>(l, a, c, OpMinMax<Tr, true>{}, OpMinMax<Tr, true>{}, stream);
+        return launch_typed<Tr, K>(l, a, c, OpMinMax<Tr, true>{}, OpMinMax<Tr, true>{}, stream, tl);
       case ReduceOp::kAvg:
-        return launch_typed<Tr, K>(l, a, c, OpSum<Tr>{}, OpSumDivide<Tr>{world}, stream);
+        return launch_typed<Tr, K>(l, a, c, OpSum<Tr>{}, OpSumDivide<Tr>{world}, stream, tl);
     }
     return cudaErrorInvalidValue;
   });
@@ -628,16 +658,16 @@ cudaError_t launch_reduction(const NodeLayout& l, const NodeArgs& a, const NodeC
 // all_gather, broadcast: bits moved as unsigned words of the element's size.
 template <NodeCollective K>
 cudaError_t launch_copy(const NodeLayout& l, const NodeArgs& a, const NodeCall& c, size_t es,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, const NodeTimeline* tl) {
   switch (es) {
     case 1:
-      return launch_typed<Native<uint8_t>, K>(l, a, c, NoOp{}, NoOp{}, stream);
+      return launch_typed<Native<uint8_t>, K>(l, a, c, NoOp{}, NoOp{}, stream, tl);
     case 2:
-      return launch_typed<Native<uint16_t>, K>(l, a, c, NoOp{}, NoOp{}, stream);
+      return launch_typed<Native<uint16_t>, K>(l, a, c, NoOp{}, NoOp{}, stream, tl);
     case 4:
-      return launch_typed<Native<uint32_t>, K>(l, a, c, NoOp{}, NoOp{}, stream);
+      return launch_typed<Native<uint32_t>, K>(l, a, c, NoOp{}, NoOp{}, stream, tl);
     case 8:
-      return launch_typed<Native<uint64_t>, K>(l, a, c, NoOp{}, NoOp{}, stream);
+      return launch_typed<Native<uint64_t>, K>(l, a, c, NoOp{}, NoOp{}, stream, tl);
   }
   return cudaErrorInvalidValue;
 }
@@ -657,6 +687,11 @@ bool NodeLayout::valid() const {
          slots >= 2 && chunk_bytes >= 1024 && chunk_bytes % 256 == 0;
 }
 
+uint64_t node_chunk_bytes(const NodeLayout& l, size_t bytes) {
+  if (bytes == 0 || !l.valid() || bytes <= l.ll_max_bytes) return 0;
+  return chunk_for(l, bytes);
+}
+
 uint32_t node_blocks_used(const NodeLayout& l, size_t bytes) {
   if (bytes == 0 || !l.valid()) return 0;
   const uint64_t cb = chunk_for(l, bytes);
@@ -664,14 +699,15 @@ uint32_t node_blocks_used(const NodeLayout& l, size_t bytes) {
 }
 
 cudaError_t launch_node_collective(const NodeLayout& l, const NodeArgs& a, const NodeCall& c,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, const NodeTimeline* tl) {
   const size_t es = esize(c.type);
   const bool reduction =
       c.kind == NodeCollective::kAllreduce || c.kind == NodeCollective::kReduceScatter;
   if (!l.valid() || es == 0 || unsigned(c.kind) > unsigned(NodeCollective::kBroadcast) ||
       (reduction && unsigned(c.op) >= unsigned(kNumReduceOps)) ||
       (c.kind == NodeCollective::kBroadcast && (c.root < 0 || c.root >= l.nranks)) || a.me < 0 ||
-      a.me >= l.nranks || a.progress == nullptr || a.error == nullptr || a.abort == nullptr) {
+      a.me >= l.nranks || a.progress == nullptr || a.error == nullptr || a.abort == nullptr ||
+      (tl != nullptr && tl->stamps == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (c.count == 0) return cudaSuccess;
@@ -684,13 +720,13 @@ cudaError_t launch_node_collective(const NodeLayout& l, const NodeArgs& a, const
   }
   switch (c.kind) {
     case NodeCollective::kAllreduce:
-      return launch_reduction<NodeCollective::kAllreduce>(l, a, c, stream);
+      return launch_reduction<NodeCollective::kAllreduce>(l, a, c, stream, tl);
     case NodeCollective::kReduceScatter:
-      return launch_reduction<NodeCollective::kReduceScatter>(l, a, c, stream);
+      return launch_reduction<NodeCollective::kReduceScatter>(l, a, c, stream, tl);
     case NodeCollective::kAllGather:
-      return launch_copy<NodeCollective::kAllGather>(l, a, c, es, stream);
+      return launch_copy<NodeCollective::kAllGather>(l, a, c, es, stream, tl);
     case NodeCollective::kBroadcast:
-      return launch_copy<NodeCollective::kBroadcast>(l, a, c, es, stream);
+      return launch_copy<NodeCollective::kBroadcast>(l, a, c, es, stream, tl);
   }
   return cudaErrorInvalidValue;
 }

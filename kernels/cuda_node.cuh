@@ -37,6 +37,29 @@
 // word in mapped host memory; a wait that fails writes a NodeError to mapped host memory and
 // every block of that launch returns (the output is then undefined, and the flags no longer
 // agree between ranks: the communicator must be considered failed).
+//
+// Timeline (GRADSYNC_GPU_TIMELINE=1, runtime/gpu/timeline.h; off by default). A launch given a
+// NodeTimeline runs a second instantiation of the chunked kernel, whose thread 0 of every
+// block stores %globaltimer stamps (ns) into it; without one, the kernel is the same code as
+// before the timeline existed (same registers: no test, no stamp). The low-latency kernel
+// records nothing. Block b's record starts at word b * node_timeline_stride(chunks):
+//   [0] the block's start (kernel entry), [1] its end (after its last consume, freed release
+//   included), [2] its chunks in the call, all of them (the record holds the first `chunks`;
+//   the others are dropped and only counted here), [3] the sequence number of its chunk 0;
+//   then per recorded chunk i, kTimelineSteps words, in the order thread 0 passes them:
+//   kCreditWait  push(i) entered: the wait for the peers' freed (the slot's credit) starts
+//   kPushStart   the credit is there (after the block's barrier): the stores start
+//   kPushEnd     every thread's stores are issued and fenced (__threadfence_system, then the
+//                barrier): they completed at system scope; stamped BEFORE the ready release,
+//                so a peer's observation of ready happens after this stamp
+//   kReadyWait   consume(i) entered: the wait for the peers' ready starts
+//   kFoldStart   every pushing peer's ready was seen (after the barrier): the fold (all_gather,
+//                broadcast: the copy out) starts
+//   kFoldEnd     every thread finished reading the slot (after the barrier); stamped BEFORE
+//                the freed release
+//   A step that does not happen (a broadcast non-root pushes nothing) stays 0.
+// Thread 0's program order for a block with m chunks (what the host checks):
+//   push(0), then for i < m: push(i + 1) (if i + 1 < m), consume(i).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -81,6 +104,28 @@ struct NodeArgs {
   uint64_t timeout_ns = 0;
 };
 
+// The timeline (see the top of this file): layout.blocks records of
+// node_timeline_stride(chunks) words in this device's memory.
+struct NodeTimeline {
+  uint64_t* stamps = nullptr;
+  uint32_t chunks = 0;  // chunks recorded per block and call, at most
+};
+
+// The timeline record of a block: header words, then kTimelineSteps words a recorded chunk.
+constexpr uint32_t kTimelineHeader = 4;
+constexpr uint32_t kTimelineSteps = 6;
+enum TimelineStep : uint32_t {
+  kCreditWait = 0,
+  kPushStart = 1,
+  kPushEnd = 2,
+  kReadyWait = 3,
+  kFoldStart = 4,
+  kFoldEnd = 5,
+};
+__host__ __device__ constexpr uint64_t node_timeline_stride(uint32_t timeline_chunks) {
+  return kTimelineHeader + uint64_t(kTimelineSteps) * timeline_chunks;
+}
+
 enum class NodeCollective : uint8_t { kAllreduce, kReduceScatter, kAllGather, kBroadcast };
 
 // One call. `count` is the elements of one segment: allreduce and broadcast the buffer,
@@ -112,11 +157,16 @@ struct NodeCall {
 //
 // Queues one kernel on `stream`. cudaErrorInvalidValue (nothing launched) for an invalid
 // layout, kind, type, op or root, null or misaligned buffers.
+// `timeline`: record this launch's timeline there (chunked protocol only), or null.
 cudaError_t launch_node_collective(const NodeLayout& layout, const NodeArgs& args,
-                                   const NodeCall& call, cudaStream_t stream);
+                                   const NodeCall& call, cudaStream_t stream,
+                                   const NodeTimeline* timeline = nullptr);
 
 // The blocks a launch on segments of `bytes` uses (the others have no chunk); all ranks agree.
 uint32_t node_blocks_used(const NodeLayout& layout, size_t bytes);
+// The chunk of a chunked launch on segments of `bytes` (chunk j: bytes [j * c, (j + 1) * c)
+// of the segment, block j % blocks used); 0 when the low-latency protocol takes `bytes`.
+uint64_t node_chunk_bytes(const NodeLayout& layout, size_t bytes);
 
 // One thread waits until *flag >= value (flag in mapped pinned host memory, written by a host
 // thread), or *abort is nonzero, or timeout_ns passed (then error->code is set); adds the time

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "bench/collective.h"
@@ -98,6 +99,8 @@ int main(int argc, char** argv) {
   bool help = false;
   if (!bench::parse_options(argc, argv, &opt, &help)) return help ? 0 : 2;
 
+  // --timeline 1: the communicator records the GPU timeline (read when it is created).
+  if (opt.timeline) ::setenv("GRADSYNC_GPU_TIMELINE", "1", 1);
   auto session = gradsync::Session::connect();
   if (!session.ok()) {
     std::fprintf(stderr, "gradsync-bench: connect: %s\n", session.status().to_string().c_str());

@@ -19,6 +19,7 @@
 #include "collectives/cost_model.h"
 #include "common/log.h"
 #include "gradsync/gradsync.h"
+#include "gpu/timeline.h"
 #if GRADSYNC_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
@@ -570,6 +571,19 @@ std::string Communicator::gpu_path() const {
   DeviceComm* gpu = impl_->gpu();
   return gpu ? gpu->path() : "none";
 }
+// gpu/timeline.h: the bench's and the tests' way to the DeviceComm's timeline.
+struct CommunicatorInternals {
+  static CommunicatorImpl* impl(Communicator& c) { return c.impl_.get(); }
+};
+Result<gpu::Timeline> gpu::last_timeline(Communicator& comm) {
+  CommunicatorImpl* impl = CommunicatorInternals::impl(comm);
+  DeviceComm* d = impl != nullptr ? impl->gpu() : nullptr;
+  if (d == nullptr) {
+    return Status(Code::kFailedPrecondition,
+                  "no GPU timeline: the communicator was joined without a device");
+  }
+  return d->last_timeline();
+}
 #else
 namespace {
 Status no_cuda() {
@@ -592,6 +606,9 @@ Status Communicator::broadcast(void*, size_t, DataType, int, CUstream_st*, CallO
 Status Communicator::async_error() { return Status::Ok(); }
 int Communicator::device() const { return JoinOptions::kNoDevice; }
 std::string Communicator::gpu_path() const { return "none"; }
+Result<gpu::Timeline> gpu::last_timeline(Communicator&) {
+  return Status(Code::kUnimplemented, "gradsync was built without CUDA: no GPU timeline");
+}
 #endif
 
 Status Communicator::leave() { return impl_ ? impl_->leave() : Status::Ok(); }

@@ -33,8 +33,12 @@ struct HostWords {
   uint64_t landed;   // the stream copied this many pieces to the staging slots
   uint64_t reduced;  // the worker ran the host collective on this many pieces, in place
   uint64_t done;     // calls whose results the stream copied back
-  uint64_t start_ns, done_ns, waited_ns;  // GPU clock: the last call's span, its waits
-  uint64_t start_seq;                     // the call start_ns belongs to
+  // GPU clock per call (for the overlap figure), in a ring indexed by the call's sequence
+  // number, so that a call's stamps survive while the stream runs the next ones.
+  static constexpr size_t kStampRing = 64;
+  struct Stamps {
+    uint64_t start_ns, done_ns, waited_ns;  // the call's span on the stream and its waits
+  } stamps[kStampRing];
 };
 
 // One row of the set-up exchange: summed (uint8) over ranks, every other row is zero.
@@ -83,6 +87,18 @@ struct DeviceComm::Impl {
   Status staged_error;
   StagedTiming timing;
   bool log_timing = false;
+
+  // GRADSYNC_GPU_TIMELINE (gpu/timeline.h), cuda-ipc only.
+  bool timeline_asked = false;
+  uint64_t* timeline = nullptr;  // layout.blocks records (kernels/cuda_node.cuh), device memory
+  cudaEvent_t timeline_event = nullptr;    // recorded after the last recorded launch
+  cudaStream_t timeline_stream = nullptr;  // the copies back
+  struct LastCall {
+    bool recorded = false;
+    std::string why_not = "no GPU collective was called yet";
+    CollectiveKind kind = CollectiveKind::kAllreduce;
+    uint64_t bytes = 0;  // of one segment
+  } last;
 };
 
 DeviceComm::DeviceComm(DeviceCommConfig cfg, HostOps ops)
@@ -134,6 +150,10 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     m.words_dev = static_cast<HostWords*>(dev);
   }
   m.log_timing = std::getenv("GRADSYNC_STAGED_TIMING") != nullptr;
+  {
+    const char* tl = std::getenv("GRADSYNC_GPU_TIMELINE");
+    m.timeline_asked = tl != nullptr && *tl != '\0' && std::strcmp(tl, "0") != 0;
+  }
 
   if (cfg.world_size == 1) {
     m.path = Impl::Path::kSingle;
@@ -145,12 +165,17 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     }
     if (ipc) {
       m.path = Impl::Path::kIpc;
+      if (m.timeline_asked) GS_RETURN_IF_ERROR(d->setup_timeline());
     } else {
       GS_RETURN_IF_ERROR(d->setup_staged());
       m.path = Impl::Path::kStaged;
     }
   }
   log::get("gpu")->info("{}: GPU collectives by {}", d->who(), d->path());
+  if (m.timeline_asked && m.path != Impl::Path::kIpc) {
+    log::get("gpu")->warn("{}: GRADSYNC_GPU_TIMELINE is set, but only the cuda-ipc path records "
+                          "a timeline ({} here)", d->who(), d->path());
+  }
 
   // The abort word: waits in kernels stop when the job is aborted or the daemon is lost.
   d->watcher_ = std::thread([p = d.get()] {
@@ -301,6 +326,25 @@ DeviceComm::~DeviceComm() {
   if (m.progress) (void)cudaFree(m.progress);
   if (m.staging) (void)cudaFreeHost(m.staging);
   if (m.words) (void)cudaFreeHost(m.words);
+  if (m.timeline) (void)cudaFree(m.timeline);
+  if (m.timeline_event) (void)cudaEventDestroy(m.timeline_event);
+  if (m.timeline_stream) (void)cudaStreamDestroy(m.timeline_stream);
+}
+
+// GRADSYNC_GPU_TIMELINE: one record per block of the layout, kMaxChunksPerBlock chunks each.
+Status DeviceComm::setup_timeline() {
+  Impl& m = *impl_;
+  const uint64_t words = uint64_t(m.layout.blocks) *
+                         kernels::node_timeline_stride(gpu::kMaxChunksPerBlock);
+  GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.timeline), words * sizeof(uint64_t)),
+          "cudaMalloc of the timeline");
+  GS_CUDA(cudaMemset(m.timeline, 0, words * sizeof(uint64_t)), "cudaMemset");
+  GS_CUDA(cudaEventCreateWithFlags(&m.timeline_event, cudaEventDisableTiming), "cudaEventCreate");
+  GS_CUDA(cudaStreamCreateWithFlags(&m.timeline_stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  log::get("gpu")->info("{}: GPU timeline on (GRADSYNC_GPU_TIMELINE): {} blocks x {} chunks, {} KiB",
+                        who(), m.layout.blocks, gpu::kMaxChunksPerBlock, words * 8 / 1024);
+  return Status::Ok();
 }
 
 const char* DeviceComm::path() const {
@@ -476,8 +520,39 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       return Status::Ok();
     case Impl::Path::kIpc: {
       const kernels::NodeCall nc{node_kind(c.kind), c.type, c.op, c.root, c.send, c.recv, c.count};
-      GS_CUDA(kernels::launch_node_collective(m.layout, m.args, nc, stream),
+      if (m.timeline == nullptr) {
+        GS_CUDA(kernels::launch_node_collective(m.layout, m.args, nc, stream),
+                std::string("launching the node ") + to_string(c.kind) + " kernel");
+        return Status::Ok();
+      }
+      // Timeline: the chunked protocol, outside graph capture (a replay would overwrite the
+      // records behind the host's back, and the event below cannot be waited for).
+      const uint64_t bytes = uint64_t(c.count) * element_size(c.type);
+      Impl::LastCall last;
+      last.kind = c.kind;
+      last.bytes = bytes;
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      GS_CUDA(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+      const kernels::NodeTimeline tl{m.timeline, gpu::kMaxChunksPerBlock};
+      const kernels::NodeTimeline* use = nullptr;
+      if (kernels::node_chunk_bytes(m.layout, bytes) == 0) {
+        last.why_not = "the last call (" + describe_gpu(c, number) +
+                       ") took the low-latency protocol (segment <= GRADSYNC_GPU_LL_MAX = " +
+                       std::to_string(m.layout.ll_max_bytes) + " bytes), which records nothing";
+      } else if (capture != cudaStreamCaptureStatusNone) {
+        last.why_not = "the last call (" + describe_gpu(c, number) +
+                       ") was captured in a CUDA graph, which records nothing";
+      } else {
+        use = &tl;
+      }
+      GS_CUDA(kernels::launch_node_collective(m.layout, m.args, nc, stream, use),
               std::string("launching the node ") + to_string(c.kind) + " kernel");
+      if (use != nullptr) {
+        GS_CUDA(cudaEventRecord(m.timeline_event, stream), "cudaEventRecord (timeline)");
+        last.recorded = true;
+        last.why_not.clear();
+      }
+      m.last = last;
       return Status::Ok();
     }
     case Impl::Path::kStaged:
@@ -563,15 +638,18 @@ Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint
             "cudaMemcpyAsync host-to-device");
     return Status::Ok();
   };
-  GS_CUDA(kernels::launch_signal_host(&w->start_seq, seq, &w->start_ns, stream), "signal kernel");
+  // The ring entry of this call: the worker read the one of seq - kStampRing long ago.
+  HostWords::Stamps* stamp_dev = &w->stamps[seq % HostWords::kStampRing];
+  m.words->stamps[seq % HostWords::kStampRing].waited_ns = 0;
+  GS_CUDA(kernels::launch_signal_host(nullptr, 0, &stamp_dev->start_ns, stream), "signal kernel");
   for (size_t i = 0; i < std::min(K, pieces); ++i) GS_RETURN_IF_ERROR(d2h(i));
   for (size_t i = 0; i < pieces; ++i) {
     GS_CUDA(kernels::launch_wait_host(&w->reduced, base + i + 1, &w->abort, &w->error, timeout_ns,
-                                      &w->waited_ns, stream), "wait kernel");
+                                      &stamp_dev->waited_ns, stream), "wait kernel");
     GS_RETURN_IF_ERROR(h2d(i));
     if (i + K < pieces) GS_RETURN_IF_ERROR(d2h(i + K));
   }
-  GS_CUDA(kernels::launch_signal_host(&w->done, seq, &w->done_ns, stream), "signal kernel");
+  GS_CUDA(kernels::launch_signal_host(&w->done, seq, &stamp_dev->done_ns, stream), "signal kernel");
 
   ops_.enqueue([this, c, number, seq, base, pieces, per, rows, es, me]() -> Status {
     Impl& m = *impl_;
@@ -625,14 +703,13 @@ Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint
     t.wall_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
     if (m.log_timing) {
       // For the overlap figure only: wait (briefly) for the stream to finish this call, then
-      // read its GPU-clock span and the time its wait kernels waited for the worker.
-      // (Skipped when the stream already started the next call: its stamps are overwritten.)
+      // read its GPU-clock span and the time its wait kernels waited for the worker, from the
+      // call's own ring entry (the stream may already be running later calls).
+      const HostWords::Stamps* st = &m.words->stamps[seq % HostWords::kStampRing];
       if (poll_until([&] { return word(&m.words->done) >= seq; }, Clock::now() + std::chrono::seconds(5)) &&
-          word(&m.words->done) == seq && word(&m.words->start_seq) == seq &&
-          word(&m.words->done_ns) > word(&m.words->start_ns)) {
-        const uint64_t s0 = word(&m.words->start_ns);
-        const double span_us = double(word(&m.words->done_ns) - s0) / 1e3;
-        const double waited_us = double(__atomic_exchange_n(&m.words->waited_ns, 0, __ATOMIC_ACQ_REL)) / 1e3;
+          word(&st->done_ns) > word(&st->start_ns)) {
+        const double span_us = double(word(&st->done_ns) - word(&st->start_ns)) / 1e3;
+        const double waited_us = double(word(&st->waited_ns)) / 1e3;
         t.wall_us = span_us;
         t.copy_us = span_us - waited_us;  // the stream's busy time: copies (and its tiny kernels)
       }
@@ -656,6 +733,75 @@ Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint
     return s;
   });
   return Status::Ok();
+}
+
+Result<gpu::Timeline> DeviceComm::last_timeline() {
+  Impl& m = *impl_;
+  if (m.path != Impl::Path::kIpc) {
+    return Status(Code::kFailedPrecondition,
+                  who() + ": the GPU timeline is only recorded on the cuda-ipc path (this "
+                          "communicator's is " + path() + ")");
+  }
+  if (m.timeline == nullptr) {
+    return Status(Code::kFailedPrecondition,
+                  who() + ": the GPU timeline is off (set GRADSYNC_GPU_TIMELINE=1 before the "
+                          "communicator is created)");
+  }
+  if (!m.last.recorded) return Status(Code::kFailedPrecondition, who() + ": " + m.last.why_not);
+  int prev = -1;
+  (void)cudaGetDevice(&prev);
+  if (prev != cfg_.device) GS_CUDA(cudaSetDevice(cfg_.device), "cudaSetDevice");
+  struct Restore {
+    int d, mine;
+    ~Restore() {
+      if (d >= 0 && d != mine) (void)cudaSetDevice(d);
+    }
+  } restore{prev, cfg_.device};
+  GS_CUDA(cudaEventSynchronize(m.timeline_event), "cudaEventSynchronize (timeline)");
+  if (Status s = async_error(); !s.ok()) {
+    return Status(s.code(), "no GPU timeline: the last call failed: " + s.message());
+  }
+
+  gpu::Timeline t;
+  t.rank = cfg_.rank;
+  t.world = cfg_.world_size;
+  t.collective = to_string(m.last.kind);
+  t.bytes = m.last.bytes;
+  t.chunk_bytes = kernels::node_chunk_bytes(m.layout, t.bytes);
+  t.slots = m.layout.slots;
+  t.nchunks = (t.bytes + t.chunk_bytes - 1) / t.chunk_bytes;
+  t.blocks = m.layout.blocks;
+  t.blocks_used = kernels::node_blocks_used(m.layout, t.bytes);
+  const uint64_t stride = kernels::node_timeline_stride(gpu::kMaxChunksPerBlock);
+  std::vector<uint64_t> words(size_t(t.blocks_used) * stride);
+  GS_CUDA(cudaMemcpyAsync(words.data(), m.timeline, words.size() * sizeof(uint64_t),
+                          cudaMemcpyDeviceToHost, m.timeline_stream),
+          "cudaMemcpyAsync (timeline)");
+  GS_CUDA(cudaStreamSynchronize(m.timeline_stream), "cudaStreamSynchronize (timeline)");
+  for (uint32_t b = 0; b < t.blocks_used; ++b) {
+    const uint64_t* r = words.data() + b * stride;
+    gpu::BlockTimeline bt;
+    bt.block = b;
+    bt.start_ns = r[0];
+    bt.end_ns = r[1];
+    bt.chunks = uint32_t(r[2]);
+    bt.first_seq = r[3];
+    const uint32_t want = gpu::chunks_of_block(t.nchunks, t.blocks_used, b);
+    if (bt.chunks != want) {
+      return Status(Code::kInternal, who() + ": GPU timeline: block " + std::to_string(b) +
+                                         " recorded " + std::to_string(bt.chunks) +
+                                         " chunks, the call has " + std::to_string(want));
+    }
+    const uint32_t kept = std::min(bt.chunks, gpu::kMaxChunksPerBlock);
+    for (uint32_t i = 0; i < kept; ++i) {
+      const uint64_t* c = r + kernels::kTimelineHeader + size_t(i) * kernels::kTimelineSteps;
+      bt.steps.push_back({c[kernels::kCreditWait], c[kernels::kPushStart], c[kernels::kPushEnd],
+                          c[kernels::kReadyWait], c[kernels::kFoldStart], c[kernels::kFoldEnd]});
+    }
+    t.block.push_back(std::move(bt));
+  }
+  t.summary = gpu::summarize(t);
+  return t;
 }
 
 }  // namespace gradsync

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "collectives/collective.h"
+#include "gpu/timeline.h"
 #include "gradsync/gradsync.h"
 
 namespace gradsync {
@@ -97,12 +98,18 @@ class DeviceComm {
   };
   StagedTiming last_staged_timing() const;
 
+  // The in-kernel timeline of the last call (cuda-ipc, chunked protocol; GRADSYNC_GPU_TIMELINE=1
+  // at creation): gpu/timeline.h. Waits for that call's kernel only (an event recorded after
+  // it), then copies its records on a private stream.
+  Result<gpu::Timeline> last_timeline();
+
   struct Impl;
 
  private:
   DeviceComm(DeviceCommConfig cfg, HostOps ops);
   Status setup_ipc(bool* usable);
   Status setup_staged();
+  Status setup_timeline();
   Status check_call(const CollectiveCall& call) const;
   Status check_device_buffer(const char* name, const void* p) const;
   Status run_staged(const CollectiveCall& call, cudaStream_t stream, uint64_t number);

@@ -186,6 +186,25 @@ TEST(GpuCollectives, AllFourLowLatencyCapturedInOneCudaGraphReplay) {
   EXPECT_EQ(bad, "") << c.report(ranks);
 }
 
+// GRADSYNC_GPU_TIMELINE=1: a 64 MiB float32 allreduce on 2 ranks (chunked protocol, 2 chunks a
+// block with the default 128 blocks of 256 KiB) records a well-formed in-kernel timeline on
+// every rank (gpu_worker timeline: intervals ordered, the expected chunks, nothing dropped,
+// calls in order, the low-latency protocol recording nothing). No timing figure is judged.
+TEST(GpuAllreduce, TimelineOfA64MiBAllreduceIsWellFormed) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  JobSpec spec = gpu_job("timeline", 2, {2}, {"timeline", std::to_string(16u << 20)});
+  spec.env["GRADSYNC_GPU_TIMELINE"] = "1";
+  auto ranks = c.spawn_ranks(spec);
+  std::string bad = all_succeeded(ranks, Millis(120'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  for (auto& r : ranks) {
+    EXPECT_NE(r.output().find("timeline call 1: allreduce 67108864 B"), std::string::npos)
+        << r.output();
+  }
+}
+
 TEST(GpuAllreduce, AbsentPeerFailsByTheDeadline) {
   REQUIRE_GPU();
   Cluster c({.daemons = 1});

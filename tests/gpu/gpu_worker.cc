@@ -18,6 +18,13 @@
 //                   new inputs, checking each result; prints "PASS"
 //   absent          rank 1 joins but never calls; rank 0's allreduce must fail by its
 //                   deadline: prints "async_error: STATUS" and "PASS" when it did
+//   timeline COUNT  (GRADSYNC_GPU_TIMELINE=1, cuda-ipc) two float32 sum allreduces of COUNT
+//                   elements (chunked protocol), checked; each one's in-kernel timeline
+//                   (gpu/timeline.h) must be well-formed: the expected blocks and chunks per
+//                   block, nothing dropped, every stamp there and non-decreasing in each
+//                   block's program order; the second call's must come after the first's
+//                   (stamps and sequence numbers); a low-latency call must record nothing.
+//                   Prints the figures (and the peers' overlap) without judging them; "PASS"
 // Exit code 0 on success, 1 on any failure; stderr says which collective, type, op, count,
 // rank, the first differing element with expected and received bits, and how many differ.
 #include <cuda_runtime.h>
@@ -32,6 +39,7 @@
 #include <thread>
 #include <vector>
 
+#include "gpu/timeline.h"
 #include "gradsync/gradsync.h"
 #include "kernels/half.h"
 #include "kernels/host_reduce.h"
@@ -636,13 +644,142 @@ int absent(gradsync::Communicator& comm) {
   return 0;
 }
 
+int timeline(gradsync::Communicator& comm, size_t count) {
+  namespace gt = gradsync::gpu;
+  const int r = comm.rank(), n = comm.world_size();
+  if (comm.gpu_path() != "cuda-ipc") {
+    std::fprintf(stderr, "FAIL timeline: path %s, not cuda-ipc\n", comm.gpu_path().c_str());
+    return 1;
+  }
+  if (auto none = gt::last_timeline(comm); none.ok()) {
+    std::fprintf(stderr, "FAIL timeline: a timeline before any call\n");
+    return 1;
+  }
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  float *d_in = nullptr, *d_out = nullptr;
+  CUDA_OK(cudaMalloc(&d_in, count * sizeof(float)));
+  CUDA_OK(cudaMalloc(&d_out, count * sizeof(float)));
+  std::vector<float> in(count), got(count);
+  std::vector<gt::Timeline> runs;
+  for (int call = 0; call < 2; ++call) {
+    for (size_t i = 0; i < count; ++i) in[i] = float((r + 1) * (call + 1) + int(i % 7));
+    CUDA_OK(cudaMemcpyAsync(d_in, in.data(), count * sizeof(float), cudaMemcpyHostToDevice, stream));
+    gradsync::Status s = comm.allreduce(d_in, d_out, count, DataType::kFloat32, ReduceOp::kSum, stream);
+    if (!s.ok()) {
+      std::fprintf(stderr, "FAIL timeline: allreduce: %s\n", s.to_string().c_str());
+      return 1;
+    }
+    // Before anything else waits for the stream: last_timeline synchronises by itself.
+    auto tl = gt::last_timeline(comm);
+    if (!tl.ok()) {
+      std::fprintf(stderr, "FAIL timeline: call %d: %s\n", call, tl.status().to_string().c_str());
+      return 1;
+    }
+    CUDA_OK(cudaMemcpyAsync(got.data(), d_out, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    if (gradsync::Status e = comm.async_error(); !e.ok()) {
+      std::fprintf(stderr, "FAIL timeline: async error %s\n", e.to_string().c_str());
+      return 1;
+    }
+    for (size_t i = 0; i < count; ++i) {
+      const float want = float((call + 1) * n * (n + 1) / 2 + n * int(i % 7));
+      if (got[i] != want) {
+        std::fprintf(stderr, "FAIL timeline: call %d element %zu: %g, expected %g\n", call, i,
+                     got[i], want);
+        return 1;
+      }
+    }
+    const gt::Timeline& t = *tl;
+    const auto& m = t.summary;
+    std::printf(
+        "timeline call %d: %s %llu B, chunk %llu B, %llu chunks on %u blocks (%u a block at most), "
+        "%llu recorded, %llu dropped; wall %.1f us, push(U) %.1f us, fold(U) %.1f us, both %.1f "
+        "us, hidden %.3f (fold side %.3f), same-block %.3f us, block push %.1f fold %.1f credit "
+        "wait %.1f ready wait %.1f us, tick %llu ns\n",
+        call, t.collective.c_str(), static_cast<unsigned long long>(t.bytes),
+        static_cast<unsigned long long>(t.chunk_bytes), static_cast<unsigned long long>(t.nchunks),
+        t.blocks_used, m.max_chunks_per_block, static_cast<unsigned long long>(m.recorded_chunks),
+        static_cast<unsigned long long>(m.dropped_chunks), m.wall_us, m.push_us, m.fold_us,
+        m.overlap_us, m.hidden, m.fold_hidden, m.same_block_overlap_us, m.block_push_us, m.block_fold_us,
+        m.block_credit_wait_us, m.block_ready_wait_us,
+        static_cast<unsigned long long>(m.granularity_ns));
+    if (std::string why = gt::check_well_formed(t); !why.empty()) {
+      std::fprintf(stderr, "FAIL timeline: call %d is malformed: %s\n", call, why.c_str());
+      return 1;
+    }
+    if (t.collective != "allreduce" || t.bytes != count * sizeof(float) || t.world != n ||
+        t.rank != r || m.dropped_chunks != 0 || m.recorded_chunks != t.nchunks) {
+      std::fprintf(stderr, "FAIL timeline: call %d: not this call's record\n", call);
+      return 1;
+    }
+    runs.push_back(std::move(tl).value());
+  }
+  // The second call's records: later stamps, and every block's sequence numbers advanced by
+  // the chunks it had in the first.
+  uint64_t first_end = 0, second_start = ~uint64_t(0);
+  for (const auto& b : runs[0].block) first_end = std::max(first_end, b.end_ns);
+  for (const auto& b : runs[1].block) second_start = std::min(second_start, b.start_ns);
+  if (second_start < first_end) {
+    std::fprintf(stderr, "FAIL timeline: the second call starts (%llu) before the first ends (%llu)\n",
+                 static_cast<unsigned long long>(second_start),
+                 static_cast<unsigned long long>(first_end));
+    return 1;
+  }
+  for (size_t b = 0; b < runs[1].block.size(); ++b) {
+    const auto &x = runs[0].block[b], &y = runs[1].block[b];
+    if (y.first_seq != x.first_seq + x.chunks) {
+      std::fprintf(stderr, "FAIL timeline: block %zu: sequence %llu, then %llu after %u chunks\n",
+                   b, static_cast<unsigned long long>(x.first_seq),
+                   static_cast<unsigned long long>(y.first_seq), x.chunks);
+      return 1;
+    }
+  }
+  // Every rank's last timeline on every rank: the peers' pushes against this rank's folds,
+  // printed only (a figure, not a check).
+  auto all = gt::all_timelines(comm, &runs[1]);
+  if (!all.ok()) {
+    std::fprintf(stderr, "FAIL timeline: exchange: %s\n", all.status().to_string().c_str());
+    return 1;
+  }
+  for (int p = 0; p < n; ++p) {
+    if (p == r) continue;
+    const auto o = gt::overlap_with_peer(runs[1], (*all)[size_t(p)]);
+    std::printf("peer %d: %s: offset [%.0f, %.0f] ns from %d hand-offs, peer push(U) %.1f us, "
+                "hidden under my folds [%.3f, %.3f]\n",
+                p, o.ok ? "ok" : o.why.c_str(), o.offset_lo_ns, o.offset_hi_ns, o.constraints,
+                o.peer_push_us, o.hidden_lo, o.hidden_hi);
+  }
+  // A low-latency call records nothing, and says so.
+  gradsync::Status s = comm.allreduce(d_in, d_out, 16, DataType::kFloat32, ReduceOp::kSum, stream);
+  if (!s.ok()) {
+    std::fprintf(stderr, "FAIL timeline: small allreduce: %s\n", s.to_string().c_str());
+    return 1;
+  }
+  auto ll = gt::last_timeline(comm);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  if (ll.ok() || ll.status().code() != gradsync::Code::kFailedPrecondition ||
+      ll.status().message().find("low-latency") == std::string::npos) {
+    std::fprintf(stderr, "FAIL timeline: a low-latency call: %s\n",
+                 ll.ok() ? "recorded a timeline" : ll.status().to_string().c_str());
+    return 1;
+  }
+  std::printf("low-latency call: %s\n", ll.status().message().c_str());
+  CUDA_OK(cudaFree(d_in));
+  CUDA_OK(cudaFree(d_out));
+  CUDA_OK(cudaStreamDestroy(stream));
+  std::printf("PASS\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(
         stderr,
-        "usage: gpu_worker matrix COUNTS | collectives COUNTS | graph COUNT [all] | absent\n");
+        "usage: gpu_worker matrix COUNTS | collectives COUNTS | graph COUNT [all] | absent | "
+        "timeline COUNT\n");
     return 2;
   }
   const std::string mode = argv[1];
@@ -666,6 +803,7 @@ int main(int argc, char** argv) {
     rc = graph_all(*comm, std::stoull(argv[2]));
   else if (mode == "graph" && argc >= 3) rc = graph(*comm, std::stoull(argv[2]));
   else if (mode == "absent") rc = absent(*comm);
+  else if (mode == "timeline" && argc >= 3) rc = timeline(*comm, std::stoull(argv[2]));
   else std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
   (void)comm->leave();
   return rc;

@@ -1,7 +1,9 @@
 // GPU collectives over host-staged RDMA (design §3's middle path): GPU communicators as
 // threads, one per "node", each node a gradsyncd object on its own emulated RDMA device
 // (daemon_cluster.h). The collective's device buffers are staged through pinned host memory
-// by the GPU communicator and cross nodes over the daemons' verbs channels. Label gpu: skips
+// by the GPU communicator and cross nodes over the daemons' verbs channels; the whole matrix of
+// collective_matrix.h (every collective x type x op, in and out of place) runs on device
+// copies of its buffers. Label gpu: skips
 // itself without a CUDA device. The busbw table (verbs channels beside TCP channels, same
 // process, same buffers) is a benchmark, run with --gtest_also_run_disabled_tests.
 #include <cuda_runtime_api.h>
@@ -44,32 +46,65 @@ class GpuWorld {
   }
 
  private:
+  // Device copies of the call's buffers: one allocation over both when they overlap (in
+  // place), so that the device call sees the same aliasing as the host call.
   Status run_on_device(int r, const CollectiveCall& k) {
     Communicator& comm = w_.comm(r);
     if (k.kind == CollectiveKind::kBarrier) return comm.barrier();
-    if (k.kind != CollectiveKind::kAllreduce) {
-      return {Code::kUnimplemented, "this harness drives allreduce on device memory only"};
-    }
-    const size_t bytes = k.count * element_size(k.type);
+    const size_t es = element_size(k.type), n = size_t(size());
+    size_t send_bytes = k.count * es, recv_bytes = k.count * es;
+    if (k.kind == CollectiveKind::kReduceScatter) send_bytes *= n;
+    if (k.kind == CollectiveKind::kAllGather) recv_bytes *= n;
+    const auto* s0 = static_cast<const uint8_t*>(k.send);
+    auto* r0 = static_cast<uint8_t*>(k.recv);
+    const bool overlap = s0 && r0 && s0 < r0 + recv_bytes && r0 < s0 + send_bytes;
     GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
-    const bool inplace = k.send == k.recv;
-    void* dsend = nullptr;
-    void* drecv = nullptr;
-    const size_t alloc = std::max<size_t>(bytes, 16);
-    GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&dsend, alloc), "cudaMalloc"));
-    if (!inplace) GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&drecv, alloc), "cudaMalloc"));
-    if (inplace) drecv = dsend;
-    if (bytes) GS_RETURN_IF_ERROR(cuda_status(cudaMemcpy(dsend, k.send, bytes, cudaMemcpyHostToDevice), "H2D"));
+    uint8_t* dsend = nullptr;
+    uint8_t* drecv = nullptr;
+    uint8_t* block = nullptr;
+    const uint8_t* lo = nullptr;
+    size_t span = 0;
+    if (overlap) {
+      lo = std::min<const uint8_t*>(s0, r0);
+      span = size_t(std::max<const uint8_t*>(s0 + send_bytes, r0 + recv_bytes) - lo);
+      GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&block), std::max<size_t>(span, 16)), "cudaMalloc"));
+      if (span) GS_RETURN_IF_ERROR(cuda_status(cudaMemcpy(block, lo, span, cudaMemcpyHostToDevice), "H2D"));
+      dsend = block + (s0 - lo);
+      drecv = block + (r0 - lo);
+    } else {
+      GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&dsend), std::max<size_t>(send_bytes, 16)), "cudaMalloc"));
+      GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&drecv), std::max<size_t>(recv_bytes, 16)), "cudaMalloc"));
+      if (send_bytes) GS_RETURN_IF_ERROR(cuda_status(cudaMemcpy(dsend, s0, send_bytes, cudaMemcpyHostToDevice), "H2D"));
+      if (recv_bytes) GS_RETURN_IF_ERROR(cuda_status(cudaMemcpy(drecv, r0, recv_bytes, cudaMemcpyHostToDevice), "H2D"));
+    }
     cudaStream_t stream = nullptr;
     GS_RETURN_IF_ERROR(cuda_status(cudaStreamCreate(&stream), "cudaStreamCreate"));
-    Status s = comm.allreduce(dsend, drecv, k.count, k.type, k.op, stream, CallOptions{k.algorithm});
+    const CallOptions opts{k.algorithm};
+    Status s;
+    switch (k.kind) {
+      case CollectiveKind::kAllreduce: s = comm.allreduce(dsend, drecv, k.count, k.type, k.op, stream, opts); break;
+      case CollectiveKind::kReduceScatter:
+        s = comm.reduce_scatter(dsend, drecv, k.count, k.type, k.op, stream, opts);
+        break;
+      case CollectiveKind::kAllGather: s = comm.all_gather(dsend, drecv, k.count, k.type, stream, opts); break;
+      case CollectiveKind::kBroadcast: s = comm.broadcast(drecv, k.count, k.type, k.root, stream, opts); break;
+      case CollectiveKind::kBarrier: break;
+    }
     Status synced = cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
     if (s.ok()) s = synced;
     if (s.ok()) s = comm.async_error();
-    if (s.ok() && bytes) s = cuda_status(cudaMemcpy(k.recv, drecv, bytes, cudaMemcpyDeviceToHost), "D2H");
+    if (s.ok() && overlap && span) {
+      s = cuda_status(cudaMemcpy(const_cast<uint8_t*>(lo), block, span, cudaMemcpyDeviceToHost), "D2H");
+    } else if (s.ok() && !overlap && recv_bytes) {
+      s = cuda_status(cudaMemcpy(r0, drecv, recv_bytes, cudaMemcpyDeviceToHost), "D2H");
+    }
     cudaStreamDestroy(stream);
-    cudaFree(dsend);
-    if (!inplace) cudaFree(drecv);
+    if (overlap) {
+      cudaFree(block);
+    } else {
+      cudaFree(dsend);
+      cudaFree(drecv);
+    }
     return s;
   }
 
@@ -86,7 +121,7 @@ class StagedRdma : public ::testing::TestWithParam<Algorithm> {
   }
 };
 
-TEST_P(StagedRdma, AllreduceMatrixOnDeviceBuffers) {
+TEST_P(StagedRdma, CollectivesMatrixOnDeviceBuffers) {
   DaemonCluster cluster({.nodes = 2, .slot_bytes = 64 << 10});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   ASSERT_EQ(cluster.daemon(0).transport(), "verbs");
@@ -95,6 +130,7 @@ TEST_P(StagedRdma, AllreduceMatrixOnDeviceBuffers) {
   for (int r = 0; r < 2; ++r) ASSERT_EQ(world.comm(r).gpu_path(), "host-staged") << "rank " << r;
   GpuWorld gpus(world);
   testing::allreduce_matrix(gpus, GetParam());
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, GetParam());
 }
 
 INSTANTIATE_TEST_SUITE_P(Algorithms, StagedRdma, ::testing::Values(Algorithm::kRing, Algorithm::kTree),

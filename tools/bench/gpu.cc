@@ -38,6 +38,7 @@
 #endif
 
 #include "bench/collective.h"
+#include "gpu/timeline.h"
 
 namespace bench {
 namespace {
@@ -413,6 +414,7 @@ class GpuBench {
 
   int run() {
     if (!setup()) return die();
+    if (opt_.timeline) return timeline_run();
     header();
     const std::vector<size_t> all_sizes = sizes(opt_);
     // The copying collectives have no op: one pass, printed as nccl-tests does.
@@ -820,6 +822,282 @@ class GpuBench {
     return c;
   }
 
+  // ---- --timeline 1 --------------------------------------------------------------------------
+  //
+  // Per type, op and size: `warmup` calls queued back to back, then one more whose in-kernel
+  // timeline (runtime/gpu/timeline.h) every rank reads; all ranks' timelines meet on rank 0
+  // (host int64 allreduces), which prints. kRecorded such calls per size; the figures are
+  // their means (hidden: also the lowest and highest). Sizes that take the low-latency
+  // protocol have no timeline and get a comment line.
+  static constexpr int kRecorded = 3;
+  static constexpr uint32_t kTextChunks = 3;  // chunks of block 0 printed as text
+  static constexpr int kBins = 12;            // the activity profile
+
+  int timeline_run() {
+    if (comm_.gpu_path() != "cuda-ipc") {
+      fatal_ = "--timeline 1 needs the cuda-ipc path (every rank on one node); this "
+               "communicator's GPU path is " + comm_.gpu_path();
+      return die();
+    }
+    if (rank_ == 0) {
+      std::printf("# gradsync-bench --timeline 1: %s  nranks %d  node %s  warmup %d, %d recorded "
+                  "calls per size\n",
+                  name(opt_.collective), n_, session_.node_name().c_str(), opt_.warmup, kRecorded);
+      std::printf(
+          "# In-kernel %%globaltimer stamps of every block's thread 0 (runtime/gpu/timeline.h):\n"
+          "#   push = a chunk's stores into the peers' slots until fenced (complete), fold = the\n"
+          "#   reduction (copy for all_gather/broadcast) of a chunk the peers pushed.\n"
+          "#   push(U), fold(U): time at least one block of the rank's GPU pushes, resp. folds;\n"
+          "#   both: the time both happen; hidden = both / push(U), the fraction of transfer time\n"
+          "#   spent while the GPU also reduced (mean, and [lowest highest] of the calls); fold\n"
+          "#   hid = both / fold(U), the same overlap from the reduce side. GPU-wide: some block\n"
+          "#   folds while others push (the profile under each size says how many).\n"
+          "#   blk push/fold/credit/ready: one block's mean busy and wait times in the call;\n"
+          "#   same-blk: push and fold of one block overlapping (0 by construction: a block\n"
+          "#   fences its push of chunk i+1 before it folds chunk i). dropped: chunks a call\n"
+          "#   ran beyond the recorded ones (the figures cover the recorded ones; wall is the\n"
+          "#   whole call). tick: smallest step between distinct stamps (at most the timer's).\n"
+          "#   peer lines: the peer's pushes (landing in this rank's slots) against rank 0's\n"
+          "#   folds, the peer's clock mapped by the offset range its flag hand-offs allow.\n");
+      std::printf("# %10s  %4s  %6s  %9s  %9s  %9s  %9s  %-17s  %8s  %8s  %8s  %8s  %8s  %8s  %7s  %5s\n",
+                  "size", "rank", "chunks", "wall", "push(U)", "fold(U)", "both", "hidden",
+                  "fold hid", "blk push", "blk fold", "credit", "ready", "same-blk", "dropped", "tick");
+      std::printf("# %10s  %4s  %6s  %9s  %9s  %9s  %9s  %-17s  %8s  %8s  %8s  %8s  %8s  %8s  %7s  %5s\n",
+                  "(B)", "", "/block", "(us)", "(us)", "(us)", "(us)", "mean [low high]", "(mean)",
+                  "(us)", "(us)", "(us)", "(us)", "(us)", "", "(ns)");
+      std::fflush(stdout);
+    }
+    const std::vector<OpName> ops =
+        reduces(opt_.collective) ? opt_.ops : std::vector<OpName>{{ReduceOp::kSum, "none"}};
+    int malformed = 0;
+    for (const auto& t : opt_.types) {
+      for (const auto& o : ops) {
+        for (size_t bytes : sizes(opt_)) {
+          if (!timeline_size(t, o, bytes, &malformed)) return die();
+        }
+      }
+    }
+    if (rank_ == 0) {
+      std::printf("# %d malformed timelines\n#\n", malformed);
+      std::fflush(stdout);
+    }
+    return malformed > 0 ? 1 : 0;
+  }
+
+  // One size; false with fatal_ set when the bench cannot go on.
+  bool timeline_size(const TypeName& t, const OpName& o, size_t bytes, int* malformed) {
+    Row& w = row_;
+    free_row();
+    w.collective = opt_.collective;
+    w.type = t.type;
+    w.op = o.op;
+    w.root = opt_.root;
+    w.rank = rank_;
+    w.esize = esize_of(t.type);
+    const Geometry g = geometry(opt_.collective, bytes, w.esize, n_);
+    w.count = g.count;
+    w.bytes = g.bytes;
+    w.send_elems = g.send_elems;
+    w.recv_elems = g.recv_elems;
+    w.alloc = std::max(g.send_elems, g.recv_elems) * w.esize;
+    if (w.count == 0) return true;
+    if (!cuda(cudaMalloc(&w.d_send, std::max<size_t>(w.alloc, 1)), "cudaMalloc") ||
+        !cuda(cudaMalloc(&w.d_recv, std::max<size_t>(w.alloc, 1)), "cudaMalloc"))
+      return false;
+    make_data(w, rank_, n_);
+    const bool bcast = w.collective == Collective::kBroadcast;
+    void* send = bcast ? w.d_recv : w.d_send;
+    void* recv = w.d_recv;
+    if (!cuda(cudaMemcpy(send, w.in.data(), w.in.size(), cudaMemcpyHostToDevice), "cudaMemcpy") ||
+        !cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (uploads)"))
+      return false;
+    const std::string label = std::string(name(opt_.collective)) + " " + t.name +
+                              (reduces(opt_.collective) ? std::string(" ") + o.name : "");
+
+    struct Sums {
+      double wall = 0, push = 0, fold = 0, both = 0, hidden = 0, fold_hidden = 0, bpush = 0,
+             bfold = 0, credit = 0, ready = 0, same = 0;
+      double hidden_lo = 1, hidden_hi = 0;
+      uint64_t dropped = 0, tick = 0;
+      uint32_t chunks = 0;
+      int calls = 0;
+      // the peer's pushes against rank 0's folds
+      double peer_lo = 1, peer_hi = 0, off_lo = 0, off_hi = 0;
+      int peer_calls = 0;
+      std::string peer_note;
+    };
+    std::vector<Sums> per(static_cast<size_t>(n_));
+    std::vector<gradsync::gpu::Timeline> last;
+    for (int k = 0; k < kRecorded; ++k) {
+      if (gradsync::Status s = bench::sync(comm_); !s.ok()) {
+        fatal_ = "host barrier before the timeline calls: " + s.to_string();
+        return false;
+      }
+      for (int i = 0; i <= opt_.warmup; ++i) {
+        if (std::string e = libs_[0].call(w, send, recv); !e.empty()) {
+          fatal_ = label + " " + std::to_string(w.bytes) + " B: " + e;
+          return false;
+        }
+      }
+      auto tl = gradsync::gpu::last_timeline(comm_);
+      if (!tl.ok() && tl.status().code() != gradsync::Code::kFailedPrecondition) {
+        fatal_ = label + " " + std::to_string(w.bytes) + " B: timeline: " + tl.status().to_string();
+        return false;
+      }
+      if (!tl.ok()) {
+        // The low-latency protocol (the same decision on every rank): nothing recorded.
+        if (!cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize")) return false;
+        if (rank_ == 0) {
+          if (said_no_timeline_)
+            std::printf("  %10zu  no timeline (low-latency protocol)\n", w.bytes);
+          else
+            std::printf("  %10zu  %s: no timeline: %s\n", w.bytes, label.c_str(),
+                        tl.status().message().c_str());
+          said_no_timeline_ = true;
+          std::fflush(stdout);
+        }
+        return true;
+      }
+      auto all = gradsync::gpu::all_timelines(comm_, &*tl);
+      if (!all.ok()) {
+        fatal_ = "exchanging the timelines: " + all.status().to_string();
+        return false;
+      }
+      if (rank_ != 0) continue;
+      for (int r = 0; r < n_; ++r) {
+        const gradsync::gpu::Timeline& x = (*all)[size_t(r)];
+        if (x.world == 0) {
+          fatal_ = "rank " + std::to_string(r) + "'s timeline did not arrive";
+          return false;
+        }
+        if (std::string why = gradsync::gpu::check_well_formed(x); !why.empty()) {
+          std::printf("# MALFORMED timeline, rank %d, %zu B: %s\n", r, w.bytes, why.c_str());
+          ++*malformed;
+        }
+        const auto& m = x.summary;
+        Sums& a = per[size_t(r)];
+        a.wall += m.wall_us;
+        a.push += m.push_us;
+        a.fold += m.fold_us;
+        a.both += m.overlap_us;
+        a.hidden += m.hidden;
+        a.fold_hidden += m.fold_hidden;
+        a.hidden_lo = std::min(a.hidden_lo, m.hidden);
+        a.hidden_hi = std::max(a.hidden_hi, m.hidden);
+        a.bpush += m.block_push_us;
+        a.bfold += m.block_fold_us;
+        a.credit += m.block_credit_wait_us;
+        a.ready += m.block_ready_wait_us;
+        a.same += m.same_block_overlap_us;
+        a.dropped += m.dropped_chunks;
+        a.tick = a.tick == 0 ? m.granularity_ns : std::min(a.tick, m.granularity_ns);
+        a.chunks = m.max_chunks_per_block;
+        ++a.calls;
+        if (r == 0) continue;
+        const auto p = gradsync::gpu::overlap_with_peer((*all)[0], x);
+        if (!p.ok) {
+          a.peer_note = p.why;
+          continue;
+        }
+        if (!p.why.empty()) a.peer_note = p.why;
+        a.peer_lo = std::min(a.peer_lo, p.hidden_lo);
+        a.peer_hi = std::max(a.peer_hi, p.hidden_hi);
+        if (a.peer_calls == 0 || p.offset_lo_ns < a.off_lo) a.off_lo = p.offset_lo_ns;
+        if (a.peer_calls == 0 || p.offset_hi_ns > a.off_hi) a.off_hi = p.offset_hi_ns;
+        ++a.peer_calls;
+      }
+      last = std::move(*all);
+    }
+    if (rank_ != 0) return true;
+    for (int r = 0; r < n_; ++r) {
+      const Sums& a = per[size_t(r)];
+      const double c = std::max(1, a.calls);
+      char hidden[32];
+      std::snprintf(hidden, sizeof hidden, "%.3f [%.3f %.3f]", a.hidden / c, a.hidden_lo, a.hidden_hi);
+      std::printf("  %10zu  %4d  %6u  %9.1f  %9.1f  %9.1f  %9.1f  %-17s  %8.3f  %8.1f  %8.1f  %8.1f  %8.1f  %8.2f  %7llu  %5llu\n",
+                  w.bytes, r, a.chunks, a.wall / c, a.push / c, a.fold / c, a.both / c, hidden,
+                  a.fold_hidden / c, a.bpush / c, a.bfold / c, a.credit / c, a.ready / c, a.same / c,
+                  static_cast<unsigned long long>(a.dropped / uint64_t(c)),
+                  static_cast<unsigned long long>(a.tick));
+    }
+    for (int r = 1; r < n_; ++r) {
+      const Sums& a = per[size_t(r)];
+      if (a.peer_calls == 0) {
+        std::printf("#   peer %d -> rank 0: no figure: %s\n", r, a.peer_note.c_str());
+        continue;
+      }
+      std::printf("#   peer %d -> rank 0: peer's push(U) under rank 0's fold(U): hidden [%.3f %.3f] "
+                  "over clock offsets [%.2f %.2f] us (%d calls)%s%s\n",
+                  r, a.peer_lo, a.peer_hi, a.off_lo / 1e3, a.off_hi / 1e3, a.peer_calls,
+                  a.peer_note.empty() ? "" : "; ", a.peer_note.c_str());
+    }
+    print_text_timeline(last);
+    std::fflush(stdout);
+    return true;
+  }
+
+  // The first chunks of block 0 on every rank (peers mapped onto rank 0's clock by the
+  // middle of their offset range), and rank 0's activity profile, from the last call.
+  void print_text_timeline(const std::vector<gradsync::gpu::Timeline>& all) {
+    if (all.empty() || all[0].block.empty()) return;
+    struct Event {
+      double start, end, wait;
+      int rank;
+      const char* what;
+      uint32_t chunk;
+    };
+    std::vector<Event> rows;
+    const uint64_t origin = all[0].block[0].start_ns;
+    std::string offsets;
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r].block.empty()) continue;
+      double shift = 0;  // ns, peer clock -> rank 0's clock
+      if (r > 0) {
+        const auto p = gradsync::gpu::overlap_with_peer(all[0], all[r]);
+        if (!p.ok) continue;
+        shift = (p.offset_lo_ns + p.offset_hi_ns) / 2;
+        char b[96];
+        std::snprintf(b, sizeof b, "; rank %zu shifted by %.2f us (+-%.2f)", r, shift / 1e3,
+                      (p.offset_hi_ns - p.offset_lo_ns) / 2e3);
+        offsets += b;
+      }
+      auto at = [&](uint64_t ns) { return (double(int64_t(ns - origin)) + shift) / 1e3; };
+      const auto& b0 = all[r].block[0];
+      for (uint32_t i = 0; i < b0.steps.size() && i < kTextChunks; ++i) {
+        const auto& c = b0.steps[i];
+        if (c.push_start != 0) {
+          rows.push_back({at(c.push_start), at(c.push_end), double(c.push_start - c.credit_wait) / 1e3,
+                          int(r), "push", i});
+        }
+        rows.push_back({at(c.fold_start), at(c.fold_end), double(c.fold_start - c.ready_wait) / 1e3,
+                        int(r), "fold", i});
+      }
+    }
+    std::sort(rows.begin(), rows.end(), [](const Event& a, const Event& b) { return a.start < b.start; });
+    std::printf("#   block 0, first %u chunks of the last call, us from rank 0's block start%s:\n",
+                kTextChunks, offsets.c_str());
+    std::printf("#     %4s  %-4s %5s  %9s  %9s  %9s  %s\n", "rank", "step", "chunk", "start", "end",
+                "length", "waited before (credit for a push, ready for a fold)");
+    for (const Event& x : rows) {
+      std::printf("#     %4d  %-4s %5u  %9.2f  %9.2f  %9.2f  %.2f\n", x.rank, x.what, x.chunk,
+                  x.start, x.end, x.end - x.start, x.wait);
+    }
+    const auto act = gradsync::gpu::activity(all[0], kBins);
+    if (!act.pushing.empty()) {
+      std::string p, f;
+      for (int k = 0; k < kBins; ++k) {
+        char b[16];
+        std::snprintf(b, sizeof b, " %5.1f", act.pushing[size_t(k)]);
+        p += b;
+        std::snprintf(b, sizeof b, " %5.1f", act.folding[size_t(k)]);
+        f += b;
+      }
+      std::printf("#   rank 0, blocks at work (mean) per 1/%d of the span, %.1f us each:\n", kBins,
+                  act.bin_us);
+      std::printf("#     pushing%s\n#     folding%s\n", p.c_str(), f.c_str());
+    }
+  }
+
   void footer() {
     if (rank_ != 0) return;
     std::printf("# Errors: %zu wrong elements, %d failed runs\n", total_wrong_, failures_);
@@ -906,6 +1184,7 @@ class GpuBench {
   std::vector<Library> libs_;  // gradsync, then NCCL
   Row row_;
   std::string fatal_;
+  bool said_no_timeline_ = false;  // --timeline 1: the low-latency note was printed in full
 
   size_t total_wrong_ = 0, gs_wrong_ = 0, nccl_wrong_ = 0;
   int failures_ = 0, gs_failures_ = 0, nccl_failures_ = 0;

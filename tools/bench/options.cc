@@ -44,6 +44,11 @@ constexpr const char* kUsage =
     "                          reduce_scatter, all_gather, broadcast)\n"
     "      --nccl 0|1          --device cuda: NCCL's collective on the same buffers and stream\n"
     "                          beside gradsync's, with ratio columns (default 1 where built)\n"
+    "      --timeline 0|1      --device cuda on one node (cuda-ipc): no table; per size, the\n"
+    "                          in-kernel timeline of the chunked protocol (push, wait, fold\n"
+    "                          stamps of every block; GRADSYNC_GPU_TIMELINE=1 is set): busy\n"
+    "                          times, the fraction of transfer time hidden under folds, and\n"
+    "                          the first chunks of block 0 (gradsync only, no NCCL)\n"
     "size is the bytes of the full buffer (reduce_scatter's input, all_gather's output);\n"
     "time is the mean per iteration, max over ranks; busbw = algbw x 2(n-1)/n for\n"
     "allreduce, (n-1)/n for reduce_scatter and all_gather, 1 for broadcast.\n";
@@ -204,6 +209,8 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
       o->device = v == "cuda" ? Device::kCuda : Device::kHost;
     } else if (a == "--nccl") {
       ok = parse_int(s, 0, 1, &nccl);
+    } else if (a == "--timeline") {
+      ok = parse_int(s, 0, 1, &flag), o->timeline = flag;
     } else if (a == "--model") {
       ok = parse_int(s, 0, 1, &flag), o->model = flag;
     } else if (a == "--collective") {
@@ -248,7 +255,14 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
                    "(nccl.h and libnccl were not found at configure time)\n");
       return false;
     }
-    o->nccl = nccl < 0 ? built_with_nccl() : nccl == 1;
+    if (o->timeline && nccl == 1) {
+      std::fprintf(stderr, "gradsync-bench: --timeline 1 times gradsync only; drop --nccl 1\n");
+      return false;
+    }
+    o->nccl = o->timeline ? false : nccl < 0 ? built_with_nccl() : nccl == 1;
+  } else if (o->timeline) {
+    std::fprintf(stderr, "gradsync-bench: --timeline 1 needs --device cuda\n");
+    return false;
   } else if (nccl == 1) {
     std::fprintf(stderr, "gradsync-bench: --nccl 1 needs --device cuda\n");
     return false;

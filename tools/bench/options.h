@@ -40,6 +40,9 @@ struct Options {
   bool model = false;        // --model 1: the selection table after the main one
   Device device = Device::kHost;
   bool nccl = false;  // --nccl 1: NCCL beside gradsync (default with --device cuda where built)
+  // --timeline 1 (--device cuda, cuda-ipc path): instead of the table, the in-kernel timeline
+  // of the chunked protocol per size (GRADSYNC_GPU_TIMELINE=1, runtime/gpu/timeline.h).
+  bool timeline = false;
 };
 
 // What this build of gradsync-bench can do.

@@ -202,6 +202,7 @@ class Communicator {
   Status leave();
 
  private:
+  friend struct CommunicatorInternals;  // the library's internal headers (gpu/timeline.h)
   std::shared_ptr<CommunicatorImpl> impl_;
 };
 
