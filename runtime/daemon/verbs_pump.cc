@@ -10,6 +10,24 @@
 #include "common/log.h"
 
 namespace gradsync {
+
+// What each side tells the other, after the Hello, on the bootstrap connection.
+struct VerbsBlob {
+  uint32_t magic;
+  uint32_t qpn;
+  uint32_t psn;         // 24 bits
+  uint32_t mtu;         // ibv_mtu
+  uint16_t lid;         // InfiniBand; 0 on RoCE
+  uint8_t link_layer;   // IBV_LINK_LAYER_*
+  uint8_t reserved;
+  uint32_t rkey;        // of the region holding addr (and meta_addr)
+  uint8_t gid[16];
+  uint64_t addr;        // sender: its credit word; receiver: slot 0 of its incoming channel
+  uint64_t meta_addr;   // receiver: meta[0] of its incoming channel; sender: 0
+  uint32_t slots;
+  uint32_t slot_bytes;
+};
+
 namespace {
 
 constexpr uint32_t kBlobMagic = 0x47535642;  // "GSVB"
@@ -32,22 +50,6 @@ constexpr auto kByeDrain = std::chrono::seconds(10);
 // How long the sender's staging wait sleeps before it looks at `drain` and its socket.
 constexpr auto kStagingSlice = std::chrono::milliseconds(50);
 
-// What each side tells the other, after the Hello, on the bootstrap connection.
-struct VerbsBlob {
-  uint32_t magic;
-  uint32_t qpn;
-  uint32_t psn;         // 24 bits
-  uint32_t mtu;         // ibv_mtu
-  uint16_t lid;         // InfiniBand; 0 on RoCE
-  uint8_t link_layer;   // IBV_LINK_LAYER_*
-  uint8_t reserved;
-  uint32_t rkey;        // of the region holding addr (and meta_addr)
-  uint8_t gid[16];
-  uint64_t addr;        // sender: its credit word; receiver: slot 0 of its incoming channel
-  uint64_t meta_addr;   // receiver: meta[0] of its incoming channel; sender: 0
-  uint32_t slots;
-  uint32_t slot_bytes;
-};
 
 uint32_t random_psn() {
   static thread_local std::mt19937 rng(std::random_device{}());
@@ -174,34 +176,51 @@ Status VerbsPump::create_qp(uint32_t recv_depth) {
   return qp_.to_init(node_->port(), IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
 }
 
-Result<std::unique_ptr<VerbsPump>> VerbsPump::start_sender(std::shared_ptr<VerbsNode> node,
-                                                           std::shared_ptr<verbs::MemoryRegion> job_mr,
-                                                           PumpContext ctx, uint32_t tag, Fd sock,
-                                                           PumpFailure on_failure, Deadline deadline) {
+std::unique_ptr<VerbsPump> VerbsPump::make(std::shared_ptr<VerbsNode> node,
+                                           std::shared_ptr<verbs::MemoryRegion> job_mr, PumpContext ctx,
+                                           uint32_t tag, Fd sock, bool sender) {
   std::unique_ptr<VerbsPump> p(new VerbsPump());
   p->node_ = std::move(node);
   p->job_mr_ = std::move(job_mr);
   p->ctx_ = std::move(ctx);
   p->tag_ = tag;
   p->sock_ = std::move(sock);
-  p->sender_ = true;
+  p->sender_ = sender;
+  return p;
+}
+
+Status VerbsPump::register_words(size_t n, int access) {
+  words_ = std::make_unique<uint32_t[]>(n);
+  auto mr = verbs::MemoryRegion::create(node_->pd(), words_.get(), n * sizeof(uint32_t), access);
+  if (!mr.ok()) return mr.status();
+  words_mr_ = std::move(mr).value();
+  return Status::Ok();
+}
+
+VerbsBlob VerbsPump::blob(uint32_t psn, uint32_t rkey, uint64_t addr, uint64_t meta_addr) const {
+  const verbs::PortInfo& port = node_->port_info();
+  VerbsBlob b{kBlobMagic, qp_.qpn(), psn, uint32_t(port.active_mtu), port.lid, port.link_layer, 0, rkey,
+              {}, addr, meta_addr, ctx_.layout.slots, ctx_.layout.slot_bytes};
+  std::memcpy(b.gid, node_->gid().raw, sizeof(b.gid));
+  return b;
+}
+
+Result<std::unique_ptr<VerbsPump>> VerbsPump::start_sender(std::shared_ptr<VerbsNode> node,
+                                                           std::shared_ptr<verbs::MemoryRegion> job_mr,
+                                                           PumpContext ctx, uint32_t tag, Fd sock,
+                                                           PumpFailure on_failure, Deadline deadline) {
+  auto p = make(std::move(node), std::move(job_mr), std::move(ctx), tag, std::move(sock), true);
   const int fd = p->sock_.get();
   auto fail = [&](const Status& s) {
     (void)proxy_reply(fd, s);  // tell the receiver why, if it still listens
     return Status(s.code(), "verbs set-up towards " + p->ctx_.peer + ": " + s.message());
   };
 
-  p->words_ = std::make_unique<uint32_t[]>(16);
-  auto mr = verbs::MemoryRegion::create(p->node_->pd(), p->words_.get(), 16 * sizeof(uint32_t),
-                                        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-  if (!mr.ok()) return fail(mr.status());
-  p->words_mr_ = std::move(mr).value();
+  // The credit word the receiver writes (one word; a cache line of room).
+  if (Status st = p->register_words(16, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE); !st.ok()) return fail(st);
   if (Status s = p->create_qp(0); !s.ok()) return fail(s);
   const uint32_t psn = random_psn();
-  VerbsBlob mine{kBlobMagic, p->qp_.qpn(), psn, uint32_t(p->node_->port_info().active_mtu),
-                 p->node_->port_info().lid, p->node_->port_info().link_layer, 0, p->words_mr_.rkey(),
-                 {}, p->words_mr_.addr(), 0, p->ctx_.layout.slots, p->ctx_.layout.slot_bytes};
-  std::memcpy(mine.gid, p->node_->gid().raw, sizeof(mine.gid));
+  const VerbsBlob mine = p->blob(psn, p->words_mr_.rkey(), p->words_mr_.addr(), 0);
   GS_RETURN_IF_ERROR(send_blob(fd, Status::Ok(), mine));
 
   auto theirs = read_blob(fd, deadline);
@@ -228,13 +247,7 @@ Result<std::unique_ptr<VerbsPump>> VerbsPump::start_receiver(std::shared_ptr<Ver
                                                              std::shared_ptr<verbs::MemoryRegion> job_mr,
                                                              PumpContext ctx, uint32_t tag, Fd sock,
                                                              PumpFailure on_failure, Deadline deadline) {
-  std::unique_ptr<VerbsPump> p(new VerbsPump());
-  p->node_ = std::move(node);
-  p->job_mr_ = std::move(job_mr);
-  p->ctx_ = std::move(ctx);
-  p->tag_ = tag;
-  p->sock_ = std::move(sock);
-  p->sender_ = false;
+  auto p = make(std::move(node), std::move(job_mr), std::move(ctx), tag, std::move(sock), false);
   const int fd = p->sock_.get();
   auto theirs = read_blob(fd, deadline);
   if (!theirs.ok()) {
@@ -246,11 +259,7 @@ Result<std::unique_ptr<VerbsPump>> VerbsPump::start_receiver(std::shared_ptr<Ver
     return Status(s.code(), "verbs set-up from " + p->ctx_.peer + ": " + s.message());
   };
   const uint32_t slots = p->ctx_.layout.slots;
-  p->words_ = std::make_unique<uint32_t[]>(kCreditRing);
-  auto mr = verbs::MemoryRegion::create(p->node_->pd(), p->words_.get(), kCreditRing * sizeof(uint32_t),
-                                        IBV_ACCESS_LOCAL_WRITE);
-  if (!mr.ok()) return fail(mr.status());
-  p->words_mr_ = std::move(mr).value();
+  if (Status st = p->register_words(kCreditRing, IBV_ACCESS_LOCAL_WRITE); !st.ok()) return fail(st);
   if (Status s = p->create_qp(slots); !s.ok()) return fail(s);
   // One receive per slot the sender may fill before it hears a credit, posted before RTR so
   // that no write can arrive first.
@@ -265,13 +274,9 @@ Result<std::unique_ptr<VerbsPump>> VerbsPump::start_receiver(std::shared_ptr<Ver
   if (Status s = p->qp_.to_rts(psn); !s.ok()) return fail(s);
   Channel ch(p->ctx_.shm->data(), p->ctx_.layout, p->ctx_.channel);
   auto* base = static_cast<uint8_t*>(p->ctx_.shm->data());
-  VerbsBlob mine{kBlobMagic, p->qp_.qpn(), psn, uint32_t(p->node_->port_info().active_mtu),
-                 p->node_->port_info().lid, p->node_->port_info().link_layer, 0, p->job_mr_->rkey(),
-                 {},
-                 p->job_mr_->addr() + uint64_t(ch.slot_data(0) - base),
-                 p->job_mr_->addr() + uint64_t(reinterpret_cast<uint8_t*>(ch.slot_meta(0)) - base),
-                 slots, p->ctx_.layout.slot_bytes};
-  std::memcpy(mine.gid, p->node_->gid().raw, sizeof(mine.gid));
+  const VerbsBlob mine =
+      p->blob(psn, p->job_mr_->rkey(), p->job_mr_->addr() + uint64_t(ch.slot_data(0) - base),
+              p->job_mr_->addr() + uint64_t(reinterpret_cast<uint8_t*>(ch.slot_meta(0)) - base));
   GS_RETURN_IF_ERROR(send_blob(fd, Status::Ok(), mine));
   p->remote_addr_ = theirs->addr;
   p->remote_rkey_ = theirs->rkey;

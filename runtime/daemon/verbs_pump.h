@@ -37,6 +37,8 @@
 
 namespace gradsync {
 
+struct VerbsBlob;  // the set-up exchange (verbs_pump.cc, docs/wire.md)
+
 // One daemon's RDMA device: context, protection domain, the port and address it uses.
 class VerbsNode {
  public:
@@ -93,6 +95,12 @@ class VerbsPump : public ChannelPump {
 
  private:
   VerbsPump() = default;
+  static std::unique_ptr<VerbsPump> make(std::shared_ptr<VerbsNode> node,
+                                         std::shared_ptr<verbs::MemoryRegion> job_mr, PumpContext ctx,
+                                         uint32_t tag, Fd sock, bool sender);
+  Status register_words(size_t n, int access);
+  // This end's set-up blob: its QP, `rkey` over `addr` (and `meta_addr`), the geometry.
+  VerbsBlob blob(uint32_t psn, uint32_t rkey, uint64_t addr, uint64_t meta_addr) const;
   Status create_qp(uint32_t recv_depth);
   void start_thread(PumpFailure on_failure);
   void send_loop(const PumpFailure& on_failure);

@@ -41,6 +41,28 @@ struct HostWords {
   } stamps[kStampRing];
 };
 
+// Makes `device` current for a scope and restores the caller's device after it.
+class DeviceScope {
+ public:
+  Status enter(int device) {
+    (void)cudaGetDevice(&prev_);
+    mine_ = device;
+    if (prev_ != device) {
+      if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
+        return {Code::kInternal, std::string("cudaSetDevice: ") + cudaGetErrorString(e)};
+      }
+    }
+    return Status::Ok();
+  }
+  ~DeviceScope() {
+    if (prev_ >= 0 && prev_ != mine_) (void)cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = -1;
+  int mine_ = -1;
+};
+
 // One row of the set-up exchange: summed (uint8) over ranks, every other row is zero.
 struct IpcEntry {
   int32_t pid;
@@ -498,15 +520,8 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   if (Status s = check_call(c); !s.ok()) return refused(s);
   if (c.count == 0) return Status::Ok();
 
-  int prev = -1;
-  (void)cudaGetDevice(&prev);
-  if (prev != cfg_.device) GS_CUDA(cudaSetDevice(cfg_.device), "cudaSetDevice");
-  struct Restore {
-    int d, mine;
-    ~Restore() {
-      if (d >= 0 && d != mine) (void)cudaSetDevice(d);
-    }
-  } restore{prev, cfg_.device};
+  DeviceScope scope;
+  if (Status e = scope.enter(cfg_.device); !e.ok()) return Status(e.code(), who() + ": " + e.message());
 
   Impl& m = *impl_;
   switch (m.path) {
@@ -748,15 +763,8 @@ Result<gpu::Timeline> DeviceComm::last_timeline() {
                           "communicator is created)");
   }
   if (!m.last.recorded) return Status(Code::kFailedPrecondition, who() + ": " + m.last.why_not);
-  int prev = -1;
-  (void)cudaGetDevice(&prev);
-  if (prev != cfg_.device) GS_CUDA(cudaSetDevice(cfg_.device), "cudaSetDevice");
-  struct Restore {
-    int d, mine;
-    ~Restore() {
-      if (d >= 0 && d != mine) (void)cudaSetDevice(d);
-    }
-  } restore{prev, cfg_.device};
+  DeviceScope scope;
+  if (Status e = scope.enter(cfg_.device); !e.ok()) return Status(e.code(), who() + ": " + e.message());
   GS_CUDA(cudaEventSynchronize(m.timeline_event), "cudaEventSynchronize (timeline)");
   if (Status s = async_error(); !s.ok()) {
     return Status(s.code(), "no GPU timeline: the last call failed: " + s.message());

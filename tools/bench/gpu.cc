@@ -194,6 +194,7 @@ struct Row {
   size_t bytes = 0;  // the printed size: the full buffer
   size_t send_elems = 0, recv_elems = 0;
   size_t alloc = 0;   // bytes of each device buffer: the larger of send and recv (in-place layouts)
+  double bus_factor = 1;  // busbw = algbw * bus_factor
   size_t period = 1;  // the inputs repeat every `period` elements of the send buffer
   void* d_send = nullptr;
   void* d_recv = nullptr;
@@ -594,8 +595,8 @@ class GpuBench {
     std::fflush(stdout);
   }
 
-  // One row; false when a group failed (the caller skips the larger sizes of its type/op).
-  bool row(const TypeName& t, const OpName& o, size_t bytes) {
+  // Frees the previous row and describes the next: type, op, sizes of its buffers.
+  Row& start_row(const TypeName& t, const OpName& o, size_t bytes) {
     Row& w = row_;
     free_row();
     w.collective = opt_.collective;
@@ -610,6 +611,13 @@ class GpuBench {
     w.send_elems = g.send_elems;
     w.recv_elems = g.recv_elems;
     w.alloc = std::max(g.send_elems, g.recv_elems) * w.esize;
+    w.bus_factor = g.bus_factor;
+    return w;
+  }
+
+  // One row; false when a group failed (the caller skips the larger sizes of its type/op).
+  bool row(const TypeName& t, const OpName& o, size_t bytes) {
+    Row& w = start_row(t, o, bytes);
     // Allocated once for the row, shared by every group (at least 1 byte: -b 0); both the size
     // of the larger buffer, for the in-place layouts.
     if (!cuda(cudaMalloc(&w.d_send, std::max<size_t>(w.alloc, 1)), "cudaMalloc") ||
@@ -672,7 +680,7 @@ class GpuBench {
       (is_nccl ? nccl_wrong_ : gs_wrong_) += c.wrong;
       failed |= c.failed;
       if (c.failed) (is_nccl ? nccl_failures_ : gs_failures_)++;
-      const double algbw = bw(c), busbw = algbw * g.bus_factor;
+      const double algbw = bw(c), busbw = algbw * w.bus_factor;
       if (c.ran && !c.failed) {
         (is_nccl ? nccl_bw_sum_ : gs_bw_sum_) += busbw;
         (is_nccl ? nccl_bw_lines_ : gs_bw_lines_)++;
@@ -886,20 +894,7 @@ class GpuBench {
 
   // One size; false with fatal_ set when the bench cannot go on.
   bool timeline_size(const TypeName& t, const OpName& o, size_t bytes, int* malformed) {
-    Row& w = row_;
-    free_row();
-    w.collective = opt_.collective;
-    w.type = t.type;
-    w.op = o.op;
-    w.root = opt_.root;
-    w.rank = rank_;
-    w.esize = esize_of(t.type);
-    const Geometry g = geometry(opt_.collective, bytes, w.esize, n_);
-    w.count = g.count;
-    w.bytes = g.bytes;
-    w.send_elems = g.send_elems;
-    w.recv_elems = g.recv_elems;
-    w.alloc = std::max(g.send_elems, g.recv_elems) * w.esize;
+    Row& w = start_row(t, o, bytes);
     if (w.count == 0) return true;
     if (!cuda(cudaMalloc(&w.d_send, std::max<size_t>(w.alloc, 1)), "cudaMalloc") ||
         !cuda(cudaMalloc(&w.d_recv, std::max<size_t>(w.alloc, 1)), "cudaMalloc"))
