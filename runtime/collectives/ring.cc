@@ -7,7 +7,10 @@
 // credit the successor returns at an earlier position (slots >= 2). Waits therefore never
 // form a cycle.
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "collectives/link.h"
 #include "kernels/host_reduce.h"
@@ -29,6 +32,31 @@ struct RingPart {
 };
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
+
+// Below this many bytes a call's rings share one thread: starting threads costs more than
+// the copies and reductions they would split (GRADSYNC_RING_THREAD_MIN_BYTES overrides).
+constexpr size_t kDefaultThreadMinBytes = size_t(4) << 20;
+
+long env_or(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  return (end && *end == '\0' && x >= 0) ? x : fallback;
+}
+
+// How many threads drive the rings of a reduce-scatter/allreduce of `bytes`: each ring's
+// positions stay in the same order on one thread, so deadlock freedom (above) holds per ring,
+// and rings share no channel. GRADSYNC_RING_THREADS overrides the default, which is one thread
+// per 8 cores (a rank's copies and reductions then run on several cores of a large node; on a
+// small machine the ranks and daemons already need every core).
+int ring_threads(uint32_t rings, size_t bytes) {
+  if (rings < 2) return 1;
+  if (bytes < size_t(env_or("GRADSYNC_RING_THREAD_MIN_BYTES", long(kDefaultThreadMinBytes)))) return 1;
+  const long cores = long(std::max(1u, std::thread::hardware_concurrency()));
+  const long t = env_or("GRADSYNC_RING_THREADS", std::max(1L, cores / 8));
+  return int(std::clamp<long>(t, 1, long(rings)));
+}
 
 class RingRunner {
  public:
@@ -106,16 +134,44 @@ class RingRunner {
     const int active = std::max(1, int(send_.empty() ? 1 : l_.ring_send[0].slots()) / 2);
     const int skew = (steps + active - 1) / active;
     const long last_t = long(max_iters == 0 ? -1 : (max_iters - 1) * size_t(skew) + size_t(last_step));
-    for (long t = 0; t <= last_t; ++t) {
-      for (uint32_t r = 0; r < l_.rings; ++r) {
-        long k_hi = std::min<long>(long(iters[r].size()) - 1, t / skew);
-        for (long k = std::max<long>(0, (t - last_step + skew - 1) / skew); k <= k_hi; ++k) {
-          int s = int(t - k * skew);
-          if (s < 0 || s > last_step) continue;
-          auto [span, out_at] = chunk(iters[r][size_t(k)], pos_ - s);
-          GS_RETURN_IF_ERROR(reduce_step(r, s, last_step, allreduce, op, span, out_at));
+    // Drives rings r0, r0 + stride, ... through every position; `stop` ends it early when
+    // another thread failed (its own waits also end by the abort flag or the deadline).
+    std::atomic<bool> stop{false};
+    auto drive = [&](uint32_t r0, uint32_t stride) -> Status {
+      for (long t = 0; t <= last_t; ++t) {
+        if (stop.load(std::memory_order_relaxed)) return {Code::kAborted, "another ring failed"};
+        for (uint32_t r = r0; r < l_.rings; r += stride) {
+          long k_hi = std::min<long>(long(iters[r].size()) - 1, t / skew);
+          for (long k = std::max<long>(0, (t - last_step + skew - 1) / skew); k <= k_hi; ++k) {
+            int s = int(t - k * skew);
+            if (s < 0 || s > last_step) continue;
+            auto [span, out_at] = chunk(iters[r][size_t(k)], pos_ - s);
+            GS_RETURN_IF_ERROR(reduce_step(r, s, last_step, allreduce, op, span, out_at));
+          }
         }
       }
+      return Status::Ok();
+    };
+    const int threads = ring_threads(l_.rings, bytes(c.kind == CollectiveKind::kReduceScatter
+                                                          ? c.count * size_t(n_) : c.count));
+    if (threads <= 1) return drive(0, 1);
+    std::vector<Status> results(static_cast<size_t>(threads));
+    std::vector<std::thread> helpers;
+    for (int i = 1; i < threads; ++i) {
+      helpers.emplace_back([&, i] {
+        results[size_t(i)] = drive(uint32_t(i), uint32_t(threads));
+        if (!results[size_t(i)].ok()) stop = true;
+      });
+    }
+    results[0] = drive(0, uint32_t(threads));
+    if (!results[0].ok()) stop = true;
+    for (auto& h : helpers) h.join();
+    // The first real failure, not the "another ring failed" of those that stopped for it.
+    for (const Status& st : results) {
+      if (!st.ok() && st.message() != "another ring failed") return st;
+    }
+    for (const Status& st : results) {
+      if (!st.ok()) return st;
     }
     return Status::Ok();
   }

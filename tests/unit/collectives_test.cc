@@ -80,6 +80,20 @@ TEST(Collectives, MissingPeerTimesOutNamingIt) {
   EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.message();
 }
 
+// Rings driven by several threads (GRADSYNC_RING_THREADS; on by default only on large
+// machines): the same results, bit for bit, for every type and op.
+TEST(Collectives, RingsOnSeveralThreadsMatchTheReference) {
+  ::setenv("GRADSYNC_RING_THREADS", "3", 1);
+  ::setenv("GRADSYNC_RING_THREAD_MIN_BYTES", "0", 1);
+  for (int n : {2, 3}) {
+    ThreadWorld w(n, 3);
+    allreduce_matrix(w, Algorithm::kRing);
+    reduce_scatter_all_gather_broadcast_matrix(w, Algorithm::kRing);
+  }
+  ::unsetenv("GRADSYNC_RING_THREADS");
+  ::unsetenv("GRADSYNC_RING_THREAD_MIN_BYTES");
+}
+
 TEST(Collectives, AbortWakesWaitersWithTheReason) {
   ThreadWorld w(3, 1);
   std::vector<float> a(10, 1);
