@@ -469,7 +469,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
   init_job_control(shm->data(), job->layout);
 #if GRADSYNC_HAVE_VERBS
   std::shared_ptr<verbs::MemoryRegion> mr;
-  if (verbs_ && !job->staging.empty()) {
+  if (verbs_ && job->local_ranks.size() < job->world_size) {  // some channels cross nodes
     auto registered = register_job_memory(*verbs_, *shm);
     if (!registered.ok()) {
       return {registered.status().code(), job->ids() + " on " + hostname_ + ": registering the job's " +
