@@ -35,6 +35,7 @@ struct ClusterOptions {
   uint32_t slots = 4;
   uint32_t slot_bytes = 4096;
   uint32_t rings = 1;
+  verbs::LinkLayer link_layer = verbs::LinkLayer::kEthernet;  // RoCE (GIDs) or InfiniBand (LIDs)
 };
 
 class DaemonCluster {
@@ -50,7 +51,7 @@ class DaemonCluster {
     const int id = ++g_clusters;
     for (int i = 0; i < opts_.nodes; ++i) {
       std::string dev = "emu" + std::to_string(id) + "n" + std::to_string(i);
-      verbs::EmulatedFabric::instance().add_device(dev, 1, verbs::LinkLayer::kEthernet);
+      verbs::EmulatedFabric::instance().add_device(dev, 1, opts_.link_layer);
       devices_.push_back(dev);
       DaemonConfig cfg;
       cfg.coordinator = "127.0.0.1:" + std::to_string(coord_->port());

@@ -50,6 +50,16 @@ INSTANTIATE_TEST_SUITE_P(Shapes, VerbsCollectives,
                                   "_" + to_string(std::get<2>(p)) + "_rings" + std::to_string(std::get<3>(p));
                          });
 
+// InfiniBand ports: QPs addressed by LID without a GRH (RoCE, above, uses GIDs).
+TEST(VerbsTransport, InfiniBandChannelsAddressByLid) {
+  DaemonCluster cluster({.nodes = 2, .link_layer = verbs::LinkLayer::kInfiniBand});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  ASSERT_EQ(cluster.daemon(0).transport(), "verbs");
+  DaemonWorld world(cluster, 2, 1, "infiniband");
+  ASSERT_EQ(world.join_error(), "");
+  testing::allreduce_matrix(world, Algorithm::kRing);
+}
+
 // A node without RDMA: channels to and from it run over TCP, the others over verbs.
 TEST(VerbsTransport, PeerWithoutRdmaGetsTcpChannels) {
   DaemonCluster cluster({.nodes = 3, .transport = {"verbs", "verbs", "tcp"}});
