@@ -47,15 +47,21 @@ long env_or(const char* name, long fallback) {
 
 // How many threads drive the rings of a reduce-scatter/allreduce of `bytes`: each ring's
 // positions stay in the same order on one thread, so deadlock freedom (above) holds per ring,
-// and rings share no channel. GRADSYNC_RING_THREADS overrides the default, which is one thread
-// per 8 cores (a rank's copies and reductions then run on several cores of a large node; on a
-// small machine the ranks and daemons already need every core).
-int ring_threads(uint32_t rings, size_t bytes) {
-  if (rings < 2) return 1;
+// and rings share no channel. GRADSYNC_RING_THREADS overrides the default: the cores over 4
+// times the ranks on this host (the ranks' daemons, pumps and other threads need the rest),
+// so a rank's copies and reductions run on several cores of a large node, while on a small
+// machine, where the ranks and daemons already need every core, one thread does it all.
+int ring_threads(const RankLinks& l, size_t bytes) {
+  if (l.rings < 2) return 1;
   if (bytes < size_t(env_or("GRADSYNC_RING_THREAD_MIN_BYTES", long(kDefaultThreadMinBytes)))) return 1;
   const long cores = long(std::max(1u, std::thread::hardware_concurrency()));
-  const long t = env_or("GRADSYNC_RING_THREADS", std::max(1L, cores / 8));
-  return int(std::clamp<long>(t, 1, long(rings)));
+  long local = 1;
+  if (size_t(l.rank) < l.hosts.size()) {
+    local = 0;
+    for (const auto& h : l.hosts) local += h == l.hosts[size_t(l.rank)] ? 1 : 0;
+  }
+  const long t = env_or("GRADSYNC_RING_THREADS", std::max(1L, cores / (4 * std::max(1L, local))));
+  return int(std::clamp<long>(t, 1, long(l.rings)));
 }
 
 class RingRunner {
@@ -152,7 +158,7 @@ class RingRunner {
       }
       return Status::Ok();
     };
-    const int threads = ring_threads(l_.rings, bytes(c.kind == CollectiveKind::kReduceScatter
+    const int threads = ring_threads(l_, bytes(c.kind == CollectiveKind::kReduceScatter
                                                           ? c.count * size_t(n_) : c.count));
     if (threads <= 1) return drive(0, 1);
     std::vector<Status> results(static_cast<size_t>(threads));
