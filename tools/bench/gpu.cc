@@ -38,6 +38,7 @@
 #endif
 
 #include "bench/collective.h"
+#include "bench/element_types.h"
 #include "gpu/timeline.h"
 
 namespace bench {
@@ -48,78 +49,9 @@ using gradsync::ReduceOp;
 
 // ---- data ------------------------------------------------------------------------------------
 
-struct F16 {
-  uint16_t bits;
-};
-struct BF16 {
-  uint16_t bits;
-};
-
-template <class F>
-auto with_type(DataType t, F&& f) {
-  switch (t) {
-    case DataType::kFloat32:
-      return f(float{});
-    case DataType::kFloat64:
-      return f(double{});
-    case DataType::kFloat16:
-      return f(F16{});
-    case DataType::kBFloat16:
-      return f(BF16{});
-    case DataType::kInt8:
-      return f(int8_t{});
-    case DataType::kUInt8:
-      return f(uint8_t{});
-    case DataType::kInt32:
-      return f(int32_t{});
-    case DataType::kInt64:
-      return f(int64_t{});
-  }
-  return f(float{});
-}
-
 bool is_float(DataType t) {
   return t == DataType::kFloat32 || t == DataType::kFloat64 || t == DataType::kFloat16 ||
          t == DataType::kBFloat16;
-}
-
-// Values are small integers (|v| < 256), exact in every type; encode needs no rounding.
-template <class T>
-T encode(double v) {
-  if constexpr (std::is_same_v<T, F16> || std::is_same_v<T, BF16>) {
-    float f = static_cast<float>(v);
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    if constexpr (std::is_same_v<T, BF16>) {
-      return {static_cast<uint16_t>(x >> 16)};
-    } else {
-      const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
-      if ((x & 0x7fffffff) == 0) return {sign};
-      const int exp = int((x >> 23) & 0xff) - 127 + 15;  // 0 < exp < 31 for 1 <= |v| < 65504
-      return {static_cast<uint16_t>(sign | (exp << 10) | ((x >> 13) & 0x3ff))};
-    }
-  } else {
-    return static_cast<T>(v);
-  }
-}
-
-// Exact decoding, subnormals, inf and NaN included, so that no wrong value hides in it.
-template <class T>
-double decode(T x) {
-  if constexpr (std::is_same_v<T, F16>) {
-    const int exp = (x.bits >> 10) & 0x1f, mant = x.bits & 0x3ff;
-    double v = exp == 0    ? std::ldexp(mant, -24)
-               : exp == 31 ? (mant ? NAN : INFINITY)
-                           : std::ldexp(1024 + mant, exp - 25);
-    return (x.bits & 0x8000) ? -v : v;
-  } else if constexpr (std::is_same_v<T, BF16>) {
-    uint32_t b = uint32_t(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
-  } else {
-    return static_cast<double>(x);
-  }
 }
 
 // Rank r's input element k (of one period). Every partial reduction stays a small integer:
@@ -225,7 +157,7 @@ void make_data(Row& w, int rank, int n) {
       for (int r = 0; r < n; ++r) {
         for (size_t k = 0; k < p; ++k) {
           w.inputs[size_t(r)][k] = value(w.type, ReduceOp::kSum, r, n, k);
-          if (r == source) mine[k] = encode<T>(w.inputs[size_t(r)][k]);
+          if (r == source) mine[k] = Codec<T>::encode(w.inputs[size_t(r)][k]);
         }
       }
     });
@@ -237,7 +169,7 @@ void make_data(Row& w, int rank, int n) {
       double acc = w.op == ReduceOp::kProd ? 1 : 0, mag = 0;
       for (int r = 0; r < n; ++r) {
         const double x = value(w.type, w.op, r, n, k);
-        if (r == rank) mine[k] = encode<T>(x);
+        if (r == rank) mine[k] = Codec<T>::encode(x);
         switch (w.op) {
           case ReduceOp::kSum:
           case ReduceOp::kAvg:
@@ -298,7 +230,7 @@ size_t count_wrong(const Row& w, const void* got) {
           tol = w.tol[i % p];
           break;
       }
-      if (!(std::abs(decode(g[i]) - want) <= tol)) ++wrong;  // NaN is wrong too
+      if (!(std::abs(Codec<T>::decode(g[i]) - want) <= tol)) ++wrong;  // NaN is wrong too
     }
     return wrong;
   });
@@ -319,7 +251,7 @@ void fill_constant(Row& w, int v) {
   w.out.resize(w.alloc);
   with_type(w.type, [&](auto tag) {
     using T = decltype(tag);
-    std::fill_n(reinterpret_cast<T*>(w.out.data()), w.alloc / w.esize, encode<T>(v));
+    std::fill_n(reinterpret_cast<T*>(w.out.data()), w.alloc / w.esize, Codec<T>::encode(v));
   });
 }
 
