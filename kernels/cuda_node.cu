@@ -579,19 +579,7 @@ __global__ void signal_host_kernel(uint64_t* word, uint64_t value, uint64_t* sta
   if (word != nullptr) store_release(word, value);
 }
 
-size_t esize(DataType type) {
-  switch (type) {
-    case DataType::kFloat64:
-    case DataType::kInt64: return 8;
-    case DataType::kFloat32:
-    case DataType::kInt32: return 4;
-    case DataType::kFloat16:
-    case DataType::kBFloat16: return 2;
-    case DataType::kInt8:
-    case DataType::kUInt8: return 1;
-  }
-  return 0;
-}
+using ops::esize;
 
 uint64_t round_up(uint64_t x, uint64_t m) { return (x + m - 1) / m * m; }
 

@@ -9,12 +9,29 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
 #include "gradsync/gradsync.h"
 
 namespace gradsync::kernels::ops {
+
+// Element size without linking the runtime library (the kernels only include its header);
+// 0 for a type outside DataType.
+inline size_t esize(DataType type) {
+  switch (type) {
+    case DataType::kFloat64:
+    case DataType::kInt64: return 8;
+    case DataType::kFloat32:
+    case DataType::kInt32: return 4;
+    case DataType::kFloat16:
+    case DataType::kBFloat16: return 2;
+    case DataType::kInt8:
+    case DataType::kUInt8: return 1;
+  }
+  return 0;
+}
 
 // Traits and ops are host-callable too (cuda_fp16.h's conversions are), so that a host build
 // can check them; the kernels are the only users.

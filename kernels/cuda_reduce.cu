@@ -189,20 +189,7 @@ cudaError_t launch(Kernel kernel, size_t work, cudaStream_t stream, Args... args
 }
 
 
-// Element size without linking the runtime library (gradsync_kernels only includes its header).
-size_t esize(DataType type) {
-  switch (type) {
-    case DataType::kFloat64:
-    case DataType::kInt64: return 8;
-    case DataType::kFloat32:
-    case DataType::kInt32: return 4;
-    case DataType::kFloat16:
-    case DataType::kBFloat16: return 2;
-    case DataType::kInt8:
-    case DataType::kUInt8: return 1;
-  }
-  return 0;
-}
+using ops::esize;
 
 bool aligned_to(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 unsigned mis16(const void* p) { return unsigned(reinterpret_cast<uintptr_t>(p) & 15u); }
