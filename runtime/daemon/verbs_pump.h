@@ -33,37 +33,11 @@
 #include <thread>
 
 #include "daemon/proxy.h"
-#include "transport/verbs/verbs.h"
+#include "transport/verbs/node.h"
 
 namespace gradsync {
 
 struct VerbsBlob;  // the set-up exchange (verbs_pump.cc, docs/wire.md)
-
-// One daemon's RDMA device: context, protection domain, the port and address it uses.
-class VerbsNode {
- public:
-  // Opens `device` (first device when empty) on `port`; gid_index < 0 picks a RoCE v2
-  // IPv4-mapped GID (verbs::select_gid), else takes it as given (GRADSYNC_IB_GID_INDEX).
-  static Result<std::shared_ptr<VerbsNode>> open(const verbs::IbvApi* api, const std::string& device,
-                                                 uint8_t port, int gid_index);
-  // "mlx5_0 port 1 (RoCE, GID index 3, MTU 4096)" for logs.
-  std::string describe() const;
-
-  const verbs::ProtectionDomain& pd() const { return pd_; }
-  const verbs::Context& context() const { return ctx_; }
-  uint8_t port() const { return port_; }
-  const verbs::PortInfo& port_info() const { return info_; }
-  int sgid_index() const { return sgid_index_; }  // -1 on InfiniBand (LID routing)
-  const ibv_gid& gid() const { return gid_; }
-
- private:
-  verbs::Context ctx_;
-  verbs::ProtectionDomain pd_;  // declared after ctx_: released before it
-  uint8_t port_ = 1;
-  verbs::PortInfo info_;
-  int sgid_index_ = -1;
-  ibv_gid gid_{};
-};
 
 // Registers a job's shared memory (every channel's counters, metas and slots) for local use
 // and remote writes.

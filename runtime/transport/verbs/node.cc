@@ -1,0 +1,46 @@
+#include "transport/verbs/node.h"
+
+namespace gradsync {
+
+Result<std::shared_ptr<VerbsNode>> VerbsNode::open(const verbs::IbvApi* api, const std::string& device,
+                                                   uint8_t port, int gid_index) {
+  auto node = std::make_shared<VerbsNode>();
+  auto ctx = verbs::Context::open(api, device);
+  if (!ctx.ok()) return ctx.status();
+  node->ctx_ = std::move(ctx).value();
+  auto info = verbs::query_port(node->ctx_, port);
+  if (!info.ok()) return info.status();
+  if (info->state != IBV_PORT_ACTIVE) {
+    return Status(Code::kUnavailable, "verbs device " + node->ctx_.name() + " port " + std::to_string(port) +
+                                          " is not ACTIVE (link down or cable?)");
+  }
+  node->port_ = port;
+  node->info_ = *info;
+  if (info->is_ethernet()) {
+    auto gid = verbs::select_gid(node->ctx_, port, gid_index);
+    if (!gid.ok()) return gid.status();
+    node->sgid_index_ = gid->index;
+    node->gid_ = gid->gid;
+  } else if (gid_index >= 0) {
+    // InfiniBand inside a subnet routes by LID; a GID index asks for a GRH (across subnets).
+    auto gid = verbs::select_gid(node->ctx_, port, gid_index);
+    if (!gid.ok()) return gid.status();
+    node->sgid_index_ = gid->index;
+    node->gid_ = gid->gid;
+  }
+  auto pd = verbs::ProtectionDomain::create(node->ctx_);
+  if (!pd.ok()) return pd.status();
+  node->pd_ = std::move(pd).value();
+  return node;
+}
+
+std::string VerbsNode::describe() const {
+  static const int kMtuBytes[] = {0, 256, 512, 1024, 2048, 4096};
+  int mtu = info_.active_mtu >= 1 && info_.active_mtu <= 5 ? kMtuBytes[info_.active_mtu] : 0;
+  std::string addr = info_.is_ethernet() ? "RoCE, GID index " + std::to_string(sgid_index_)
+                                         : "InfiniBand, LID " + std::to_string(info_.lid);
+  return ctx_.name() + " port " + std::to_string(port_) + " (" + addr + ", MTU " + std::to_string(mtu) +
+         ", " + ctx_.api()->name + ")";
+}
+
+}  // namespace gradsync
