@@ -303,6 +303,15 @@ void Daemon::serve_trainer(Fd sock) {
         for (uint32_t r = 0; r < job->world_size; ++r) jr->add_rank_hosts(job->host_of(r));
         *jr->mutable_setup() = job->setup_for(rank);
       }
+#if GRADSYNC_HAVE_VERBS
+      if (verbs_) {
+        v1::VerbsDevice* vd = jr->mutable_verbs();
+        vd->set_device(verbs_->context().name());
+        vd->set_port(verbs_->port());
+        vd->set_gid_index(verbs_->sgid_index());
+        vd->set_api(verbs_->context().api()->name);
+      }
+#endif
       s = send_frame(sock.get(), reply, job->shm->fd());
     } else if (msg.has_leave()) {
       if (job) {
