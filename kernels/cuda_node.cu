@@ -563,11 +563,11 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void wait_host_kernel(const volatile uint64_t* flag, uint64_t value,
                                  const uint32_t* abort, NodeError* error, uint64_t timeout_ns,
-                                 uint64_t* waited_ns) {
+                                 uint64_t* waited_ns, int32_t peer, uint32_t what) {
   const uint64_t start = now_ns();
   while (*flag < value) {
-    if (host_word(abort) != 0) return fail(error, 2, -1, 2);
-    if (now_ns() - start > timeout_ns) return fail(error, 1, -1, 2);
+    if (host_word(abort) != 0) return fail(error, 2, peer, what);
+    if (now_ns() - start > timeout_ns) return fail(error, 1, peer, what);
     __nanosleep(500);
   }
   if (waited_ns != nullptr) *waited_ns += now_ns() - start;  // one kernel at a time: a plain add
@@ -721,10 +721,18 @@ cudaError_t launch_node_collective(const NodeLayout& l, const NodeArgs& a, const
 
 cudaError_t launch_wait_host(const volatile uint64_t* flag, uint64_t value,
                              const uint32_t* abort, NodeError* error, uint64_t timeout_ns,
-                             uint64_t* waited_ns, cudaStream_t stream) {
+                             uint64_t* waited_ns, cudaStream_t stream, int32_t peer,
+                             uint32_t what) {
   if (flag == nullptr || abort == nullptr || error == nullptr) return cudaErrorInvalidValue;
-  wait_host_kernel<<<1, 1, 0, stream>>>(flag, value, abort, error, timeout_ns, waited_ns);
+  wait_host_kernel<<<1, 1, 0, stream>>>(flag, value, abort, error, timeout_ns, waited_ns, peer, what);
   return cudaGetLastError();
+}
+
+cudaError_t load_host_sync_kernels() {
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(wait_host_kernel));
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(signal_host_kernel));
+  return e;
 }
 
 cudaError_t launch_signal_host(uint64_t* word, uint64_t value, uint64_t* stamp_ns,

@@ -92,7 +92,7 @@ struct NodeError {
   uint32_t code;   // 0 none, 1 deadline, 2 aborted
   int32_t peer;    // the rank waited for
   uint32_t block;  // the block that waited
-  uint32_t what;   // 0 waited for a free slot, 1 waited for the peer's chunk
+  uint32_t what;   // 0 waited for a free slot, 1 waited for the peer's chunk, 2-4: launch_wait_host
 };
 
 struct NodeArgs {
@@ -172,9 +172,16 @@ uint64_t node_chunk_bytes(const NodeLayout& layout, size_t bytes);
 // thread), or *abort is nonzero, or timeout_ns passed (then error->code is set); adds the time
 // it waited to *waited_ns when that is not null. Makes a stream wait for host-side work
 // without blocking the host.
+// `peer` and `what` go into *error (the rank waited for, NodeError::what: 2 host-staged
+// results, 3 a GPUDirect RDMA arrival, 4 a free GPUDirect RDMA send slot).
 cudaError_t launch_wait_host(const volatile uint64_t* flag, uint64_t value,
                              const uint32_t* abort, NodeError* error, uint64_t timeout_ns,
-                             uint64_t* waited_ns, cudaStream_t stream);
+                             uint64_t* waited_ns, cudaStream_t stream, int32_t peer = -1,
+                             uint32_t what = 2);
+
+// Loads launch_wait_host's and launch_signal_host's kernels now (see load_reduce_kernels in
+// cuda_reduce.cuh for why).
+cudaError_t load_host_sync_kernels();
 
 // One thread stores %globaltimer to *stamp_ns (if not null), then value to *word (if not null),
 // both in mapped pinned host memory: tells a host thread that the stream got this far.

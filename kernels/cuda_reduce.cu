@@ -297,4 +297,30 @@ cudaError_t launch_copy(void* dst, const void* src, size_t bytes, cudaStream_t s
   }
 }
 
+cudaError_t load_reduce_kernels() {
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaSuccess;
+  auto load = [&](const void* f) {
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, f);
+  };
+  for (int t = 0; t < kNumDataTypes; ++t) {
+    (void)with_traits(DataType(t), [&]<class Tr>() {
+      using S = typename Tr::S;
+      load(reinterpret_cast<const void*>(reduce_kernel<S, OpSum<Tr>>));
+      load(reinterpret_cast<const void*>(reduce_kernel<S, OpProd<Tr>>));
+      load(reinterpret_cast<const void*>(reduce_kernel<S, OpMinMax<Tr, false>>));
+      load(reinterpret_cast<const void*>(reduce_kernel<S, OpMinMax<Tr, true>>));
+      load(reinterpret_cast<const void*>(reduce_kernel<S, OpSumDivide<Tr>>));
+      load(reinterpret_cast<const void*>(map1_kernel<S, OpDivide<Tr>>));
+      return cudaSuccess;
+    });
+  }
+  load(reinterpret_cast<const void*>(copy_kernel<uint4>));
+  load(reinterpret_cast<const void*>(copy_kernel<uint2>));
+  load(reinterpret_cast<const void*>(copy_kernel<uint32_t>));
+  load(reinterpret_cast<const void*>(copy_kernel<uint16_t>));
+  load(reinterpret_cast<const void*>(copy_kernel<uint8_t>));
+  return e;
+}
+
 }  // namespace gradsync::kernels

@@ -60,4 +60,12 @@ cudaError_t launch_finish_avg(DataType type, void* buf, size_t n, int world,
 // else the widest width both allow. dst and src must not overlap.
 cudaError_t launch_copy(void* dst, const void* src, size_t bytes, cudaStream_t stream);
 
+// Loads every kernel above into the current device's context now (cudaFuncGetAttributes on
+// each). With CUDA's lazy loading (the default since 12.2) a kernel is loaded at its first
+// launch, and loading may wait for the kernels already running in the context: if one of
+// those waits for work this thread has yet to queue (a wait kernel of a GPUDirect or
+// host-staged call; another rank of this process sharing the GPU), that first launch hangs
+// until the wait times out. Paths that queue wait kernels call this at set-up.
+cudaError_t load_reduce_kernels();
+
 }  // namespace gradsync::kernels
