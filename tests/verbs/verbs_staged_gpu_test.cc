@@ -17,6 +17,7 @@
 
 #include "../unit/collective_matrix.h"
 #include "daemon_cluster.h"
+#include "gpu_world.h"
 
 namespace gradsync {
 namespace {
@@ -24,100 +25,18 @@ namespace {
 using namespace std::chrono_literals;
 using testing::DaemonCluster;
 using testing::DaemonWorld;
-
-int gpu_count() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
-}
-
-Status cuda_status(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return Status::Ok();
-  return {Code::kInternal, std::string(what) + ": " + cudaGetErrorString(e)};
-}
-
-// The World of collective_matrix.h over device memory: each host call runs on device copies of
-// its buffers (aliasing kept: an in-place call stays in place), on a stream of the rank.
-class GpuWorld {
- public:
-  explicit GpuWorld(DaemonWorld& w) : w_(w) {}
-  int size() const { return w_.size(); }
-  std::vector<Status> collective(std::vector<CollectiveCall> calls) {
-    return w_.run([&](int r) { return run_on_device(r, calls[r]); });
-  }
-
- private:
-  // Device copies of the call's buffers: one allocation over both when they overlap (in
-  // place), so that the device call sees the same aliasing as the host call.
-  Status run_on_device(int r, const CollectiveCall& k) {
-    Communicator& comm = w_.comm(r);
-    if (k.kind == CollectiveKind::kBarrier) return comm.barrier();
-    const size_t es = element_size(k.type), n = size_t(size());
-    size_t send_bytes = k.count * es, recv_bytes = k.count * es;
-    if (k.kind == CollectiveKind::kReduceScatter) send_bytes *= n;
-    if (k.kind == CollectiveKind::kAllGather) recv_bytes *= n;
-    const auto* s0 = static_cast<const uint8_t*>(k.send);
-    auto* r0 = static_cast<uint8_t*>(k.recv);
-    const bool overlap = s0 && r0 && s0 < r0 + recv_bytes && r0 < s0 + send_bytes;
-    GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
-    uint8_t* dsend = nullptr;
-    uint8_t* drecv = nullptr;
-    uint8_t* block = nullptr;
-    const uint8_t* lo = nullptr;
-    size_t span = 0;
-    if (overlap) {
-      lo = std::min<const uint8_t*>(s0, r0);
-      span = size_t(std::max<const uint8_t*>(s0 + send_bytes, r0 + recv_bytes) - lo);
-      GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&block), std::max<size_t>(span, 16)), "cudaMalloc"));
-      if (span) GS_RETURN_IF_ERROR(cuda_status(cudaMemcpy(block, lo, span, cudaMemcpyHostToDevice), "H2D"));
-      dsend = block + (s0 - lo);
-      drecv = block + (r0 - lo);
-    } else {
-      GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&dsend), std::max<size_t>(send_bytes, 16)), "cudaMalloc"));
-      GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&drecv), std::max<size_t>(recv_bytes, 16)), "cudaMalloc"));
-      if (send_bytes) GS_RETURN_IF_ERROR(cuda_status(cudaMemcpy(dsend, s0, send_bytes, cudaMemcpyHostToDevice), "H2D"));
-      if (recv_bytes) GS_RETURN_IF_ERROR(cuda_status(cudaMemcpy(drecv, r0, recv_bytes, cudaMemcpyHostToDevice), "H2D"));
-    }
-    cudaStream_t stream = nullptr;
-    GS_RETURN_IF_ERROR(cuda_status(cudaStreamCreate(&stream), "cudaStreamCreate"));
-    const CallOptions opts{k.algorithm};
-    Status s;
-    switch (k.kind) {
-      case CollectiveKind::kAllreduce: s = comm.allreduce(dsend, drecv, k.count, k.type, k.op, stream, opts); break;
-      case CollectiveKind::kReduceScatter:
-        s = comm.reduce_scatter(dsend, drecv, k.count, k.type, k.op, stream, opts);
-        break;
-      case CollectiveKind::kAllGather: s = comm.all_gather(dsend, drecv, k.count, k.type, stream, opts); break;
-      case CollectiveKind::kBroadcast: s = comm.broadcast(drecv, k.count, k.type, k.root, stream, opts); break;
-      case CollectiveKind::kBarrier: break;
-    }
-    Status synced = cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    if (s.ok()) s = synced;
-    if (s.ok()) s = comm.async_error();
-    if (s.ok() && overlap && span) {
-      s = cuda_status(cudaMemcpy(const_cast<uint8_t*>(lo), block, span, cudaMemcpyDeviceToHost), "D2H");
-    } else if (s.ok() && !overlap && recv_bytes) {
-      s = cuda_status(cudaMemcpy(r0, drecv, recv_bytes, cudaMemcpyDeviceToHost), "D2H");
-    }
-    cudaStreamDestroy(stream);
-    if (overlap) {
-      cudaFree(block);
-    } else {
-      cudaFree(dsend);
-      cudaFree(drecv);
-    }
-    return s;
-  }
-
-  DaemonWorld& w_;
-};
-
-// Rank r uses GPU r modulo the visible GPUs.
-void on_gpus(int rank, JoinOptions& o) { o.device = rank % std::max(gpu_count(), 1); }
+using testing::GpuWorld;
+using testing::cuda_status;
+using testing::gpu_count;
+using testing::on_gpus;
 
 class StagedRdma : public ::testing::TestWithParam<Algorithm> {
  protected:
   void SetUp() override {
     if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+    // The daemons run verbs here, so GPU communicators would take GPUDirect RDMA
+    // (verbs_gdr_gpu_test); this test is about the host-staged path.
+    ::setenv("GRADSYNC_GPU_STAGED", "1", 1);
   }
 };
 
@@ -141,6 +60,7 @@ INSTANTIATE_TEST_SUITE_P(Algorithms, StagedRdma, ::testing::Values(Algorithm::kR
 // is a memcpy under one lock: this compares the daemons' two channel paths, not a NIC.
 TEST(StagedRdmaBench, DISABLED_BusbwVerbsBesideTcp) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  ::setenv("GRADSYNC_GPU_STAGED", "1", 1);
   struct Row {
     size_t bytes;
     double us[2];
@@ -162,9 +82,10 @@ TEST(StagedRdmaBench, DISABLED_BusbwVerbsBesideTcp) {
         GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
         void* buf = nullptr;
         GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buf, row.bytes), "cudaMalloc"));
-        cudaMemset(buf, 0, row.bytes);
+        // A non-blocking stream and no legacy-stream call: ranks may share one GPU.
         cudaStream_t stream = nullptr;
-        cudaStreamCreate(&stream);
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        cudaMemsetAsync(buf, 0, row.bytes, stream);
         Status s;
         for (int i = 0; i < 2 && s.ok(); ++i)  // warm-up
           s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
