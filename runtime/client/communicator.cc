@@ -239,6 +239,7 @@ class CommunicatorImpl {
       cv_.notify_all();
     };
     ops.abort_reason = [this] { return abort_reason(); };
+    ops.abort_job = [this](const std::string& reason) { (void)abort(reason); };
     DeviceCommConfig cfg;
     cfg.job = opts_.job;
     cfg.host = links_.hosts.empty() ? std::string() : links_.hosts[opts_.rank];
@@ -248,6 +249,13 @@ class CommunicatorImpl {
     cfg.local_world_size = opts_.local_world_size;
     cfg.device = opts_.device;
     cfg.op_timeout = opts_.op_timeout;
+    cfg.hosts = links_.hosts;
+    if (join_.has_verbs()) {
+      cfg.verbs_device = join_.verbs().device();
+      cfg.verbs_port = int(join_.verbs().port());
+      cfg.gid_index = join_.verbs().gid_index();
+      cfg.verbs_api = join_.verbs().api();
+    }
     auto d = DeviceComm::create(cfg, std::move(ops));
     if (!d.ok()) return d.status();
     gpu_ = std::move(d).value();
@@ -267,6 +275,7 @@ class CommunicatorImpl {
       std::unique_lock lock(mu_);
       cv_.wait_for(lock, opts_.op_timeout, [&] { return queue_.empty() && !busy_; });
     }
+    gpu_->quiesce();
     if (failed_.ok() && gpu_->async_error().ok() && abort_reason().empty()) {
       uint8_t token = 0;
       CollectiveCall c{CollectiveKind::kBarrier, &token, &token, 1, DataType::kUInt8, ReduceOp::kSum, 0,

@@ -10,6 +10,11 @@
 
 #include "common/log.h"
 #include "kernels/cuda_node.cuh"
+#include "kernels/cuda_reduce.cuh"
+#if GRADSYNC_HAVE_GDR
+#include "gpu/gdr_ring.h"
+#include "topology/gpudirect.h"
+#endif
 
 namespace gradsync {
 namespace {
@@ -110,6 +115,14 @@ struct DeviceComm::Impl {
   StagedTiming timing;
   bool log_timing = false;
 
+#if GRADSYNC_HAVE_GDR
+  // GPUDirect RDMA (gpu/gdr_ring.h): calls of at least gdr_min_bytes per segment; smaller
+  // ones stay host-staged.
+  std::unique_ptr<GdrRing> gdr;
+  size_t gdr_min_bytes = 0;
+#endif
+  std::string gdr_why_not = "not tried";
+
   // GRADSYNC_GPU_TIMELINE (gpu/timeline.h), cuda-ipc only.
   bool timeline_asked = false;
   uint64_t* timeline = nullptr;  // layout.blocks records (kernels/cuda_node.cuh), device memory
@@ -180,6 +193,13 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
   if (cfg.world_size == 1) {
     m.path = Impl::Path::kSingle;
   } else {
+    // Before any wait kernel of this rank exists (kernels/cuda_reduce.cuh says why).
+    if (cudaError_t e = kernels::load_host_sync_kernels(); e != cudaSuccess) {
+      return Status(Code::kInternal, d->who() + ": loading the GPU kernels: " + cudaGetErrorString(e));
+    }
+    if (cudaError_t e = kernels::load_reduce_kernels(); e != cudaSuccess) {
+      return Status(Code::kInternal, d->who() + ": loading the GPU kernels: " + cudaGetErrorString(e));
+    }
     bool ipc = false;
     if (cfg.local_world_size == cfg.world_size && cfg.world_size <= kernels::kMaxNodeRanks &&
         std::getenv("GRADSYNC_GPU_STAGED") == nullptr) {
@@ -191,6 +211,7 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     } else {
       GS_RETURN_IF_ERROR(d->setup_staged());
       m.path = Impl::Path::kStaged;
+      GS_RETURN_IF_ERROR(d->setup_gdr());
     }
   }
   log::get("gpu")->info("{}: GPU collectives by {}", d->who(), d->path());
@@ -338,10 +359,75 @@ Status DeviceComm::setup_staged() {
   return Status::Ok();
 }
 
+// GPUDirect RDMA between the nodes, where every rank's daemon has an RDMA device and every
+// rank can register GPU memory with it (gpu/gdr_ring.h); else the host-staged path alone.
+// Collective: every rank of a multi-node communicator calls it.
+Status DeviceComm::setup_gdr() {
+  Impl& m = *impl_;
+#if GRADSYNC_HAVE_GDR
+  auto log = log::get("gpu");
+  auto min_bytes = topology::gdr_min_bytes_from_env(64 << 10);
+  if (!min_bytes.ok()) return Status(min_bytes.status().code(), who() + ": " + min_bytes.status().message());
+  m.gdr_min_bytes = *min_bytes;
+  // Opt-in until the path has passed its GPU tests (docs/gpudirect.md, "What ran where").
+  const char* on = std::getenv("GRADSYNC_GDR");
+  const bool asked = on != nullptr && *on != '\0' && std::strcmp(on, "0") != 0;
+  const bool staged = std::getenv("GRADSYNC_GPU_STAGED") != nullptr;
+  if (!asked) {
+    m.gdr_why_not = "GRADSYNC_GDR=1 is not set (GPUDirect RDMA in the GPU communicator is opt-in for now)";
+  } else if (staged) {
+    m.gdr_why_not = "GRADSYNC_GPU_STAGED is set";
+  }
+  // Still collective when this rank does not want it: the others may. It takes part and
+  // fails locally, and then every rank keeps the host-staged path.
+  GdrConfig g;
+  g.who = who();
+  g.rank = cfg_.rank;
+  g.world_size = cfg_.world_size;
+  g.device = cfg_.device;
+  g.hosts = cfg_.hosts;
+  g.verbs_device = asked && !staged ? cfg_.verbs_device : std::string();
+  g.verbs_port = cfg_.verbs_port;
+  g.gid_index = cfg_.gid_index;
+  g.verbs_api = cfg_.verbs_api;
+  g.slot_bytes = size_t(env_long("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
+  g.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GDR_SLOTS", 4)));
+  g.op_timeout = cfg_.op_timeout;
+  g.abort_dev = &m.words_dev->abort;
+  g.error_dev = &m.words_dev->error;
+  g.abort_host = &m.words->abort;
+  if (g.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
+  std::string why;
+  auto ring = GdrRing::create(g, ops_, &why);
+  if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
+  m.gdr = std::move(ring).value();
+  if (m.gdr) {
+    m.gdr_why_not.clear();
+    log->info("{}: {}; calls of {} bytes and more per segment take it, smaller ones host-staged "
+              "(GRADSYNC_GDR_MIN_BYTES)", who(), m.gdr->describe(), m.gdr_min_bytes);
+  } else {
+    if (m.gdr_why_not == "not tried") m.gdr_why_not = why;
+    log->info("{}: no GPUDirect RDMA: {}; GPU collectives are host-staged", who(), m.gdr_why_not);
+  }
+#else
+  m.gdr_why_not = "built without the verbs headers";
+#endif
+  return Status::Ok();
+}
+
+void DeviceComm::quiesce() {
+#if GRADSYNC_HAVE_GDR
+  if (impl_->gdr) impl_->gdr->quiesce();
+#endif
+}
+
 DeviceComm::~DeviceComm() {
   stop_.store(true, std::memory_order_release);
   if (watcher_.joinable()) watcher_.join();
   Impl& m = *impl_;
+#if GRADSYNC_HAVE_GDR
+  m.gdr.reset();
+#endif
   (void)cudaSetDevice(cfg_.device);
   for (void* p : m.opened) (void)cudaIpcCloseMemHandle(p);
   if (m.region) (void)cudaFree(m.region);
@@ -373,7 +459,11 @@ const char* DeviceComm::path() const {
   switch (impl_->path) {
     case Impl::Path::kSingle: return "single-rank";
     case Impl::Path::kIpc: return "cuda-ipc";
-    case Impl::Path::kStaged: return "host-staged";
+    case Impl::Path::kStaged:
+#if GRADSYNC_HAVE_GDR
+      if (impl_->gdr) return "gpudirect-rdma";
+#endif
+      return "host-staged";
   }
   return "?";
 }
@@ -385,6 +475,14 @@ DeviceComm::StagedTiming DeviceComm::last_staged_timing() const {
 
 Status DeviceComm::fail_from_error_word() {
   Impl& m = *impl_;
+#if GRADSYNC_HAVE_GDR
+  if (m.gdr) {
+    if (Status s = m.gdr->error(); !s.ok()) {
+      failed_ = {s.code(), who() + ": " + s.message()};
+      return failed_;
+    }
+  }
+#endif
   {
     std::lock_guard lock(m.mu);
     if (!m.staged_error.ok()) {
@@ -400,6 +498,12 @@ Status DeviceComm::fail_from_error_word() {
   std::string what;
   if (e.what == 2) {
     what = "the stream waited for host-staged results";
+  } else if (e.what == 3 || e.what == 4) {
+    const std::string peer = "rank " + std::to_string(e.peer) +
+                             (size_t(e.peer) < cfg_.hosts.size() ? " (host " + cfg_.hosts[e.peer] + ")" : "");
+    what = e.what == 3 ? "the stream waited for a GPUDirect RDMA message from " + peer
+                       : "the stream waited for a free GPUDirect RDMA send slot (" + peer +
+                             " frees them)";
   } else {
     what = std::string("block ") + std::to_string(e.block) + " waited for rank " +
            std::to_string(e.peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
@@ -580,6 +684,20 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
                     "the host-staged path (ranks on several nodes) cannot be captured in a CUDA "
                     "graph: its host half is started by the call, not by the graph's launch"});
   }
+#if GRADSYNC_HAVE_GDR
+  if (m.gdr && c.count * element_size(c.type) >= m.gdr_min_bytes) {
+    if (Status s = m.gdr->enqueue(c, stream); !s.ok()) {
+      // Part of the call may be on the stream: its waits end through the abort word, and
+      // the communicator is failed from here on.
+      __atomic_store_n(&m.words->abort, 1u, __ATOMIC_RELEASE);
+      failed_ = {s.code(), who() + ": GPU " + describe_gpu(c, number) +
+                               " could not be queued completely: " + s.message()};
+      if (ops_.abort_job) ops_.abort_job(failed_.message());  // the peers wait for its messages
+      return failed_;
+    }
+    return Status::Ok();
+  }
+#endif
   return run_staged(c, stream, number);
 }
 

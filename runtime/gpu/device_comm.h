@@ -60,6 +60,8 @@ struct HostOps {
   std::function<Status(const CollectiveCall& call)> run_on_worker;
   // Non-empty once the job was aborted or the daemon lost: GPU waits stop.
   std::function<std::string()> abort_reason;
+  // Aborts the job on every rank (a GPU path that failed on its own, e.g. an RDMA error).
+  std::function<void(const std::string& reason)> abort_job;
 };
 
 struct DeviceCommConfig {
@@ -71,6 +73,12 @@ struct DeviceCommConfig {
   int local_world_size = 1;
   int device = 0;  // an ordinal or JoinOptions::kDeviceLocalRank (resolved by create)
   std::chrono::milliseconds op_timeout{300'000};
+  std::vector<std::string> hosts;  // every rank's host, for errors naming a peer
+  // The RDMA device port of this node's daemon (empty: TCP only), for GPUDirect RDMA.
+  std::string verbs_device;
+  int verbs_port = 1;
+  int gid_index = -1;
+  std::string verbs_api;
 };
 
 class DeviceComm {
@@ -88,6 +96,9 @@ class DeviceComm {
   Status async_error();
   int device() const { return cfg_.device; }
   const char* path() const;
+  // Before the memory goes (leave, after the stream is idle): the GPUDirect ring's worker
+  // sends its last credits and stops.
+  void quiesce();
 
   // Per-stage timing of the last host-staged call (for the overlap figure of the bench).
   struct StagedTiming {
@@ -109,6 +120,7 @@ class DeviceComm {
   DeviceComm(DeviceCommConfig cfg, HostOps ops);
   Status setup_ipc(bool* usable);
   Status setup_staged();
+  Status setup_gdr();
   Status setup_timeline();
   Status check_call(const CollectiveCall& call) const;
   Status check_device_buffer(const char* name, const void* p) const;

@@ -1,0 +1,301 @@
+// GPUDirect RDMA in the GPU communicator (gpu/gdr_ring.h): GPU ranks as threads, one per
+// "node" (a gradsyncd object on its own emulated RDMA device, daemon_cluster.h). Each rank
+// registers its GPU slots with that device through the dma-buf path, and the emulated NIC
+// moves every message from a send slot in one GPU's memory into a receive slot in the next
+// one's (a cudaMemcpyAsync: the copier below), while the reduction kernels consume the slots
+// on the caller's stream. The whole collectives matrix runs on device buffers that way.
+// Label gpu: skips itself without a CUDA device. The busbw table (GPUDirect beside the
+// host-staged path over verbs and over TCP channels) is a benchmark, run with
+// --gtest_also_run_disabled_tests.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../unit/collective_matrix.h"
+#include "daemon_cluster.h"
+#include "gpu_world.h"
+#include "kernels/cuda_reduce.cuh"
+#include "transport/verbs/emulated_fabric.h"
+
+namespace gradsync {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::cuda_status;
+using testing::DaemonCluster;
+using testing::DaemonWorld;
+using testing::gpu_count;
+using testing::GpuWorld;
+using testing::on_gpus;
+
+// The emulated NIC's copy. Host to host (the daemons' channels): memmove. GPU memory: a copy
+// kernel on a stream of its own that does not synchronize with other streams, and waited for:
+// the NIC has written the bytes when the completion appears. Not cudaMemcpy: a legacy-stream
+// copy waits for the ranks' streams, and a device-to-device copy may too (CUDA's implicit
+// synchronization), while their wait kernels wait for this very copy.
+void gpu_copier(void* dst, const void* src, size_t n) {
+  static cudaStream_t stream = [] {
+    cudaStream_t s = nullptr;
+    (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+    return s;
+  }();
+  auto on_gpu = [](const void* p) {
+    cudaPointerAttributes a{};
+    const bool ok = cudaPointerGetAttributes(&a, p) == cudaSuccess;
+    (void)cudaGetLastError();
+    return ok && a.type == cudaMemoryTypeDevice;
+  };
+  const bool d = on_gpu(dst), s = on_gpu(src);
+  if (!d && !s) {
+    std::memmove(dst, src, n);
+    return;
+  }
+  cudaError_t e = d && s ? kernels::launch_copy(dst, src, n, stream)
+                         : cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "emulated NIC: copy of %zu bytes failed: %s\n", n, cudaGetErrorString(e));
+    std::abort();
+  }
+}
+
+class Gdr : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+    verbs::EmulatedFabric::instance().set_copier(gpu_copier);
+    ::unsetenv("GRADSYNC_GPU_STAGED");
+    ::setenv("GRADSYNC_GDR", "1", 1);
+    // Every call by GPUDirect, and small slots: many messages per call, slots reused.
+    ::setenv("GRADSYNC_GDR_MIN_BYTES", "0", 1);
+    ::setenv("GRADSYNC_GDR_SLOT_BYTES", "4096", 1);
+    ::setenv("GRADSYNC_GDR_SLOTS", "4", 1);
+  }
+  void TearDown() override {
+    verbs::EmulatedFabric::instance().set_copier(nullptr);
+    ::unsetenv("GRADSYNC_GDR");
+    ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
+    ::unsetenv("GRADSYNC_GDR_SLOT_BYTES");
+    ::unsetenv("GRADSYNC_GDR_SLOTS");
+  }
+};
+
+void expect_path(DaemonWorld& world, const std::string& path) {
+  for (int r = 0; r < world.size(); ++r) EXPECT_EQ(world.comm(r).gpu_path(), path) << "rank " << r;
+}
+
+// One allreduce, every rank's outcome reported (the matrix stops at the first failing rank).
+TEST_F(Gdr, OneAllreduceEveryRank) {
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-one", 10s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  GpuWorld gpus(world);
+  std::vector<std::vector<float>> v = {std::vector<float>(3000, 1.0f), std::vector<float>(3000, 2.0f)};
+  std::vector<float> out0(3000, -1.0f), out1(3000, -1.0f);
+  auto st = gpus.collective({{CollectiveKind::kAllreduce, v[0].data(), out0.data(), 3000, DataType::kFloat32,
+                              ReduceOp::kSum, 0, Algorithm::kRing, 0},
+                             {CollectiveKind::kAllreduce, v[1].data(), out1.data(), 3000, DataType::kFloat32,
+                              ReduceOp::kSum, 0, Algorithm::kRing, 0}});
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+  EXPECT_EQ(out0[0], 3.0f);
+  EXPECT_EQ(out0[2999], 3.0f);
+  EXPECT_EQ(out1[0], 3.0f);
+  EXPECT_EQ(out1[2999], 3.0f);
+}
+
+TEST_F(Gdr, CollectivesMatrixTwoNodes) {
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-2", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
+}
+
+// Three ranks: the ring's middle steps (receive, reduce into the send slot, send on), two
+// send slots only.
+TEST_F(Gdr, CollectivesMatrixThreeNodesTwoSlots) {
+  ::setenv("GRADSYNC_GDR_SLOTS", "2", 1);
+  DaemonCluster cluster({.nodes = 3});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 3, 1, "gdr-3", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
+}
+
+// Two ranks per node: the ring's links inside a node go through the node's own NIC too.
+TEST_F(Gdr, AllreduceMatrixTwoNodesTimesTwo) {
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 2, "gdr-2x2", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+}
+
+// Below GRADSYNC_GDR_MIN_BYTES calls stay host-staged; both paths interleave on one stream.
+TEST_F(Gdr, SmallCallsStayHostStagedAndInterleave) {
+  ::setenv("GRADSYNC_GDR_MIN_BYTES", "4K", 1);
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-mixed", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);  // counts 0..5003: both sides of 4 KiB
+}
+
+// One node without an RDMA device: no rank takes GPUDirect, and the job still runs.
+TEST_F(Gdr, ANodeWithoutVerbsKeepsEveryRankHostStaged) {
+  DaemonCluster cluster({.nodes = 2, .transport = {"verbs", "tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-tcp", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "host-staged");
+  GpuWorld gpus(world);
+  std::vector<float> a(1000, 1.0f), b(1000, 2.0f);
+  auto st = gpus.collective({{CollectiveKind::kAllreduce, a.data(), a.data(), a.size(), DataType::kFloat32,
+                              ReduceOp::kSum, 0, Algorithm::kRing, 0},
+                             {CollectiveKind::kAllreduce, b.data(), b.data(), b.size(), DataType::kFloat32,
+                              ReduceOp::kSum, 0, Algorithm::kRing, 0}});
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+  EXPECT_EQ(a[999], 3.0f);
+  EXPECT_EQ(b[0], 3.0f);
+}
+
+// The link of node 1 goes down while allreduces run: every rank's stream stops and every rank
+// reports an error naming a peer, within the op timeout; nothing hangs.
+TEST_F(Gdr, LinkDownMidCollectiveFailsEveryRankNamingThePeer) {
+  ::setenv("GRADSYNC_GDR_SLOT_BYTES", "65536", 1);
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-fault", 5s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  const size_t count = 4 << 20;
+  std::atomic<int> started{0};
+  std::thread breaker([&] {
+    while (started.load() < 2) std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(50ms);
+    verbs::EmulatedFabric::instance().set_link_down(cluster.device(1), 1);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto st = world.run([&](int r) -> Status {
+    Communicator& comm = world.comm(r);
+    GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
+    void* buf = nullptr;
+    GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buf, count * 4), "cudaMalloc"));
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    Status s;
+    ++started;
+    for (int i = 0; i < 200 && s.ok(); ++i) {
+      s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
+      if (s.ok() && i % 4 == 3) {
+        cudaStreamSynchronize(stream);
+        s = comm.async_error();
+      }
+    }
+    cudaStreamSynchronize(stream);
+    if (s.ok()) s = comm.async_error();
+    cudaStreamDestroy(stream);
+    cudaFree(buf);
+    return s;
+  });
+  breaker.join();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(st[r].ok()) << "rank " << r << " did not fail";
+    EXPECT_NE(st[r].message().find("rank " + std::to_string(1 - r)), std::string::npos)
+        << "rank " << r << ": " << st[r].to_string();
+    std::printf("rank %d: %s\n", r, st[r].to_string().c_str());
+  }
+  EXPECT_LT(secs, 30.0);
+}
+
+// busbw of float32 sum allreduce on device buffers, 2 nodes x 1 GPU: GPUDirect RDMA beside
+// the host-staged path over the daemons' verbs channels and over TCP channels, in this
+// process. The emulated NIC is a cudaMemcpy under one lock: this compares the paths' own
+// costs, not a NIC.
+TEST(GdrBench, DISABLED_BusbwGpuDirectBesideHostStaged) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  verbs::EmulatedFabric::instance().set_copier(gpu_copier);
+  ::setenv("GRADSYNC_GDR", "1", 1);
+  ::setenv("GRADSYNC_GDR_MIN_BYTES", "0", 1);
+  struct Row {
+    size_t bytes;
+    double us[3];
+  };
+  std::vector<Row> rows;
+  for (size_t bytes = 64 << 10; bytes <= (size_t(256) << 20); bytes *= 4) rows.push_back({bytes, {0, 0, 0}});
+  const char* names[3] = {"gpudirect", "staged-verbs", "staged-tcp"};
+  for (int t = 0; t < 3; ++t) {
+    if (t == 0) ::unsetenv("GRADSYNC_GPU_STAGED"); else ::setenv("GRADSYNC_GPU_STAGED", "1", 1);
+    const std::string tr = t == 2 ? "tcp" : "verbs";
+    DaemonCluster cluster({.nodes = 2, .transport = {tr, tr}, .slots = 8, .slot_bytes = 1 << 20});
+    ASSERT_TRUE(cluster.ok()) << cluster.error();
+    DaemonWorld world(cluster, 2, 1, std::string("bench-") + names[t], 120s, on_gpus);
+    ASSERT_EQ(world.join_error(), "");
+    for (auto& row : rows) {
+      const size_t count = row.bytes / 4;
+      const int iters = row.bytes >= (size_t(64) << 20) ? 5 : 20;
+      std::vector<double> us(2);
+      auto st = world.run([&](int r) -> Status {
+        Communicator& comm = world.comm(r);
+        GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
+        void* buf = nullptr;
+        GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buf, row.bytes), "cudaMalloc"));
+        // A non-blocking stream and no legacy-stream call: ranks may share one GPU.
+        cudaStream_t stream = nullptr;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        cudaMemsetAsync(buf, 0, row.bytes, stream);
+        Status s;
+        for (int i = 0; i < 2 && s.ok(); ++i)  // warm-up
+          s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
+        cudaStreamSynchronize(stream);
+        if (s.ok()) s = comm.barrier();
+        auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters && s.ok(); ++i)
+          s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
+        cudaStreamSynchronize(stream);
+        us[r] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+        if (s.ok()) s = comm.async_error();
+        cudaStreamDestroy(stream);
+        cudaFree(buf);
+        return s;
+      });
+      for (int r = 0; r < 2; ++r) ASSERT_TRUE(st[r].ok()) << names[t] << ": " << st[r].to_string();
+      row.us[t] = std::max(us[0], us[1]);
+    }
+  }
+  ::unsetenv("GRADSYNC_GPU_STAGED");
+  ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
+  verbs::EmulatedFabric::instance().set_copier(nullptr);
+  // busbw = algbw * 2 (n - 1) / n, n = 2 ranks: algbw.
+  std::printf("# GPU allreduce float32 sum, 2 nodes x 1 GPU, emulated RDMA fabric; daemons in one process\n");
+  std::printf("# %11s %13s %13s %13s %11s %11s\n", "bytes", "gdr GB/s", "staged-verbs", "staged-tcp",
+              "gdr/verbs", "gdr/tcp");
+  for (const auto& row : rows) {
+    double bw[3];
+    for (int t = 0; t < 3; ++t) bw[t] = double(row.bytes) / row.us[t] / 1e3;
+    std::printf("  %11zu %13.2f %13.2f %13.2f %10.2fx %10.2fx\n", row.bytes, bw[0], bw[1], bw[2], bw[0] / bw[1],
+                bw[0] / bw[2]);
+  }
+}
+
+}  // namespace
+}  // namespace gradsync
