@@ -253,11 +253,12 @@ GpuPath decide_path(const PathInputs& in, PciDistance level) {
   }
   // Registration: dma-buf first, then nvidia-peermem (design §3).
   std::string how;
-  if (in.dma_buf_supported == 1 && in.kernel_rdma_dmabuf) {
+  const bool nic_refuses = in.nic_dmabuf == 0;
+  if (in.dma_buf_supported == 1 && in.kernel_rdma_dmabuf && !nic_refuses) {
     how = "dma-buf";
   } else if (in.peermem) {
     how = "nvidia-peermem";
-  } else if (in.dma_buf_supported < 0 && in.kernel_rdma_dmabuf && in.open_kernel_module) {
+  } else if (in.dma_buf_supported < 0 && in.kernel_rdma_dmabuf && in.open_kernel_module && !nic_refuses) {
     how = "dma-buf (inferred: open kernel module, kernel >= 5.12; CUDA attribute " +
           std::string("unknown: ") + in.cuda_unknown_reason + ")";
   }
@@ -267,6 +268,9 @@ GpuPath decide_path(const PathInputs& in, PciDistance level) {
     else if (in.dma_buf_supported < 0) why = "dma-buf support unknown (" + in.cuda_unknown_reason + ")";
     if (!in.kernel_rdma_dmabuf) {
       why += (why.empty() ? "" : ", ") + std::string("kernel older than 5.12 (no RDMA dma-buf)");
+    }
+    if (nic_refuses) {
+      why += (why.empty() ? "" : ", ") + in.nic + " does not register dma-buf (" + in.nic_dmabuf_note + ")";
     }
     out.reason = gpu + " memory cannot be registered with " + in.nic + ": " + why +
                  " and nvidia-peermem is not loaded";
@@ -340,7 +344,8 @@ bool GpuReport::all_gpus_gdr() const {
                      [](const GpuPath& p) { return p.path == DataPath::kGpuDirectRdma; });
 }
 
-GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance level) {
+GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance level,
+                       const std::function<NicDmaBufProbe(const std::string& device)>& probe) {
   GpuReport rep;
   rep.root = root.dir;
   rep.cuda = cuda;
@@ -399,6 +404,11 @@ GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance
       p.rate = read_first_line(pd + "/rate");
       d.ports.push_back(std::move(p));
     }
+    if (probe) {
+      NicDmaBufProbe p = probe(d.name);
+      d.dmabuf = p.supported;
+      d.dmabuf_note = std::move(p.note);
+    }
     rep.nics.push_back(std::move(d));
   }
 
@@ -436,6 +446,8 @@ GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance
       in.nic_active = true;
       in.nic = rep.nics[best].name;
       in.distance = rep.distance[gi][best];
+      in.nic_dmabuf = rep.nics[best].dmabuf;
+      in.nic_dmabuf_note = rep.nics[best].dmabuf_note;
     }
     if (g.cuda_index >= 0) {
       const CudaGpu& c = rep.cuda.gpus[g.cuda_index];
@@ -503,6 +515,9 @@ std::string render(const GpuReport& r) {
         << (p.rate.empty() ? "?" : p.rate) << ", active_mtu "
         << (p.active_mtu.empty() ? "n/a (not in sysfs; see ibv_devinfo)" : p.active_mtu) << "\n";
     }
+    o << "    dma-buf registration: "
+      << (n.dmabuf == 1 ? "yes" : n.dmabuf == 0 ? "no" : "not probed")
+      << (n.dmabuf_note.empty() ? "" : " (" + n.dmabuf_note + ")") << "\n";
   }
 
   o << "\nTopology (GPU to NIC, from sysfs PCIe paths)\n";
@@ -552,7 +567,13 @@ std::string render(const GpuReport& r) {
         : r.reg.open_kernel_module ? "open kernel module (dma-buf capable)"
                                    : "proprietary kernel module (dma-buf needs the open module)")
     << "\n";
-  o << "  dma-buf, NIC: not checked (needs an ibv_reg_dmabuf_mr probe; doctor links no libibverbs)\n";
+  o << "  dma-buf, NIC: ";
+  if (r.nics.empty()) o << "no RDMA device";
+  for (size_t i = 0; i < r.nics.size(); ++i) {
+    const RdmaDevice& n = r.nics[i];
+    o << (i ? "; " : "") << n.name << " " << (n.dmabuf == 1 ? "yes" : n.dmabuf == 0 ? "no" : "not probed");
+  }
+  o << (r.nics.empty() ? "" : " (ibv_reg_dmabuf_mr with fd -1: see NICs above)") << "\n";
   for (size_t i = 0; i < r.gpus.size(); ++i) {
     const CudaGpu* c = r.gpus[i].cuda_index >= 0 ? &r.cuda.gpus[r.gpus[i].cuda_index] : nullptr;
     o << "  GPU" << i << ": DMA_BUF_SUPPORTED " << tri(c ? c->dma_buf_supported : -1, cuda_unknown)

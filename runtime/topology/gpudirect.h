@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -72,7 +73,17 @@ struct RdmaDevice {
   int numa_node = -1;
   std::vector<std::string> netdevs;  // "ib0", "ens1f0np0"
   std::vector<RdmaPort> ports;
+  // dma-buf registration on this device, probed through verbs (gradsyncctl doctor): 1 yes,
+  // 0 no, -1 not probed; the note says how it was found out.
+  int dmabuf = -1;
+  std::string dmabuf_note;
   bool has_active_port() const;
+};
+
+// The verbs probe of one device's dma-buf support (RdmaDevice::dmabuf and its note).
+struct NicDmaBufProbe {
+  int supported = -1;
+  std::string note;
 };
 
 struct GpuInfo {
@@ -121,6 +132,8 @@ struct PathInputs {
   bool peermem = false;                // nvidia-peermem registered with ib_core (or module loaded)
   bool kernel_rdma_dmabuf = false;     // kernel >= 5.12
   bool open_kernel_module = false;     // hint for dma-buf when CUDA is unknown
+  int nic_dmabuf = -1;                 // the NIC's probe: 1 registers dma-buf, 0 not, -1 unknown
+  std::string nic_dmabuf_note;
 };
 
 // Design §3, per GPU (and so per peer reached through its NIC): GPUDirect RDMA when a verbs
@@ -161,7 +174,10 @@ struct GpuReport {
 };
 
 // Reads the tree under root; `cuda` is copied into the report and matched by PCI address.
-GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance level);
+// `probe`, when given, is asked about each RDMA device by name (gradsyncctl doctor opens it
+// through verbs); the answer goes into RdmaDevice::dmabuf and the path decision.
+GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance level,
+                       const std::function<NicDmaBufProbe(const std::string& device)>& probe = nullptr);
 
 // The text gradsyncctl doctor prints.
 std::string render(const GpuReport& report);

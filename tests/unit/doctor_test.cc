@@ -258,6 +258,37 @@ TEST(DoctorReport, GpuBehindSwitchWithNics) {
   EXPECT_NE(text.find("nvidia-peermem: not loaded"), std::string::npos) << text;
 }
 
+// The verbs probe of each NIC (gradsyncctl doctor) is shown, and a NIC that refuses dma-buf
+// leaves peermem or host staging.
+TEST(DoctorReport, NicDmaBufProbe) {
+  FakeSysfs t;
+  t.add_gpu(kSwitch + "/0000:19:00.0", 0);
+  t.add_mlx5("mlx5_0", kSwitch + "/0000:1a:00.0", 0);
+  auto probe = [](int yes) {
+    return [yes](const std::string& dev) {
+      return NicDmaBufProbe{yes, dev + (yes ? ": EBADF, as expected" : ": EOPNOTSUPP")};
+    };
+  };
+  GpuReport r = build_report(t.root(), h200_cuda("0000:19:00.0"), PciDistance::PXB, probe(1));
+  ASSERT_EQ(r.nics.size(), 1u);
+  EXPECT_EQ(r.nics[0].dmabuf, 1);
+  EXPECT_EQ(r.paths[0].registration, "dma-buf");
+  EXPECT_NE(render(r).find("dma-buf registration: yes (mlx5_0: EBADF, as expected)"), std::string::npos)
+      << render(r);
+
+  r = build_report(t.root(), h200_cuda("0000:19:00.0"), PciDistance::PXB, probe(0));
+  EXPECT_EQ(r.nics[0].dmabuf, 0);
+  EXPECT_EQ(r.paths[0].path, DataPath::kHostStagedRdma);
+  EXPECT_NE(r.paths[0].reason.find("mlx5_0 does not register dma-buf (mlx5_0: EOPNOTSUPP)"), std::string::npos)
+      << r.paths[0].reason;
+  EXPECT_NE(render(r).find("dma-buf registration: no"), std::string::npos);
+
+  r = build_report(t.root(), h200_cuda("0000:19:00.0"), PciDistance::PXB);  // not probed
+  EXPECT_EQ(r.nics[0].dmabuf, -1);
+  EXPECT_EQ(r.paths[0].registration, "dma-buf");
+  EXPECT_NE(render(r).find("dma-buf registration: not probed"), std::string::npos);
+}
+
 TEST(DoctorReport, NicOnlyOnTheOtherSocketIsHostStaged) {
   FakeSysfs t;
   t.add_gpu(kSwitch + "/0000:19:00.0", 0);

@@ -282,6 +282,32 @@ TEST_F(Dmabuf, TableWithoutTheEntryIsUnavailable) {
   }
 }
 
+// gradsyncctl doctor's NIC probe (ibv_reg_dmabuf_mr with fd -1, as NCCL probes): the
+// emulated device checks the fd (EBADF), so it registers dma-buf; a provider that answers
+// EOPNOTSUPP, or a table without the entry, does not.
+ibv_mr* refuse_dmabuf(ibv_pd*, uint64_t, size_t, uint64_t, int, int) {
+  errno = EOPNOTSUPP;
+  return nullptr;
+}
+
+TEST_F(Dmabuf, ProbeTellsWhetherTheDeviceRegistersDmabuf) {
+  std::string note;
+  EXPECT_TRUE(probe_dmabuf(*node_[0].pd, &note));
+  EXPECT_TRUE(contains(note, "as expected")) << note;
+
+  IbvApi old_rdma_core = *emulated_ibv();
+  old_rdma_core.reg_dmabuf_mr = nullptr;
+  old_rdma_core.reg_dmabuf_mr_missing = "libibverbs.so.1 has no ibv_reg_dmabuf_mr (rdma-core < 34)";
+  IbvApi refusing = *emulated_ibv();
+  refusing.reg_dmabuf_mr = &refuse_dmabuf;
+  for (const IbvApi* api : {&old_rdma_core, &refusing}) {
+    ASSIGN_OK(ctx, Context::open(api, "emu0"));
+    ASSIGN_OK(pd, ProtectionDomain::create(ctx));
+    EXPECT_FALSE(probe_dmabuf(pd, &note));
+    EXPECT_TRUE(contains(note, api == &refusing ? "provider or kernel without dma-buf" : "rdma-core < 34")) << note;
+  }
+}
+
 // The counting copier: records every call, then copies.
 struct CopyLog {
   int calls = 0;

@@ -5,7 +5,12 @@
 #include <cctype>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <string>
+
+#if GRADSYNC_HAVE_VERBS
+#include "transport/verbs/verbs.h"
+#endif
 
 namespace gradsync::doctor {
 namespace {
@@ -92,6 +97,22 @@ topology::CudaFacts probe_cuda() {
   return facts;
 }
 
+topology::NicDmaBufProbe probe_nic_dmabuf(const std::string& device) {
+#if GRADSYNC_HAVE_VERBS
+  auto api = verbs::load_libibverbs();
+  if (!api.ok()) return {-1, "not probed: " + api.status().message()};
+  auto ctx = verbs::Context::open(*api, device);
+  if (!ctx.ok()) return {-1, "not probed: " + ctx.status().message()};
+  auto pd = verbs::ProtectionDomain::create(*ctx);
+  if (!pd.ok()) return {-1, "not probed: " + pd.status().message()};
+  std::string note;
+  const bool yes = verbs::probe_dmabuf(*pd, &note);
+  return {yes ? 1 : 0, note};
+#else
+  return {-1, "not probed: built without the verbs headers (" + device + ")"};
+#endif
+}
+
 const char* usage_text() {
   return "  doctor [--require-gdr] [--sysfs-root DIR]\n"
          "                            GPUDirect RDMA readiness from sysfs/procfs (and libcuda if\n"
@@ -137,7 +158,14 @@ int run(const std::vector<std::string>& args, FILE* out, FILE* err) {
   } else {
     cuda.unavailable_reason = "CUDA not queried with --sysfs-root";
   }
-  const topology::GpuReport report = topology::build_report(root, cuda, level);
+  // Each NIC's dma-buf support, asked of the device itself (the real tree only).
+  std::function<topology::NicDmaBufProbe(const std::string&)> probe;
+  if (root.dir.empty() || root.dir == "/") {
+    probe = probe_nic_dmabuf;
+  } else {
+    probe = [](const std::string&) { return topology::NicDmaBufProbe{-1, "not probed with --sysfs-root"}; };
+  }
+  const topology::GpuReport report = topology::build_report(root, cuda, level, probe);
   std::fputs(topology::render(report).c_str(), out);
   const int rc = topology::doctor_exit_code(report, require_gdr);
   if (rc != 0) {

@@ -18,6 +18,10 @@ namespace gradsync::doctor {
 // reason when the library or a device is not there.
 topology::CudaFacts probe_cuda();
 
+// Opens `device` through libibverbs and asks it to register a dma-buf fd of -1
+// (verbs::probe_dmabuf); supported -1 with the reason when it cannot be asked.
+topology::NicDmaBufProbe probe_nic_dmabuf(const std::string& device);
+
 // args: what follows "doctor" on the command line ("--require-gdr", "--sysfs-root DIR").
 // Returns the process exit status: 0, 1 (--require-gdr and some GPU cannot use GPUDirect),
 // 2 (bad usage or bad GRADSYNC_GDR_LEVEL).

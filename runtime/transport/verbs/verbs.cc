@@ -171,6 +171,29 @@ Result<MemoryRegion> MemoryRegion::create(const ProtectionDomain& pd, void* addr
   return mr;
 }
 
+bool probe_dmabuf(const ProtectionDomain& pd, std::string* note) {
+  const IbvApi* api = pd.api();
+  if (api->reg_dmabuf_mr == nullptr) {
+    *note = std::string("no ibv_reg_dmabuf_mr in ") + api->name +
+            (api->reg_dmabuf_mr_missing ? std::string(": ") + api->reg_dmabuf_mr_missing : std::string());
+    return false;
+  }
+  errno = 0;
+  ibv_mr* raw = api->reg_dmabuf_mr(pd.get(), 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE);
+  const int err = errno;
+  if (raw != nullptr) {
+    (void)api->dereg_mr(raw);
+    *note = "ibv_reg_dmabuf_mr accepted fd -1 (provider does not check it)";
+    return true;
+  }
+  if (err == EOPNOTSUPP || err == EPROTONOSUPPORT) {
+    *note = "ibv_reg_dmabuf_mr with fd -1: " + errno_text(err) + " (provider or kernel without dma-buf MRs)";
+    return false;
+  }
+  *note = "ibv_reg_dmabuf_mr with fd -1: " + errno_text(err) + ", as expected (dma-buf MRs supported)";
+  return true;
+}
+
 Result<MemoryRegion> MemoryRegion::create_dmabuf(const ProtectionDomain& pd, int fd, uint64_t offset,
                                                  size_t length, uint64_t iova, int access) {
   const std::string where = "verbs device " + pd.device() + ": reg_dmabuf_mr";

@@ -101,6 +101,13 @@ class MemoryRegion {
   std::unique_ptr<ibv_mr, IbvDeleter<ibv_mr, &IbvApi::dereg_mr>> mr_;
 };
 
+// Whether the device of `pd` registers dma-buf memory, probed as NCCL does: ibv_reg_dmabuf_mr
+// with fd -1. A provider and kernel with dma-buf MRs refuse the fd (EBADF, or EINVAL for a
+// check that comes first): true. EOPNOTSUPP / EPROTONOSUPPORT, or a table without the entry
+// (rdma-core < 34): false. *note says which, for gradsyncctl doctor. An MR made by a broken
+// provider is deregistered at once and counts as supported.
+bool probe_dmabuf(const ProtectionDomain& pd, std::string* note);
+
 class CompletionQueue {
  public:
   static Result<CompletionQueue> create(const Context& ctx, int entries);
