@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "common/log.h"
+#include "gpu/gdr_schedule.h"
 #include "gpu/gpu_memory_registration.h"
 #include "kernels/cuda_reduce.cuh"
 #include "transport/verbs/emulated_fabric.h"
@@ -491,26 +492,6 @@ void GdrRing::Impl::run() {
   }
 }
 
-namespace {
-
-// Element ranges: segment i of an allreduce of `count` is [start(i), start(i) + len(i)).
-struct Segments {
-  size_t count = 0;
-  int n = 1;
-  bool even = false;  // reduce_scatter/all_gather: every segment is `count` long
-  size_t start(int i) const {
-    if (even) return size_t(i) * count;
-    const size_t base = count / size_t(n), rem = count % size_t(n);
-    return size_t(i) * base + std::min<size_t>(size_t(i), rem);
-  }
-  size_t len(int i) const {
-    if (even) return count;
-    return count / size_t(n) + (size_t(i) < count % size_t(n) ? 1 : 0);
-  }
-};
-
-}  // namespace
-
 Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
   Impl& m = *impl_;
   const int n = m.cfg.world_size, r = m.cfg.rank;
@@ -562,81 +543,33 @@ Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
     if (dst == src || bytes == 0) return Status::Ok();
     return check(kernels::launch_copy(dst, src, bytes, stream), "copy kernel");
   };
-  auto mod = [n](int x) { return ((x % n) + n) % n; };
 
+  // The schedule (gpu/gdr_schedule.h), step by step: the kernels of each step's body between
+  // its waits and its signals.
   Status s = Status::Ok();
-  if (c.kind == CollectiveKind::kBroadcast) {
-    // A pipeline from the root around the ring: position d = (r - root) mod n.
-    const int d = mod(r - c.root);
-    const size_t pieces = (c.count + per - 1) / per;
-    for (size_t p = 0; p < pieces && s.ok(); ++p) {
-      const size_t off = p * per * es, len = std::min(per, c.count - p * per), bytes = len * es;
-      if (d == 0) {
-        s = step(false, n > 1, len, [&](const uint8_t*, uint8_t* out) { return copy(out, recv + off, bytes); });
-      } else {
-        s = step(true, d < n - 1, len, [&](const uint8_t* in, uint8_t* out) {
-          GS_RETURN_IF_ERROR(copy(recv + off, in, bytes));
+  for (const gdr::Step& st : gdr::plan(c.kind, c.count, n, r, c.root, per)) {
+    const size_t bytes = st.len * es;
+    const uint8_t* input = send + st.in * es;
+    uint8_t* output = recv + st.out * es;
+    s = step(st.recv, st.send, st.len, [&](const uint8_t* in, uint8_t* out) -> Status {
+      switch (st.body) {
+        case gdr::Body::kCopyIn:
+          return copy(out, input, bytes);
+        case gdr::Body::kReduce:
+          return check(kernels::launch_reduce(c.type, c.op, out, in, input, st.len, stream), "reduce kernel");
+        case gdr::Body::kReduceFinal:
+          return check(kernels::launch_reduce_final(c.type, c.op, output, out, in, input, st.len, n, stream),
+                       "reduce kernel");
+        case gdr::Body::kGatherFirst:
+          GS_RETURN_IF_ERROR(copy(output, input, bytes));
+          return copy(out, input, bytes);
+        case gdr::Body::kCopyOut:
+          GS_RETURN_IF_ERROR(copy(output, in, bytes));
           return out ? copy(out, in, bytes) : Status::Ok();
-        });
       }
-    }
-  } else {
-    const bool reduce = c.kind != CollectiveKind::kAllGather;  // a reduce-scatter half
-    const bool gather = c.kind != CollectiveKind::kReduceScatter;  // an all-gather half
-    const Segments seg{c.count, n, c.kind != CollectiveKind::kAllreduce};
-    size_t longest = 0;
-    for (int i = 0; i < n; ++i) longest = std::max(longest, seg.len(i));
-    const size_t pieces = (longest + per - 1) / per;
-    // Piece p of segment i: elements [seg.start(i) + p * per, + plen(i, p)).
-    auto plen = [&](int i, size_t p) { return seg.len(i) > p * per ? std::min(per, seg.len(i) - p * per) : size_t(0); };
-    // Where segment i's piece p is in the input and in the output.
-    auto in_at = [&](int i, size_t p) { return send + (seg.start(i) + p * per) * es; };
-    auto out_at = [&](int i, size_t p) {
-      // reduce_scatter's output is this rank's segment alone.
-      const size_t at = c.kind == CollectiveKind::kReduceScatter ? p * per : seg.start(i) + p * per;
-      return recv + at * es;
-    };
-    for (size_t p = 0; p < pieces && s.ok(); ++p) {
-      if (reduce) {
-        // Step s sends segment r-s-1 and receives segment r-s-2; segment r completes last.
-        int sg = mod(r - 1);
-        if (size_t len = plen(sg, p)) {
-          s = step(false, true, len, [&](const uint8_t*, uint8_t* out) { return copy(out, in_at(sg, p), len * es); });
-        }
-        for (int st = 1; st <= n - 2 && s.ok(); ++st) {
-          sg = mod(r - st - 1);
-          if (size_t len = plen(sg, p)) {
-            s = step(true, true, len, [&](const uint8_t* in, uint8_t* out) {
-              return check(kernels::launch_reduce(c.type, c.op, out, in, in_at(sg, p), len, stream), "reduce kernel");
-            });
-          }
-        }
-        sg = r;
-        if (size_t len = plen(sg, p); len && s.ok()) {
-          s = step(true, gather, len, [&](const uint8_t* in, uint8_t* out) {
-            return check(kernels::launch_reduce_final(c.type, c.op, out_at(sg, p), out, in, in_at(sg, p), len, n, stream),
-                         "reduce kernel");
-          });
-        }
-      } else if (size_t len = plen(r, p)) {
-        // all_gather: this rank's input is its segment of the output, and the first message.
-        s = step(false, true, len, [&](const uint8_t*, uint8_t* out) {
-          GS_RETURN_IF_ERROR(copy(out_at(r, p), send + p * per * es, len * es));
-          return copy(out, send + p * per * es, len * es);
-        });
-      }
-      if (!gather) continue;
-      // All-gather step t sends segment r-t and receives segment r-t-1.
-      for (int t = 1; t <= n - 1 && s.ok(); ++t) {
-        const int sg = mod(r - t);
-        if (size_t len = plen(sg, p)) {
-          s = step(true, t < n - 1, len, [&](const uint8_t* in, uint8_t* out) {
-            GS_RETURN_IF_ERROR(copy(out_at(sg, p), in, len * es));
-            return out ? copy(out, in, len * es) : Status::Ok();
-          });
-        }
-      }
-    }
+      return Status(Code::kInternal, "unknown step");
+    });
+    if (!s.ok()) break;
   }
   if (std::getenv("GRADSYNC_GDR_TRACE") != nullptr) {
     log::get("gpu")->info("{}: gdr queued {} sends, {} receives ({})", who, sends.size(), recvs.size(),
