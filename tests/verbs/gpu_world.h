@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -134,6 +135,40 @@ class GpuWorld {
   std::vector<Rank> ranks_;
   Status error_;
 };
+
+// Microseconds per float32 sum allreduce of `bytes` on device buffers, in place, every rank of
+// `world` on a non-blocking stream of its own (no legacy-stream call: ranks may share a GPU):
+// two warm-up calls, a barrier, then `iters` calls timed; the slowest rank's time.
+inline Result<double> device_allreduce_us(DaemonWorld& world, size_t bytes, int iters) {
+  std::vector<double> us(size_t(world.size()), 0.0);
+  auto st = world.run([&](int r) -> Status {
+    Communicator& comm = world.comm(r);
+    GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
+    void* buf = nullptr;
+    GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buf, bytes), "cudaMalloc"));
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    cudaMemsetAsync(buf, 0, bytes, stream);
+    const size_t count = bytes / 4;
+    Status s;
+    for (int i = 0; i < 2 && s.ok(); ++i) s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
+    cudaStreamSynchronize(stream);
+    if (s.ok()) s = comm.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters && s.ok(); ++i)
+      s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
+    cudaStreamSynchronize(stream);
+    us[r] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+    if (s.ok()) s = comm.async_error();
+    cudaStreamDestroy(stream);
+    cudaFree(buf);
+    return s;
+  });
+  for (int r = 0; r < world.size(); ++r) {
+    if (!st[r].ok()) return Status(st[r].code(), "rank " + std::to_string(r) + ": " + st[r].message());
+  }
+  return *std::max_element(us.begin(), us.end());
+}
 
 // Rank r uses GPU r modulo the visible GPUs.
 inline void on_gpus(int rank, JoinOptions& o) { o.device = rank % std::max(gpu_count(), 1); }

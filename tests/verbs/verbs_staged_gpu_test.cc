@@ -26,7 +26,6 @@ using namespace std::chrono_literals;
 using testing::DaemonCluster;
 using testing::DaemonWorld;
 using testing::GpuWorld;
-using testing::cuda_status;
 using testing::gpu_count;
 using testing::on_gpus;
 
@@ -74,35 +73,9 @@ TEST(StagedRdmaBench, DISABLED_BusbwVerbsBesideTcp) {
     DaemonWorld world(cluster, 2, 1, std::string("bench-") + names[t], 120s, on_gpus);
     ASSERT_EQ(world.join_error(), "");
     for (auto& row : rows) {
-      const size_t count = row.bytes / 4;
-      const int iters = row.bytes >= (size_t(64) << 20) ? 5 : 20;
-      std::vector<double> us(2);
-      auto st = world.run([&](int r) -> Status {
-        Communicator& comm = world.comm(r);
-        GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
-        void* buf = nullptr;
-        GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buf, row.bytes), "cudaMalloc"));
-        // A non-blocking stream and no legacy-stream call: ranks may share one GPU.
-        cudaStream_t stream = nullptr;
-        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-        cudaMemsetAsync(buf, 0, row.bytes, stream);
-        Status s;
-        for (int i = 0; i < 2 && s.ok(); ++i)  // warm-up
-          s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
-        cudaStreamSynchronize(stream);
-        if (s.ok()) s = comm.barrier();
-        auto t0 = Clock::now();
-        for (int i = 0; i < iters && s.ok(); ++i)
-          s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
-        cudaStreamSynchronize(stream);
-        us[r] = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / iters;
-        if (s.ok()) s = comm.async_error();
-        cudaStreamDestroy(stream);
-        cudaFree(buf);
-        return s;
-      });
-      for (int r = 0; r < 2; ++r) ASSERT_TRUE(st[r].ok()) << st[r].to_string();
-      row.us[t] = std::max(us[0], us[1]);
+      auto us = testing::device_allreduce_us(world, row.bytes, row.bytes >= (size_t(64) << 20) ? 5 : 20);
+      ASSERT_TRUE(us.ok()) << names[t] << ": " << us.status().to_string();
+      row.us[t] = *us;
     }
   }
   // busbw = algbw * 2 (n - 1) / n, n = 2 ranks: algbw.
