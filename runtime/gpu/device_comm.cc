@@ -381,22 +381,23 @@ Status DeviceComm::setup_gdr() {
   // Still collective when this rank does not want it: the others may. It takes part and
   // fails locally, and then every rank keeps the host-staged path.
   GdrConfig g;
-  g.who = who();
-  g.rank = cfg_.rank;
-  g.world_size = cfg_.world_size;
   g.device = cfg_.device;
-  g.hosts = cfg_.hosts;
-  g.verbs_device = asked && !staged ? cfg_.verbs_device : std::string();
-  g.verbs_port = cfg_.verbs_port;
-  g.gid_index = cfg_.gid_index;
-  g.verbs_api = cfg_.verbs_api;
-  g.slot_bytes = size_t(env_long("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
-  g.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GDR_SLOTS", 4)));
-  g.op_timeout = cfg_.op_timeout;
+  GdrLinkConfig& l = g.link;
+  l.who = who();
+  l.rank = cfg_.rank;
+  l.world_size = cfg_.world_size;
+  l.hosts = cfg_.hosts;
+  l.verbs_device = asked && !staged ? cfg_.verbs_device : std::string();
+  l.verbs_port = cfg_.verbs_port;
+  l.gid_index = cfg_.gid_index;
+  l.verbs_api = cfg_.verbs_api;
+  l.slot_bytes = size_t(env_long("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
+  l.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GDR_SLOTS", 4)));
+  l.op_timeout = cfg_.op_timeout;
   g.abort_dev = &m.words_dev->abort;
   g.error_dev = &m.words_dev->error;
   g.abort_host = &m.words->abort;
-  if (g.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
+  if (l.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
   std::string why;
   auto ring = GdrRing::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());

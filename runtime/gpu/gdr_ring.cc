@@ -1,230 +1,61 @@
 #include "gpu/gdr_ring.h"
 
-#include <arpa/inet.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cstddef>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
-#include <mutex>
-#include <random>
-#include <thread>
 
 #include "common/log.h"
+#include "gpu/gdr_link.h"
 #include "gpu/gdr_schedule.h"
 #include "gpu/gpu_memory_registration.h"
 #include "kernels/cuda_reduce.cuh"
-#include "transport/verbs/emulated_fabric.h"
-#include "transport/verbs/node.h"
 
 namespace gradsync {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-// Mapped pinned host words shared by the stream's kernels and the worker, each a count of
-// messages since set-up (monotonic).
-struct GdrWords {
-  uint64_t arrived;    // worker: receives completed (and flushed) from the previous rank
-  uint64_t ready;      // stream: send slots filled
-  uint64_t send_free;  // worker: sends the NIC completed (their slots may be refilled)
-  uint64_t consumed;   // stream: receive slots read (they may be written again)
-};
-
-// Host memory registered with the NIC: the next rank writes its `consumed` into `credit`;
-// `credit_src` is the source of our own credit write to the previous rank (left untouched
-// while that write is in flight).
-struct alignas(64) CreditWords {
-  uint64_t credit;
-  uint64_t credit_src;
-};
-
-// One rank's row of the set-up exchange (summed as bytes over ranks; other rows are zero).
-struct GdrBlob {
-  uint32_t qpn_next = 0;  // our QP to the next rank (it connects its "from previous" QP to it)
-  uint32_t qpn_prev = 0;  // our QP from the previous rank
-  uint32_t psn = 0;       // both our QPs' initial send PSN (24 bits)
-  uint32_t lid = 0;
-  uint32_t mtu = 0;
-  uint32_t slot_rkey = 0;
-  uint32_t credit_rkey = 0;
-  uint32_t pad = 0;
-  uint64_t recv_slots = 0;   // GPU VA of receive slot 0
-  uint64_t credit_addr = 0;  // host VA of CreditWords::credit
-  uint8_t gid[16] = {};
-};
-
-constexpr uint64_t kCreditWr = uint64_t(1) << 63;  // wr_id bit of credit writes
 // Wait kernels' `what` codes (NodeError::what; device_comm.cc words them).
 constexpr uint32_t kWaitArrival = 3;
 constexpr uint32_t kWaitSendSlot = 4;
-
-template <class T>
-T load(const T* p) {
-  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-}
-
-}  // namespace
-
-struct GdrRing::Impl {
-  GdrConfig cfg;
-  HostOps ops;
-  std::string description;
-  int next = 0, prev = 0;
-
-  std::shared_ptr<VerbsNode> node;
-  void* region = nullptr;  // GPU: slots send slots, then slots receive slots
-  GpuRegistration reg;
-  CreditWords* credit = nullptr;
-  verbs::MemoryRegion credit_mr;
-  verbs::CompletionQueue cq;
-  verbs::QueuePair qp_next, qp_prev;
-  GdrWords* words = nullptr;      // host view
-  GdrWords* words_dev = nullptr;  // device view
-  bool flush = false;             // the GPU's RDMA write ordering is below OWNER
-
-  // The next rank's receive slots and the previous rank's credit word.
-  uint64_t peer_slots = 0;
-  uint32_t peer_slot_rkey = 0;
-  uint64_t peer_credit = 0;
-  uint32_t peer_credit_rkey = 0;
-
-  // Stream side (the caller's thread): messages numbered at enqueue.
-  uint64_t sends_queued = 0, recvs_queued = 0;
-
-  // The worker's plan: message lengths in order, appended at enqueue.
-  std::mutex mu;
-  std::deque<uint32_t> send_len, recv_len;  // of messages not yet completed / arrived
-  uint64_t planned_sends = 0, planned_recvs = 0;
-  Status error;
-
-  std::atomic<bool> stop{false};
-  std::atomic<bool> draining{false};
-  std::thread worker;
-
-  // Worker state.
-  uint64_t posted = 0, completed = 0, arrived = 0;
-  uint64_t credit_sent = 0;
-  bool credit_inflight = false;
-  std::deque<uint32_t> landed;  // lengths of receives completed but not yet planned
-
-  size_t slot_off(bool recv_side, uint64_t msg) const {
-    return (recv_side ? cfg.slots : 0) * cfg.slot_bytes + size_t(msg % cfg.slots) * cfg.slot_bytes;
-  }
-  uint8_t* slot(bool recv_side, uint64_t msg) const {
-    return static_cast<uint8_t*>(region) + slot_off(recv_side, msg);
-  }
-  std::string peer_name(int r) const {
-    return "rank " + std::to_string(r) +
-           (size_t(r) < cfg.hosts.size() ? " (host " + cfg.hosts[r] + ")" : std::string());
-  }
-
-  Status setup_local();
-  void run();
-  void fail(Status s);
-};
-
-namespace {
 
 Status cuda(cudaError_t e, const std::string& what) {
   if (e == cudaSuccess) return Status::Ok();
   return {Code::kInternal, what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")"};
 }
 
+// The slots in GPU memory and their registration; the registration goes first.
+struct GpuSlots {
+  int device = 0;
+  void* ptr = nullptr;
+  GpuRegistration reg;
+  ~GpuSlots() {
+    reg = {};
+    if (ptr) {
+      (void)cudaSetDevice(device);
+      (void)cudaFree(ptr);
+    }
+  }
+};
+
 }  // namespace
 
-// Everything this rank can do alone: device, memory, registration, CQ, QPs (to INIT).
-Status GdrRing::Impl::setup_local() {
-  if (cfg.verbs_device.empty()) {
-    return {Code::kUnavailable, "this node's gradsyncd runs no verbs channels (its transport is tcp)"};
-  }
-  const verbs::IbvApi* api = nullptr;
-  if (cfg.verbs_api == verbs::emulated_ibv()->name) {
-    api = verbs::emulated_ibv();
-  } else {
-    auto loaded = verbs::load_libibverbs();
-    if (!loaded.ok()) return loaded.status();
-    api = *loaded;
-  }
-  auto opened = VerbsNode::open(api, cfg.verbs_device, uint8_t(cfg.verbs_port), cfg.gid_index);
-  if (!opened.ok()) {
-    return {opened.status().code(), "the daemon's RDMA device " + cfg.verbs_device + ": " +
-                                        opened.status().message()};
-  }
-  node = std::move(opened).value();
-
-  GS_RETURN_IF_ERROR(cuda(cudaSetDevice(cfg.device), "cudaSetDevice"));
-  const size_t bytes = 2 * size_t(cfg.slots) * cfg.slot_bytes;
-  GS_RETURN_IF_ERROR(cuda(cudaMalloc(&region, bytes), "cudaMalloc of the GPUDirect slots (" +
-                                                          std::to_string(bytes) + " bytes)"));
-  GS_RETURN_IF_ERROR(cuda(cudaMemset(region, 0, bytes), "cudaMemset"));
-  GS_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
-  auto r = register_gpu_memory(node->pd(), region, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-  if (!r.ok()) return r.status();
-  reg = std::move(r).value();
-  auto f = gdr_flush_needed(cfg.device);
-  if (!f.ok()) return f.status();
-  flush = *f;
-
-  void* c = nullptr;
-  if (::posix_memalign(&c, 4096, 4096) != 0) return {Code::kInternal, "posix_memalign"};
-  std::memset(c, 0, 4096);
-  credit = static_cast<CreditWords*>(c);
-  auto cmr = verbs::MemoryRegion::create(node->pd(), credit, sizeof(CreditWords),
-                                         IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-  if (!cmr.ok()) return cmr.status();
-  credit_mr = std::move(cmr).value();
-
-  void* w = nullptr;
-  GS_RETURN_IF_ERROR(cuda(cudaHostAlloc(&w, sizeof(GdrWords), cudaHostAllocMapped), "cudaHostAlloc (mapped)"));
-  std::memset(w, 0, sizeof(GdrWords));
-  words = static_cast<GdrWords*>(w);
-  void* dv = nullptr;
-  GS_RETURN_IF_ERROR(cuda(cudaHostGetDevicePointer(&dv, w, 0), "cudaHostGetDevicePointer"));
-  words_dev = static_cast<GdrWords*>(dv);
-
-  // One CQ for both QPs: at most `slots` data writes and one credit write signaled at a time,
-  // and `slots` receives posted; twice that so it can never overrun.
-  auto q = verbs::CompletionQueue::create(node->context(), int(4 * cfg.slots + 8));
-  if (!q.ok()) return q.status();
-  cq = std::move(q).value();
-  verbs::QpCaps caps;
-  caps.max_send_wr = cfg.slots + 2;  // data writes (next) or credit writes (prev), + slack
-  caps.max_recv_wr = cfg.slots;      // one per receive slot
-  auto a = verbs::QueuePair::create_rc(node->pd(), cq, cq, caps, "next " + peer_name(next));
-  if (!a.ok()) return a.status();
-  qp_next = std::move(a).value();
-  auto b = verbs::QueuePair::create_rc(node->pd(), cq, cq, caps, "previous " + peer_name(prev));
-  if (!b.ok()) return b.status();
-  qp_prev = std::move(b).value();
-  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
-  GS_RETURN_IF_ERROR(qp_next.to_init(node->port(), access));
-  GS_RETURN_IF_ERROR(qp_prev.to_init(node->port(), access));
-  return Status::Ok();
-}
+struct GdrRing::Impl {
+  GdrConfig cfg;
+  std::unique_ptr<GdrLink> link;
+  std::string description;
+  GdrWords* words = nullptr;      // mapped pinned host memory: host view
+  GdrWords* words_dev = nullptr;  // device view
+  // Messages numbered at enqueue (the caller's thread), per direction.
+  uint64_t sends_queued = 0, recvs_queued = 0;
+};
 
 GdrRing::GdrRing(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 GdrRing::~GdrRing() {
-  Impl& m = *impl_;
-  m.stop.store(true, std::memory_order_release);
-  if (m.worker.joinable()) m.worker.join();
-  // Verbs objects in order (QPs, CQ, MRs) before the memory they name and the PD.
-  m.qp_prev = {};
-  m.qp_next = {};
-  m.cq = {};
-  m.credit_mr = {};
-  m.reg = {};
-  if (m.region) {
-    (void)cudaSetDevice(m.cfg.device);
-    (void)cudaFree(m.region);
-  }
-  if (m.words) (void)cudaFreeHost(m.words);
-  std::free(m.credit);
+  impl_->link.reset();  // stops the worker before the words go
+  if (impl_->words) (void)cudaFreeHost(impl_->words);
 }
 
 Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const HostOps& ops,
@@ -232,277 +63,96 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
   m.cfg = cfg;
-  m.ops = ops;
-  const int n = cfg.world_size, me = cfg.rank;
-  m.next = (me + 1) % n;
-  m.prev = (me + n - 1) % n;
-  auto log = log::get("gpu");
   std::unique_ptr<GdrRing> ring(new GdrRing(std::move(impl)));
+  GdrLinkConfig lc = cfg.link;
 
-  // Round 1: can every rank set up? The failing ranks are named to all.
-  Status local = m.setup_local();
-  std::vector<int32_t> bad(n, 0);
-  bad[me] = local.ok() ? 0 : 1;
-  GS_RETURN_IF_ERROR(ops.allreduce_now(bad.data(), bad.data(), n, DataType::kInt32, ReduceOp::kSum));
-  auto failing = [&] {
-    std::string who;
-    for (int r = 0; r < n; ++r) {
-      if (bad[r] != 0) who += (who.empty() ? "" : ", ") + m.peer_name(r);
+  // What only this GPU decides: the mapped words and whether arrivals need a flush. A
+  // failure here still takes part in the link's collective set-up (with no device), so that
+  // every rank hears it.
+  std::string local_why;
+  bool flush_needed = false;
+  void* w = nullptr;
+  if (Status s = cuda(cudaSetDevice(cfg.device), "cudaSetDevice"); !s.ok()) {
+    local_why = s.message();
+  } else if (Status a = cuda(cudaHostAlloc(&w, sizeof(GdrWords), cudaHostAllocMapped), "cudaHostAlloc (mapped)");
+             !a.ok()) {
+    local_why = a.message();
+  } else {
+    std::memset(w, 0, sizeof(GdrWords));
+    m.words = static_cast<GdrWords*>(w);
+    void* dv = nullptr;
+    if (Status d = cuda(cudaHostGetDevicePointer(&dv, w, 0), "cudaHostGetDevicePointer"); !d.ok()) {
+      local_why = d.message();
     }
-    return who;
+    m.words_dev = static_cast<GdrWords*>(dv);
+    auto f = gdr_flush_needed(cfg.device);
+    if (!f.ok()) local_why = f.status().message();
+    else flush_needed = *f;
+  }
+  if (!local_why.empty()) lc.verbs_device.clear();
+
+  const int device = cfg.device;
+  GdrRegionMaker make_region = [device](const verbs::ProtectionDomain& pd, size_t bytes) -> Result<GdrRegion> {
+    auto slots = std::make_shared<GpuSlots>();
+    slots->device = device;
+    GS_RETURN_IF_ERROR(cuda(cudaSetDevice(device), "cudaSetDevice"));
+    GS_RETURN_IF_ERROR(cuda(cudaMalloc(&slots->ptr, bytes),
+                            "cudaMalloc of the GPUDirect slots (" + std::to_string(bytes) + " bytes)"));
+    GS_RETURN_IF_ERROR(cuda(cudaMemset(slots->ptr, 0, bytes), "cudaMemset"));
+    GS_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
+    auto r = register_gpu_memory(pd, slots->ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (!r.ok()) return r.status();
+    slots->reg = std::move(r).value();
+    GdrRegion region;
+    region.base = static_cast<uint8_t*>(slots->ptr);
+    region.mr = &slots->reg.mr();
+    region.method = slots->reg.method();
+    region.owner = slots;
+    return region;
   };
-  if (!local.ok()) {
-    *why_not = "GPUDirect RDMA: " + local.message();
+  std::function<Status()> flush;
+  if (flush_needed) {
+    flush = [device] {
+      (void)cudaSetDevice(device);
+      return flush_gdr_writes();
+    };
+  }
+  GdrLinkOps lo;
+  lo.allreduce_now = ops.allreduce_now;
+  lo.abort_reason = ops.abort_reason;
+  lo.abort_job = ops.abort_job;
+  // The stream's waits end at once when the link fails (every other rank's through the abort).
+  uint32_t* abort_host = cfg.abort_host;
+  lo.on_failure = [abort_host] { __atomic_store_n(abort_host, 1u, __ATOMIC_RELEASE); };
+  GdrWords dummy{};
+  auto link = GdrLink::create(lc, lo, make_region, m.words ? m.words : &dummy, std::move(flush), why_not);
+  if (!link.ok()) return link.status();
+  if (!*link) {
+    if (!local_why.empty()) *why_not = "GPUDirect RDMA: " + local_why;
     return std::unique_ptr<GdrRing>();
   }
-  if (std::count(bad.begin(), bad.end(), 1) > 0) {
-    *why_not = "GPUDirect RDMA is not possible on " + failing() + " (see its log)";
-    return std::unique_ptr<GdrRing>();
-  }
-
-  // Round 2: the blobs.
-  std::vector<GdrBlob> table(n);  // value-initialized: zero rows
-  GdrBlob& mine = table[me];
-  mine.qpn_next = m.qp_next.qpn();
-  mine.qpn_prev = m.qp_prev.qpn();
-  mine.psn = std::random_device{}() & 0xffffff;
-  mine.lid = m.node->port_info().lid;
-  mine.mtu = uint32_t(m.node->port_info().active_mtu);
-  mine.slot_rkey = m.reg.mr().rkey();
-  mine.credit_rkey = m.credit_mr.rkey();
-  mine.recv_slots = reinterpret_cast<uint64_t>(m.slot(true, 0));
-  mine.credit_addr = reinterpret_cast<uint64_t>(&m.credit->credit);
-  std::memcpy(mine.gid, m.node->gid().raw, sizeof(mine.gid));
-  GS_RETURN_IF_ERROR(ops.allreduce_now(table.data(), table.data(), n * sizeof(GdrBlob),
-                                       DataType::kUInt8, ReduceOp::kSum));
-  auto address = [&](const GdrBlob& b, uint32_t qpn) {
-    verbs::PeerAddress p;
-    p.qpn = qpn;
-    p.psn = b.psn;
-    p.lid = uint16_t(b.lid);
-    std::memcpy(p.gid.raw, b.gid, sizeof(b.gid));
-    p.mtu = static_cast<ibv_mtu>(b.mtu);
-    return p;
-  };
-  const GdrBlob& nb = table[m.next];
-  const GdrBlob& pb = table[m.prev];
-  m.peer_slots = nb.recv_slots;
-  m.peer_slot_rkey = nb.slot_rkey;
-  m.peer_credit = pb.credit_addr;
-  m.peer_credit_rkey = pb.credit_rkey;
-  const ibv_mtu mtu = m.node->port_info().active_mtu;
-  const int sgid = m.node->sgid_index();
-  Status conn = m.qp_next.to_rtr(address(nb, nb.qpn_prev), mtu, sgid);
-  if (conn.ok()) conn = m.qp_next.to_rts(mine.psn);
-  if (conn.ok()) conn = m.qp_prev.to_rtr(address(pb, pb.qpn_next), mtu, sgid);
-  if (conn.ok()) conn = m.qp_prev.to_rts(mine.psn);
-  for (uint32_t i = 0; conn.ok() && i < cfg.slots; ++i) conn = m.qp_prev.post_recv(i);
-
-  // Round 3: every QP is ready to receive before anyone sends.
-  std::fill(bad.begin(), bad.end(), 0);
-  bad[me] = conn.ok() ? 0 : 1;
-  GS_RETURN_IF_ERROR(ops.allreduce_now(bad.data(), bad.data(), n, DataType::kInt32, ReduceOp::kSum));
-  if (!conn.ok()) {
-    *why_not = "GPUDirect RDMA: connecting the ring's queue pairs: " + conn.message();
-    return std::unique_ptr<GdrRing>();
-  }
-  if (std::count(bad.begin(), bad.end(), 1) > 0) {
-    *why_not = "GPUDirect RDMA: the ring's queue pairs did not connect on " + failing();
-    return std::unique_ptr<GdrRing>();
-  }
-
-  m.description = "GPUDirect RDMA over " + m.node->describe() + ", " + m.reg.method() + ", " +
-                  std::to_string(cfg.slots) + " x " + std::to_string(cfg.slot_bytes) +
-                  "-byte slots" + (m.flush ? ", flushing RDMA writes (ordering below OWNER)" : "");
-  m.worker = std::thread([&m] { m.run(); });
+  m.link = std::move(link).value();
+  m.description = "GPUDirect RDMA over " + m.link->describe() +
+                  (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "");
   return ring;
 }
 
 const std::string& GdrRing::describe() const { return impl_->description; }
-
-Status GdrRing::error() const {
-  std::lock_guard lock(impl_->mu);
-  return impl_->error;
-}
-
-void GdrRing::Impl::fail(Status s) {
-  {
-    std::lock_guard lock(mu);
-    if (!error.ok()) return;
-    error = s;
-  }
-  log::get("gpu")->error("{}: {}", cfg.who, s.message());
-  // The stream's waits end now, and every other rank's through the job's abort.
-  __atomic_store_n(cfg.abort_host, 1u, __ATOMIC_RELEASE);
-  if (ops.abort_job) ops.abort_job(s.message());
-}
-
-void GdrRing::quiesce() {
-  Impl& m = *impl_;
-  if (!m.worker.joinable()) return;
-  m.draining.store(true, std::memory_order_release);
-  m.worker.join();
-}
-
-// The worker: posts the stream's filled send slots as the next rank frees its receive slots,
-// publishes arrivals, returns credits. Polls with a short back-off (no completion channel).
-void GdrRing::Impl::run() {
-  (void)cudaSetDevice(cfg.device);
-  const char* tr = std::getenv("GRADSYNC_GDR_TRACE");
-  const bool trace = tr != nullptr && *tr != '\0' && std::strcmp(tr, "0") != 0;
-  auto last_progress = Clock::now();
-  auto last_trace = last_progress;
-  int idle = 0;
-  ibv_wc wcs[16];
-  while (!stop.load(std::memory_order_acquire)) {
-    bool progress = false;
-    uint64_t planned_s = 0, planned_r = 0;
-    {
-      std::lock_guard lock(mu);
-      planned_s = planned_sends;
-      planned_r = planned_recvs;
-    }
-    // Sends: filled by the stream, a free receive slot at the next rank, room in the SQ.
-    while (posted < planned_s && load(&words->ready) > posted &&
-           load(&credit->credit) + cfg.slots > posted && posted - completed < cfg.slots) {
-      uint32_t len = 0;
-      {
-        std::lock_guard lock(mu);
-        len = send_len[size_t(posted - completed)];
-      }
-      const uint64_t m = posted;
-      Status s = qp_next.post_write_with_imm(reg.mr(), size_t(reinterpret_cast<uint64_t>(slot(false, m)) - reg.mr().addr()),
-                                             len, peer_slots + (m % cfg.slots) * cfg.slot_bytes,
-                                             peer_slot_rkey, uint32_t(m), m);
-      if (!s.ok()) return fail({s.code(), "GPUDirect RDMA write of message " + std::to_string(m) + " to " +
-                                              peer_name(next) + ": " + s.message()});
-      ++posted;
-      progress = true;
-      if (trace) log::get("gpu")->info("{}: gdr posted message {} ({} bytes) to {}", cfg.who, m, len, peer_name(next));
-    }
-    // Completions.
-    auto got = cq.poll(wcs);
-    if (!got.ok()) return fail(got.status());
-    for (int i = 0; i < *got; ++i) {
-      const ibv_wc& wc = wcs[i];
-      if (trace) {
-        log::get("gpu")->info("{}: gdr completion qp {} opcode {} wr_id {:#x} status {} bytes {}", cfg.who, wc.qp_num,
-                              int(wc.opcode), wc.wr_id, int(wc.status), wc.byte_len);
-      }
-      const bool from_prev = wc.qp_num == qp_prev.qpn();
-      const verbs::QueuePair& qp = from_prev ? qp_prev : qp_next;
-      if (Status s = qp.check(wc); !s.ok()) {
-        const std::string what = !from_prev                 ? "GPUDirect RDMA write to " + peer_name(next)
-                                 : (wc.wr_id & kCreditWr) != 0 ? "credit write to " + peer_name(prev)
-                                                               : "GPUDirect RDMA receive from " + peer_name(prev);
-        return fail({Code::kAborted, what + " failed: " + s.message()});
-      }
-      if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-        // A message may land before this rank queued the call it belongs to (the first
-        // `slots` of a call need no credit): it is checked and published once planned.
-        const uint32_t imm = ntohl(wc.imm_data);
-        const uint64_t seq = arrived + landed.size();
-        if (imm != uint32_t(seq)) {
-          return fail({Code::kMismatch, "GPUDirect RDMA: from " + peer_name(prev) + " came message " +
-                                            std::to_string(imm) + ", expected message " +
-                                            std::to_string(uint32_t(seq)) + " (lost or reordered write)"});
-        }
-        landed.push_back(wc.byte_len);
-        if (Status s = qp_prev.post_recv(wc.wr_id); !s.ok()) return fail(s);
-      } else if ((wc.wr_id & kCreditWr) != 0) {
-        credit_inflight = false;
-      } else {
-        {
-          std::lock_guard lock(mu);
-          send_len.pop_front();
-        }
-        ++completed;
-        __atomic_store_n(&words->send_free, completed, __ATOMIC_RELEASE);
-      }
-      progress = true;
-    }
-    // Arrivals the stream may read: checked against the plan, flushed, published.
-    while (!landed.empty() && arrived < planned_r) {
-      uint32_t want = 0;
-      {
-        std::lock_guard lock(mu);
-        want = recv_len.front();
-        recv_len.pop_front();
-      }
-      if (landed.front() != want) {
-        return fail({Code::kMismatch,
-                     "GPUDirect RDMA: message " + std::to_string(arrived) + " from " + peer_name(prev) +
-                         " has " + std::to_string(landed.front()) + " bytes; this rank expected " +
-                         std::to_string(want) + " (the ranks called different collectives or counts?)"});
-      }
-      landed.pop_front();
-      if (flush) {
-        if (Status s = flush_gdr_writes(); !s.ok()) return fail(s);
-      }
-      ++arrived;
-      __atomic_store_n(&words->arrived, arrived, __ATOMIC_RELEASE);
-      progress = true;
-    }
-    // Credits: the stream read receive slots; the previous rank may write them again.
-    const uint64_t consumed = load(&words->consumed);
-    if (consumed > credit_sent && !credit_inflight) {
-      credit->credit_src = consumed;
-      Status s = qp_prev.post_write(credit_mr, offsetof(CreditWords, credit_src), sizeof(uint64_t),
-                                    peer_credit, peer_credit_rkey, kCreditWr | consumed, true);
-      if (!s.ok()) return fail(s);
-      credit_sent = consumed;
-      credit_inflight = true;
-      progress = true;
-    }
-    if (!ops.abort_reason().empty()) return;  // the stream's waits end through the abort word
-    const bool pending = completed < planned_s || arrived < planned_r;
-    if (draining.load(std::memory_order_acquire) && !pending && !credit_inflight &&
-        load(&words->consumed) == credit_sent) {
-      return;
-    }
-    if (progress) {
-      last_progress = Clock::now();
-      idle = 0;
-      continue;
-    }
-    if (pending && Clock::now() - last_progress > cfg.op_timeout) {
-      const bool waiting_recv = arrived < planned_r && load(&words->consumed) == arrived;
-      const std::string state =
-          " [messages: sent " + std::to_string(posted) + " of " + std::to_string(planned_s) + " planned, " +
-          std::to_string(completed) + " completed, stream filled " + std::to_string(load(&words->ready)) +
-          ", next rank freed up to " + std::to_string(load(&credit->credit) + cfg.slots) + "; received " +
-          std::to_string(arrived) + " (+" + std::to_string(landed.size()) + " early) of " +
-          std::to_string(planned_r) + " planned, stream read " + std::to_string(load(&words->consumed)) + "]";
-      return fail({Code::kDeadlineExceeded,
-                   "GPUDirect RDMA made no progress for " + std::to_string(cfg.op_timeout.count()) +
-                       " ms (op timeout): " +
-                       (waiting_recv ? "waiting for message " + std::to_string(arrived) + " from " + peer_name(prev)
-                                     : "waiting to send message " + std::to_string(posted) + " to " +
-                                           peer_name(next) + " (its receive slots are full)") +
-                       "; that rank is slow, hung, or never called the same collective" + state});
-    }
-    if (trace && pending && Clock::now() - last_trace > std::chrono::seconds(1)) {
-      last_trace = Clock::now();
-      log::get("gpu")->info("{}: gdr idle: planned {}/{} posted {} completed {} ready {} credit {} arrived {} "
-                            "landed {} consumed {}", cfg.who, planned_s, planned_r, posted, completed,
-                            load(&words->ready), load(&credit->credit), arrived, landed.size(),
-                            load(&words->consumed));
-    }
-    if (++idle > 64) std::this_thread::sleep_for(std::chrono::microseconds(idle > 4096 ? 200 : 5));
-  }
-}
+Status GdrRing::error() const { return impl_->link->error(); }
+void GdrRing::quiesce() { impl_->link->quiesce(); }
 
 Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
   Impl& m = *impl_;
-  const int n = m.cfg.world_size, r = m.cfg.rank;
+  const int n = m.cfg.link.world_size, r = m.cfg.link.rank;
   const size_t es = element_size(c.type);
-  const size_t per = std::max<size_t>(1, m.cfg.slot_bytes / es);
-  const uint64_t timeout_ns = uint64_t(m.cfg.op_timeout.count()) * 1'000'000ull;
+  const size_t per = std::max<size_t>(1, m.cfg.link.slot_bytes / es);
+  const uint64_t timeout_ns = uint64_t(m.cfg.link.op_timeout.count()) * 1'000'000ull;
   auto* send = static_cast<const uint8_t*>(c.send);
   auto* recv = static_cast<uint8_t*>(c.recv);
   GdrWords* w = m.words_dev;
+  GdrLink& link = *m.link;
   std::vector<uint32_t> sends, recvs;  // this call's message lengths, in order
-  const std::string who = m.cfg.who;
+  const std::string who = m.cfg.link.who;
   auto check = [&](cudaError_t e, const char* what) { return cuda(e, who + ": " + what); };
 
   // One step of the schedule on piece [off, off + len) of some segment: wait for the message
@@ -513,16 +163,16 @@ Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
     const uint64_t k = m.recvs_queued, msg = m.sends_queued;
     if (recv_in) {
       GS_RETURN_IF_ERROR(check(kernels::launch_wait_host(&w->arrived, k + 1, m.cfg.abort_dev, m.cfg.error_dev,
-                                                         timeout_ns, nullptr, stream, m.prev, kWaitArrival),
+                                                         timeout_ns, nullptr, stream, link.prev(), kWaitArrival),
                                "wait kernel"));
     }
-    if (send_out && msg + 1 > m.cfg.slots) {
-      GS_RETURN_IF_ERROR(check(kernels::launch_wait_host(&w->send_free, msg + 1 - m.cfg.slots, m.cfg.abort_dev,
-                                                         m.cfg.error_dev, timeout_ns, nullptr, stream, m.next,
+    if (send_out && msg + 1 > link.slots()) {
+      GS_RETURN_IF_ERROR(check(kernels::launch_wait_host(&w->send_free, msg + 1 - link.slots(), m.cfg.abort_dev,
+                                                         m.cfg.error_dev, timeout_ns, nullptr, stream, link.next(),
                                                          kWaitSendSlot),
                                "wait kernel"));
     }
-    GS_RETURN_IF_ERROR(body(recv_in ? m.slot(true, k) : nullptr, send_out ? m.slot(false, msg) : nullptr));
+    GS_RETURN_IF_ERROR(body(recv_in ? link.slot(true, k) : nullptr, send_out ? link.slot(false, msg) : nullptr));
     if (send_out) {
       GS_RETURN_IF_ERROR(check(kernels::launch_signal_host(&w->ready, msg + 1, nullptr, stream), "signal kernel"));
       sends.push_back(uint32_t(len * es));
@@ -576,13 +226,7 @@ Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
                           s.to_string());
   }
   // Hand the lengths to the worker even after an error: what was queued on the stream runs.
-  {
-    std::lock_guard lock(m.mu);
-    m.send_len.insert(m.send_len.end(), sends.begin(), sends.end());
-    m.recv_len.insert(m.recv_len.end(), recvs.begin(), recvs.end());
-    m.planned_sends += sends.size();
-    m.planned_recvs += recvs.size();
-  }
+  link.plan(sends, recvs);
   return s;
 }
 

@@ -41,6 +41,8 @@
 // all_gather are the halves; broadcast is a pipeline from the root around the ring. Results
 // are bitwise identical on every rank (each segment is reduced once, then copied).
 //
+// The transport half (QPs, credits, the worker) is gpu/gdr_link.h, CUDA-free and tested on
+// the CPU; this file is the GPU half: slot memory, mapped words, the stream's kernels.
 // Built with CUDA and the verbs headers (GRADSYNC_HAVE_GDR).
 #pragma once
 
@@ -53,23 +55,14 @@
 
 #include "collectives/collective.h"
 #include "gpu/device_comm.h"
+#include "gpu/gdr_link.h"
 #include "kernels/cuda_node.cuh"
 
 namespace gradsync {
 
 struct GdrConfig {
-  std::string who;  // "job=j rank 1 (host h, GPU 0)", for messages
-  int rank = 0;
-  int world_size = 1;
-  int device = 0;
-  std::vector<std::string> hosts;  // every rank's host, for errors naming a peer
-  std::string verbs_device;        // the daemon's RDMA device; empty: the node has none
-  int verbs_port = 1;
-  int gid_index = -1;
-  std::string verbs_api;  // "emulated" or the libibverbs soname (the daemon's)
-  size_t slot_bytes = 4u << 20;
-  uint32_t slots = 4;
-  std::chrono::milliseconds op_timeout{300'000};
+  GdrLinkConfig link;  // rank, peers, RDMA device, slots, op timeout (gpu/gdr_link.h)
+  int device = 0;      // the CUDA device
   // The communicator's mapped words (device views) that the stream's waits read and report
   // through, and the host view of the abort word (set when this ring fails).
   const uint32_t* abort_dev = nullptr;

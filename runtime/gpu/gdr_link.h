@@ -1,0 +1,111 @@
+// The transport half of the GPUDirect RDMA ring (gpu/gdr_ring.h): one rank's queue pairs to
+// its ring neighbours, its registered slot region, and the worker thread that moves messages
+// between them. No CUDA here: the region is whatever the caller registered (GPU memory by
+// dma-buf in the GPU communicator; host memory in the CPU tests, tests/verbs/gdr_link_test.cc,
+// which run this very engine on the emulated fabric), and the "stream" that fills and reads the
+// slots is whoever writes and reads the four words below.
+//
+// Slots: `slots` send slots then `slots` receive slots of `slot_bytes` each, at region.base.
+// Messages are numbered per direction from 0 since set-up; message m uses send slot m % slots
+// and lands in the next rank's receive slot m % slots.
+//
+// The words, each a count of messages (monotonic), in memory both sides can reach:
+//   ready      the stream filled send slots up to here      (stream writes, worker reads)
+//   send_free  the NIC completed sends up to here           (worker writes, stream waits)
+//   arrived    receives landed, checked and flushed         (worker writes, stream waits)
+//   consumed   the stream read receive slots up to here     (stream writes, worker reads)
+// plan() tells the worker the lengths of the messages of each call, in order, before or after
+// the stream starts on them.
+//
+// The worker posts WRITE_WITH_IMM (imm = message number) of send slot m when ready > m and the
+// next rank's credit (its `consumed`, RDMA-written into our credit word) leaves its receive slot
+// free; checks every completion (an error fails the link naming the peer and the verbs status);
+// checks each arrival's number and length against the plan; calls `flush` before publishing
+// it; writes `consumed` into the previous rank's credit word as it advances. A stall longer than
+// the op timeout fails the link with the state of both directions. On failure it calls
+// ops.on_failure and ops.abort_job; when ops.abort_reason() is non-empty it stops quietly.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gradsync/gradsync.h"
+#include "transport/verbs/verbs.h"
+
+namespace gradsync {
+
+struct GdrWords {
+  uint64_t arrived;
+  uint64_t ready;
+  uint64_t send_free;
+  uint64_t consumed;
+};
+
+struct GdrLinkConfig {
+  std::string who;  // "job=j rank 1 (host h, GPU 0)", for messages
+  int rank = 0;
+  int world_size = 1;
+  std::vector<std::string> hosts;  // every rank's host, for errors naming a peer
+  std::string verbs_device;        // the daemon's RDMA device; empty: the node has none
+  int verbs_port = 1;
+  int gid_index = -1;
+  std::string verbs_api;  // "emulated" (the in-process test fabric) or the libibverbs soname
+  size_t slot_bytes = 1u << 20;
+  uint32_t slots = 4;
+  std::chrono::milliseconds op_timeout{300'000};
+  std::string log_name = "gpu";  // spdlog logger
+};
+
+struct GdrLinkOps {
+  // A host allreduce among the job's ranks, now, on the calling thread (set-up).
+  std::function<Status(const void* send, void* recv, size_t count, DataType, ReduceOp)> allreduce_now;
+  std::function<std::string()> abort_reason;               // non-empty: the job was aborted
+  std::function<void(const std::string& reason)> abort_job;  // abort it on every rank
+  std::function<void()> on_failure;                        // the link failed (after error is set)
+};
+
+// The slot region, registered with the link's protection domain by the caller.
+struct GdrRegion {
+  uint8_t* base = nullptr;
+  const verbs::MemoryRegion* mr = nullptr;  // covers [base, base + 2 * slots * slot_bytes)
+  std::string method;                       // "dma-buf", "peermem", "host memory"
+  std::shared_ptr<void> owner;              // keeps memory and MR alive; released after the QPs
+};
+using GdrRegionMaker = std::function<Result<GdrRegion>(const verbs::ProtectionDomain& pd, size_t bytes)>;
+
+class GdrLink {
+ public:
+  // Collective: every rank calls it at the same point. Null with *why_not when some rank
+  // cannot set up (every rank learns which); an error only when the host allreduce failed.
+  // `words` must stay valid while the link lives; `flush` may be empty.
+  static Result<std::unique_ptr<GdrLink>> create(const GdrLinkConfig& cfg, const GdrLinkOps& ops,
+                                                 const GdrRegionMaker& make_region, GdrWords* words,
+                                                 std::function<Status()> flush, std::string* why_not);
+  ~GdrLink();
+  GdrLink(const GdrLink&) = delete;
+  GdrLink& operator=(const GdrLink&) = delete;
+
+  uint8_t* slot(bool receive, uint64_t msg) const;
+  int next() const;
+  int prev() const;
+  uint32_t slots() const;
+  // The next call's message lengths in bytes, sends and receives, in order.
+  void plan(const std::vector<uint32_t>& send_bytes, const std::vector<uint32_t>& recv_bytes);
+  Status error() const;
+  // Lets the last credits go out and stops the worker; the stream must be idle.
+  void quiesce();
+  // "<device port> (...), dma-buf, 4 x 1048576-byte slots".
+  const std::string& describe() const;
+
+  struct Impl;
+
+ private:
+  explicit GdrLink(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gradsync

@@ -1,0 +1,385 @@
+// The transport half of the GPUDirect RDMA ring (gpu/gdr_link.h) on the CPU: ranks as
+// threads, each with its own emulated RDMA device, a slot region in host memory registered
+// with ibv_reg_mr, and a "stream" thread that does what the GPU stream does in the GPU
+// communicator (gpu/gdr_ring.cc): runs the ring schedule (gpu/gdr_schedule.h) step by step,
+// waiting on and signalling the four words. Everything else is the production engine: set-up
+// through a host allreduce, RC QPs INIT -> RTR -> RTS, WRITE_WITH_IMM slot to slot, credits by
+// RDMA write, arrival checks, error completions, stall detection.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu/gdr_link.h"
+#include "gpu/gdr_schedule.h"
+#include "transport/verbs/emulated_fabric.h"
+
+namespace gradsync {
+namespace {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+std::atomic<int> g_job{0};
+
+// A host allreduce among n threads (the set-up exchange needs int32 sum and uint8 sum).
+class ThreadAllreduce {
+ public:
+  explicit ThreadAllreduce(int n) : n_(n) {}
+  Status run(const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
+    const size_t es = element_size(type);
+    if (op != ReduceOp::kSum || (type != DataType::kInt32 && type != DataType::kUInt8)) {
+      return {Code::kInvalidArgument, "ThreadAllreduce: int32 or uint8 sum only"};
+    }
+    std::unique_lock lock(mu_);
+    const uint64_t gen = gen_;
+    if (arrived_ == 0) acc_.assign(count * es, 0);
+    for (size_t i = 0; i < count; ++i) {
+      if (type == DataType::kInt32) {
+        int32_t a, b;
+        std::memcpy(&a, acc_.data() + i * 4, 4);
+        std::memcpy(&b, static_cast<const uint8_t*>(send) + i * 4, 4);
+        a += b;
+        std::memcpy(acc_.data() + i * 4, &a, 4);
+      } else {
+        acc_[i] = uint8_t(acc_[i] + static_cast<const uint8_t*>(send)[i]);
+      }
+    }
+    if (++arrived_ == n_) {
+      result_ = acc_;
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else if (!cv_.wait_for(lock, 20s, [&] { return gen_ != gen; })) {
+      return {Code::kDeadlineExceeded, "ThreadAllreduce: a rank did not come"};
+    }
+    std::memcpy(recv, result_.data(), count * es);
+    return Status::Ok();
+  }
+
+ private:
+  int n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t gen_ = 0;
+  std::vector<uint8_t> acc_, result_;
+};
+
+// Host slots registered with ibv_reg_mr.
+struct HostSlots {
+  void* ptr = nullptr;
+  verbs::MemoryRegion mr;
+  ~HostSlots() {
+    mr = {};
+    std::free(ptr);
+  }
+};
+Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
+  auto slots = std::make_shared<HostSlots>();
+  if (::posix_memalign(&slots->ptr, 4096, bytes) != 0) return Status(Code::kInternal, "posix_memalign");
+  std::memset(slots->ptr, 0, bytes);
+  auto mr = verbs::MemoryRegion::create(pd, slots->ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  if (!mr.ok()) return mr.status();
+  slots->mr = std::move(mr).value();
+  GdrRegion region;
+  region.base = static_cast<uint8_t*>(slots->ptr);
+  region.mr = &slots->mr;
+  region.method = "host memory";
+  region.owner = slots;
+  return region;
+}
+
+uint64_t load(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+// n ranks, each with its link; the job's abort is one shared flag.
+class Ring {
+ public:
+  Ring(int n, uint32_t slots, size_t slot_bytes, std::chrono::milliseconds timeout = 10s)
+      : n_(n), per_(slot_bytes / sizeof(int64_t)), ar_(n), words_(n), links_(n), sent_(n, 0), received_(n, 0) {
+    const int job = ++g_job;
+    for (int r = 0; r < n; ++r) {
+      devices_.push_back("gdrlink" + std::to_string(job) + "r" + std::to_string(r));
+      verbs::EmulatedFabric::instance().add_device(devices_.back(), 1, verbs::LinkLayer::kEthernet);
+    }
+    std::vector<std::thread> threads;
+    std::vector<Status> st(n);
+    std::vector<std::string> why(n);
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        GdrLinkConfig c;
+        c.who = "rank " + std::to_string(r);
+        c.rank = r;
+        c.world_size = n;
+        c.hosts.assign(n, "cpu");
+        c.verbs_device = devices_[r];
+        c.verbs_api = verbs::emulated_ibv()->name;
+        c.slot_bytes = slot_bytes;
+        c.slots = slots;
+        c.op_timeout = timeout;
+        c.log_name = "test";
+        GdrLinkOps ops;
+        ops.allreduce_now = [this](const void* s, void* d, size_t k, DataType t, ReduceOp o) { return ar_.run(s, d, k, t, o); };
+        ops.abort_reason = [this] {
+          std::lock_guard lock(mu_);
+          return abort_;
+        };
+        ops.abort_job = [this](const std::string& why) {
+          std::lock_guard lock(mu_);
+          if (abort_.empty()) abort_ = why;
+        };
+        auto link = GdrLink::create(c, ops, host_region, &words_[r], nullptr, &why[r]);
+        if (!link.ok()) st[r] = link.status();
+        else if (!*link) st[r] = Status(Code::kUnavailable, why[r]);
+        else links_[r] = std::move(link).value();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < n; ++r) {
+      if (!st[r].ok()) error_ += "rank " + std::to_string(r) + ": " + st[r].to_string() + "\n";
+    }
+  }
+  ~Ring() {
+    links_.clear();
+    // The devices stay in the fabric (other tests' names never collide).
+  }
+
+  const std::string& error() const { return error_; }
+  GdrLink& link(int r) { return *links_[r]; }
+  const std::string& device(int r) const { return devices_[r]; }
+  std::string abort_reason() {
+    std::lock_guard lock(mu_);
+    return abort_;
+  }
+
+  // One collective on int64 sums: every rank's stream runs its steps; `plan_late` hands the
+  // lengths to the worker only after the stream has started (as the GPU path may).
+  // `counts`: one per rank, or one for all.
+  std::vector<Status> collective(CollectiveKind kind, std::vector<size_t> counts, int root,
+                                 std::vector<std::vector<int64_t>>& send, std::vector<std::vector<int64_t>>& recv,
+                                 bool plan_late = false) {
+    counts.resize(size_t(n_), counts.front());
+    std::vector<Status> st(n_);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n_; ++r) {
+      threads.emplace_back([&, r] { st[r] = stream(r, kind, counts[r], root, send[r], recv[r], plan_late); });
+    }
+    for (auto& t : threads) t.join();
+    return st;
+  }
+
+ private:
+  Status wait(int r, const uint64_t* word, uint64_t value, const char* what) {
+    const auto deadline = Clock::now() + 10s;
+    while (load(word) < value) {
+      if (!abort_reason().empty()) return {Code::kAborted, "rank " + std::to_string(r) + " stopped: " + abort_reason()};
+      if (Status e = links_[r]->error(); !e.ok()) return e;
+      if (Clock::now() > deadline) return {Code::kDeadlineExceeded, std::string("stream waited for ") + what};
+      std::this_thread::yield();
+    }
+    return Status::Ok();
+  }
+
+  Status stream(int r, CollectiveKind kind, size_t count, int root, std::vector<int64_t>& send,
+                std::vector<int64_t>& recv, bool plan_late) {
+    GdrLink& link = *links_[r];
+    GdrWords& w = words_[r];
+    const auto steps = gdr::plan(kind, count, n_, r, root, per_);
+    std::vector<uint32_t> sends, recvs;
+    for (const auto& s : steps) {
+      if (s.send) sends.push_back(uint32_t(s.len * 8));
+      if (s.recv) recvs.push_back(uint32_t(s.len * 8));
+    }
+    std::thread late;
+    if (plan_late) late = std::thread([&] { std::this_thread::sleep_for(20ms); link.plan(sends, recvs); });
+    else link.plan(sends, recvs);
+    Status result = Status::Ok();
+    const int64_t* input = kind == CollectiveKind::kBroadcast ? recv.data() : send.data();
+    for (const auto& st : steps) {
+      uint64_t& k = received_[r];
+      uint64_t& m = sent_[r];
+      if (st.recv) result = wait(r, &w.arrived, k + 1, "an arrival");
+      if (result.ok() && st.send && m + 1 > link.slots()) result = wait(r, &w.send_free, m + 1 - link.slots(), "a send slot");
+      if (!result.ok()) break;
+      auto* in = reinterpret_cast<const int64_t*>(link.slot(true, k));
+      auto* out = reinterpret_cast<int64_t*>(link.slot(false, m));
+      for (size_t i = 0; i < st.len; ++i) {
+        int64_t v = 0;
+        switch (st.body) {
+          case gdr::Body::kCopyIn: v = input[st.in + i]; break;
+          case gdr::Body::kReduce: v = in[i] + input[st.in + i]; break;
+          case gdr::Body::kReduceFinal: v = in[i] + input[st.in + i]; recv[st.out + i] = v; break;
+          case gdr::Body::kGatherFirst: v = input[st.in + i]; recv[st.out + i] = v; break;
+          case gdr::Body::kCopyOut: v = in[i]; recv[st.out + i] = v; break;
+        }
+        if (st.send) out[i] = v;
+      }
+      if (st.send) store(&w.ready, ++m);
+      if (st.recv) store(&w.consumed, ++k);
+    }
+    if (late.joinable()) late.join();
+    return result;
+  }
+
+ private:
+  int n_;
+  size_t per_;
+  ThreadAllreduce ar_;
+  std::vector<GdrWords> words_;
+  std::vector<std::unique_ptr<GdrLink>> links_;
+  std::vector<uint64_t> sent_, received_;
+  std::vector<std::string> devices_;
+  std::mutex mu_;
+  std::string abort_;
+  std::string error_;
+};
+
+std::vector<std::vector<int64_t>> inputs(int n, size_t len) {
+  std::vector<std::vector<int64_t>> v(n, std::vector<int64_t>(len));
+  for (int r = 0; r < n; ++r)
+    for (size_t i = 0; i < len; ++i) v[r][i] = int64_t(r + 1) * 100003 + int64_t(i);
+  return v;
+}
+
+class GdrLinkWorlds : public ::testing::TestWithParam<std::tuple<int, uint32_t>> {};
+
+// Allreduce of many counts, in calls back to back (message numbers, slots and credits carry
+// over), then reduce_scatter, all_gather and broadcast, with 64-byte slots: many messages.
+TEST_P(GdrLinkWorlds, CollectivesOverTheLinks) {
+  const auto [n, slots] = GetParam();
+  Ring ring(n, slots, 64);
+  ASSERT_EQ(ring.error(), "");
+  for (size_t count : {size_t(1), size_t(13), size_t(1031), size_t(5003)}) {
+    for (bool late : {false, true}) {
+      auto send = inputs(n, count);
+      std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+      auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv, late);
+      for (int r = 0; r < n; ++r) ASSERT_TRUE(st[r].ok()) << "count " << count << " rank " << r << ": " << st[r].to_string();
+      for (size_t i = 0; i < count; ++i) {
+        int64_t want = 0;
+        for (int q = 0; q < n; ++q) want += send[q][i];
+        for (int r = 0; r < n; ++r) ASSERT_EQ(recv[r][i], want) << "count " << count << " rank " << r << " i " << i;
+      }
+    }
+  }
+  const size_t count = 301;
+  auto send = inputs(n, count * n);
+  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+  auto st = ring.collective(CollectiveKind::kReduceScatter, {count}, 0, send, recv);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (size_t i = 0; i < count; ++i) {
+      int64_t want = 0;
+      for (int q = 0; q < n; ++q) want += send[q][size_t(r) * count + i];
+      ASSERT_EQ(recv[r][i], want) << "reduce_scatter rank " << r;
+    }
+  }
+  send = inputs(n, count);
+  recv.assign(n, std::vector<int64_t>(count * n, -1));
+  st = ring.collective(CollectiveKind::kAllGather, {count}, 0, send, recv);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (int q = 0; q < n; ++q)
+      for (size_t i = 0; i < count; ++i) ASSERT_EQ(recv[r][size_t(q) * count + i], send[q][i]) << "all_gather";
+  }
+  recv = inputs(n, count);  // broadcast: recv is the buffer
+  const auto root_data = recv[n - 1];
+  st = ring.collective(CollectiveKind::kBroadcast, {count}, n - 1, send, recv);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    ASSERT_EQ(recv[r], root_data) << "broadcast rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Rings, GdrLinkWorlds,
+                         ::testing::Values(std::make_tuple(2, 2u), std::make_tuple(2, 4u), std::make_tuple(3, 2u),
+                                           std::make_tuple(4, 3u), std::make_tuple(5, 2u)),
+                         [](const auto& info) {
+                           return "n" + std::to_string(std::get<0>(info.param)) + "_slots" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+// The ranks disagree on the call (rank 1 thinks the count is 99): the receiving side's
+// length check fails the link as a mismatch, the job is aborted, and both streams stop.
+TEST(GdrLink, DifferentCallsAreCaughtNotCombined) {
+  Ring ring(2, 2, 64);
+  ASSERT_EQ(ring.error(), "");
+  auto send = inputs(2, 100);
+  std::vector<std::vector<int64_t>> recv(2, std::vector<int64_t>(100, -1));
+  auto st = ring.collective(CollectiveKind::kAllreduce, {100, 99}, 0, send, recv);
+  for (int r = 0; r < 2; ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r;
+  const std::string why = ring.abort_reason();
+  EXPECT_NE(why.find("called different collectives or counts"), std::string::npos) << why;
+  EXPECT_NE(why.find("from rank"), std::string::npos) << why;
+}
+
+// A link goes down mid-collective: the writes fail with the peer named and the verbs status,
+// the job is aborted, and every rank's stream stops within the deadline.
+TEST(GdrLink, LinkDownMidCollectiveStopsEveryRank) {
+  Ring ring(3, 2, 64);
+  ASSERT_EQ(ring.error(), "");
+  const size_t count = 300000;
+  auto send = inputs(3, count);
+  std::vector<std::vector<int64_t>> recv(3, std::vector<int64_t>(count, -1));
+  std::thread breaker([&] {
+    std::this_thread::sleep_for(30ms);
+    verbs::EmulatedFabric::instance().set_link_down(ring.device(1), 1);
+  });
+  const auto t0 = Clock::now();
+  auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv);
+  breaker.join();
+  EXPECT_LT(Clock::now() - t0, 10s);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_FALSE(st[r].ok()) << "rank " << r << " finished although a link was down";
+    EXPECT_NE(st[r].message().find("rank "), std::string::npos) << st[r].to_string();
+  }
+  const std::string why = ring.abort_reason();
+  EXPECT_NE(why.find("failed"), std::string::npos) << why;
+  EXPECT_NE(why.find("rank "), std::string::npos) << why;
+  std::printf("abort reason: %s\n", why.c_str());
+}
+
+// No RDMA device on one rank's node: nobody takes the link, and each rank says who lacks it.
+TEST(GdrLink, ARankWithoutDeviceLeavesEveryRankWithout) {
+  ThreadAllreduce ar(2);
+  std::vector<std::string> why(2);
+  std::vector<Status> st(2);
+  std::vector<GdrWords> words(2);
+  const std::string dev = "gdrlink-nodev" + std::to_string(++g_job);
+  verbs::EmulatedFabric::instance().add_device(dev, 1, verbs::LinkLayer::kEthernet);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      GdrLinkConfig c;
+      c.who = "rank " + std::to_string(r);
+      c.rank = r;
+      c.world_size = 2;
+      c.hosts = {"a", "b"};
+      c.verbs_device = r == 0 ? dev : "";  // rank 1's node runs TCP
+      c.verbs_api = verbs::emulated_ibv()->name;
+      c.slot_bytes = 64;
+      c.slots = 2;
+      c.log_name = "test";
+      GdrLinkOps ops;
+      ops.allreduce_now = [&](const void* s, void* d, size_t k, DataType t, ReduceOp o) { return ar.run(s, d, k, t, o); };
+      ops.abort_reason = [] { return std::string(); };
+      auto link = GdrLink::create(c, ops, host_region, &words[r], nullptr, &why[r]);
+      st[r] = link.ok() && *link ? Status(Code::kInternal, "a link was made") : link.status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(st[r].ok()) << st[r].to_string();
+  EXPECT_NE(why[0].find("not possible on rank 1 (host b)"), std::string::npos) << why[0];
+  EXPECT_NE(why[1].find("runs no verbs channels"), std::string::npos) << why[1];
+}
+
+}  // namespace
+}  // namespace gradsync
