@@ -12,6 +12,8 @@
 #include "gpu/gdr_schedule.h"
 #include "gpu/gpu_memory_registration.h"
 #include "kernels/cuda_reduce.cuh"
+#include "topology/gpudirect.h"
+#include "transport/verbs/emulated_fabric.h"
 
 namespace gradsync {
 namespace {
@@ -89,6 +91,33 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
     if (!f.ok()) local_why = f.status().message();
     else flush_needed = *f;
   }
+  // Design §3: GPUDirect only within GRADSYNC_GDR_LEVEL of the NIC (the PCIe distance from
+  // sysfs, as gradsyncctl doctor shows it). The emulated fabric's devices have no place in
+  // the PCIe tree, so the rule does not apply to them.
+  std::string where;
+  if (local_why.empty() && !lc.verbs_device.empty() && lc.verbs_api != verbs::emulated_ibv()->name) {
+    topology::PciDistance level = topology::PciDistance::PXB;
+    const char* lv = std::getenv("GRADSYNC_GDR_LEVEL");
+    char bus[32] = {};
+    if (lv != nullptr && *lv != '\0' && !topology::parse_distance(lv)) {
+      local_why = std::string("GRADSYNC_GDR_LEVEL='") + lv + "' is not one of PIX, PXB, PHB, NODE, SYS";
+    } else if (cudaDeviceGetPCIBusId(bus, sizeof(bus) - 1, cfg.device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      local_why = "the GPU's PCI address is unknown (cudaDeviceGetPCIBusId failed)";
+    } else {
+      if (lv != nullptr && *lv != '\0') level = *topology::parse_distance(lv);
+      const auto d = topology::gpu_nic_distance(topology::SysfsRoot{}, bus, lc.verbs_device);
+      const std::string pair = std::string("GPU ") + bus + " - " + lc.verbs_device;
+      if (!d) {
+        local_why = "no PCIe path known between " + pair + " (distance unknown)";
+      } else if (int(*d) > int(level)) {
+        local_why = pair + " is " + topology::distance_name(*d) + ", above GRADSYNC_GDR_LEVEL=" +
+                    topology::distance_name(level);
+      } else {
+        where = ", " + pair + " is " + topology::distance_name(*d);
+      }
+    }
+  }
   if (!local_why.empty()) lc.verbs_device.clear();
 
   const int device = cfg.device;
@@ -132,7 +161,7 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
     return std::unique_ptr<GdrRing>();
   }
   m.link = std::move(link).value();
-  m.description = "GPUDirect RDMA over " + m.link->describe() +
+  m.description = "GPUDirect RDMA over " + m.link->describe() + where +
                   (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "");
   return ring;
 }

@@ -464,6 +464,22 @@ GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance
   return rep;
 }
 
+std::optional<PciDistance> gpu_nic_distance(const SysfsRoot& root, const std::string& gpu_pci,
+                                            const std::string& nic) {
+  // CUDA prints "00000000:19:00.0" or "0000:19:00.0"; sysfs has "0000:19:00.0".
+  std::string want;
+  for (char ch : gpu_pci) want += char(std::tolower(static_cast<unsigned char>(ch)));
+  if (const size_t colon = want.find(':'); colon != std::string::npos && colon > 4) want.erase(0, colon - 4);
+  const GpuReport r = build_report(root, CudaFacts{}, PciDistance::SYS);
+  for (size_t g = 0; g < r.gpus.size(); ++g) {
+    if (r.gpus[g].pci_address != want) continue;
+    for (size_t n = 0; n < r.nics.size(); ++n) {
+      if (r.nics[n].name == nic) return r.distance[g][n];
+    }
+  }
+  return std::nullopt;
+}
+
 int doctor_exit_code(const GpuReport& report, bool require_gdr) {
   return require_gdr && !report.all_gpus_gdr() ? 1 : 0;
 }

@@ -179,6 +179,13 @@ struct GpuReport {
 GpuReport build_report(const SysfsRoot& root, const CudaFacts& cuda, PciDistance level,
                        const std::function<NicDmaBufProbe(const std::string& device)>& probe = nullptr);
 
+// The PCIe distance between the NVIDIA GPU at `gpu_pci` ("0000:19:00.0", any case; a longer
+// domain as CUDA prints it is accepted) and the RDMA device `nic` in the tree under root;
+// nullopt when either is not there or they share no PCI path. The GPU communicator checks it
+// against GRADSYNC_GDR_LEVEL before taking GPUDirect RDMA (design §3).
+std::optional<PciDistance> gpu_nic_distance(const SysfsRoot& root, const std::string& gpu_pci,
+                                            const std::string& nic);
+
 // The text gradsyncctl doctor prints.
 std::string render(const GpuReport& report);
 

@@ -289,6 +289,19 @@ TEST(DoctorReport, NicDmaBufProbe) {
   EXPECT_NE(render(r).find("dma-buf registration: not probed"), std::string::npos);
 }
 
+// The GPU communicator's check of GRADSYNC_GDR_LEVEL: the distance of one GPU (as CUDA prints
+// its PCI address) to one RDMA device by name.
+TEST(DoctorReport, GpuNicDistanceByAddressAndName) {
+  FakeSysfs t;
+  t.add_gpu(kSwitch + "/0000:19:00.0", 0);
+  t.add_mlx5("mlx5_0", kSwitch + "/0000:1a:00.0", 0);
+  t.add_mlx5("mlx5_2", "pci0000:9a/0000:9a:00.0/0000:9b:00.0", 1);
+  EXPECT_EQ(gpu_nic_distance(t.root(), "00000000:19:00.0", "mlx5_0"), PciDistance::PIX);
+  EXPECT_EQ(gpu_nic_distance(t.root(), "0000:19:00.0", "mlx5_2"), PciDistance::SYS);
+  EXPECT_EQ(gpu_nic_distance(t.root(), "0000:19:00.0", "emu1n0"), std::nullopt);  // not in sysfs
+  EXPECT_EQ(gpu_nic_distance(t.root(), "0000:55:00.0", "mlx5_0"), std::nullopt);  // no such GPU
+}
+
 TEST(DoctorReport, NicOnlyOnTheOtherSocketIsHostStaged) {
   FakeSysfs t;
   t.add_gpu(kSwitch + "/0000:19:00.0", 0);
