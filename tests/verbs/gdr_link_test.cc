@@ -103,12 +103,16 @@ void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); 
 // n ranks, each with its link; the job's abort is one shared flag.
 class Ring {
  public:
-  Ring(int n, uint32_t slots, size_t slot_bytes, std::chrono::milliseconds timeout = 10s)
+  // `per_device` ranks share each emulated device (ranks of one node use its one NIC).
+  Ring(int n, uint32_t slots, size_t slot_bytes, int per_device = 1, std::chrono::milliseconds timeout = 10s)
       : n_(n), per_(slot_bytes / sizeof(int64_t)), ar_(n), words_(n), links_(n), sent_(n, 0), received_(n, 0) {
     const int job = ++g_job;
     for (int r = 0; r < n; ++r) {
-      devices_.push_back("gdrlink" + std::to_string(job) + "r" + std::to_string(r));
-      verbs::EmulatedFabric::instance().add_device(devices_.back(), 1, verbs::LinkLayer::kEthernet);
+      if (r % per_device == 0) {
+        const std::string dev = "gdrlink" + std::to_string(job) + "d" + std::to_string(r / per_device);
+        verbs::EmulatedFabric::instance().add_device(dev, 1, verbs::LinkLayer::kEthernet);
+      }
+      devices_.push_back("gdrlink" + std::to_string(job) + "d" + std::to_string(r / per_device));
     }
     std::vector<std::thread> threads;
     std::vector<Status> st(n);
@@ -154,6 +158,7 @@ class Ring {
 
   const std::string& error() const { return error_; }
   GdrLink& link(int r) { return *links_[r]; }
+  const GdrWords& words(int r) const { return words_[r]; }
   const std::string& device(int r) const { return devices_[r]; }
   std::string abort_reason() {
     std::lock_guard lock(mu_);
@@ -299,6 +304,22 @@ TEST_P(GdrLinkWorlds, CollectivesOverTheLinks) {
   }
 }
 
+// Two ranks on each of two devices: the ring's link inside a node loops through its NIC.
+TEST(GdrLink, RanksSharingADevice) {
+  Ring ring(4, 2, 64, /*per_device=*/2);
+  ASSERT_EQ(ring.error(), "");
+  const size_t count = 2000;
+  auto send = inputs(4, count);
+  std::vector<std::vector<int64_t>> recv(4, std::vector<int64_t>(count, -1));
+  auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv);
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(recv[r][i], send[0][i] + send[1][i] + send[2][i] + send[3][i]) << "rank " << r << " i " << i;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Rings, GdrLinkWorlds,
                          ::testing::Values(std::make_tuple(2, 2u), std::make_tuple(2, 4u), std::make_tuple(3, 2u),
                                            std::make_tuple(4, 3u), std::make_tuple(5, 2u)),
@@ -329,8 +350,9 @@ TEST(GdrLink, LinkDownMidCollectiveStopsEveryRank) {
   const size_t count = 300000;
   auto send = inputs(3, count);
   std::vector<std::vector<int64_t>> recv(3, std::vector<int64_t>(count, -1));
-  std::thread breaker([&] {
-    std::this_thread::sleep_for(30ms);
+  std::thread breaker([&] {  // once messages are flowing: mid-collective
+    const auto until = Clock::now() + 5s;
+    while (load(&ring.words(0).consumed) < 100 && Clock::now() < until) std::this_thread::yield();
     verbs::EmulatedFabric::instance().set_link_down(ring.device(1), 1);
   });
   const auto t0 = Clock::now();
