@@ -366,7 +366,10 @@ Status DeviceComm::setup_gdr() {
   Impl& m = *impl_;
 #if GRADSYNC_HAVE_GDR
   auto log = log::get("gpu");
-  auto min_bytes = topology::gdr_min_bytes_from_env(64 << 10);
+  // GRADSYNC_GDR_MIN_BYTES checked now (a typo fails the join); measured below when unset.
+  const char* min_env = std::getenv("GRADSYNC_GDR_MIN_BYTES");
+  const bool measure = min_env == nullptr || *min_env == '\0';
+  auto min_bytes = topology::gdr_min_bytes_from_env(0);
   if (!min_bytes.ok()) return Status(min_bytes.status().code(), who() + ": " + min_bytes.status().message());
   m.gdr_min_bytes = *min_bytes;
   // Opt-in until the path has passed its GPU tests (docs/gpudirect.md, "What ran where").
@@ -404,6 +407,7 @@ Status DeviceComm::setup_gdr() {
   m.gdr = std::move(ring).value();
   if (m.gdr) {
     m.gdr_why_not.clear();
+    if (measure) GS_RETURN_IF_ERROR(measure_gdr_min_bytes());
     log->info("{}: {}; calls of {} bytes and more per segment take it, smaller ones host-staged "
               "(GRADSYNC_GDR_MIN_BYTES)", who(), m.gdr->describe(), m.gdr_min_bytes);
   } else {
@@ -415,6 +419,65 @@ Status DeviceComm::setup_gdr() {
 #endif
   return Status::Ok();
 }
+
+#if GRADSYNC_HAVE_GDR
+// The small-message threshold (design §3 rule 4), measured once at set-up on every rank in
+// the same order: per size, the best of three float32 sum allreduces on the GPUDirect ring
+// against the host-staged path's work for a one-piece call (copy to pinned memory, the host
+// allreduce, copy back). Every rank takes the slowest rank's times, so all pick one threshold
+// (topology::gdr_min_bytes_from_times).
+Status DeviceComm::measure_gdr_min_bytes() {
+  Impl& m = *impl_;
+  std::vector<size_t> sizes;
+  for (size_t b = 16 << 10; b <= (size_t(1) << 20) && b <= m.slot_bytes; b *= 4) sizes.push_back(b);
+  if (sizes.empty()) return Status::Ok();
+  const size_t n = sizes.size(), biggest = sizes.back();
+  void* dev = nullptr;
+  cudaStream_t st = nullptr;
+  GS_CUDA(cudaMalloc(&dev, biggest), "cudaMalloc (GPUDirect threshold)");
+  Status s = Status::Ok();
+  auto fail = [&](cudaError_t e, const char* what) {
+    if (e != cudaSuccess && s.ok()) s = {Code::kInternal, who() + ": " + what + ": " + cudaGetErrorString(e)};
+  };
+  fail(cudaMemset(dev, 0, biggest), "cudaMemset");
+  fail(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  std::vector<double> us(2 * n, 1e30);  // GPUDirect, then host-staged
+  for (size_t i = 0; i < n && s.ok(); ++i) {
+    const size_t bytes = sizes[i], count = bytes / 4;
+    const CollectiveCall c{CollectiveKind::kAllreduce, dev, dev, count, DataType::kFloat32, ReduceOp::kSum, 0,
+                           Algorithm::kRing, 0};
+    for (int rep = 0; rep < 3 && s.ok(); ++rep) {
+      auto t0 = Clock::now();
+      s = m.gdr->enqueue(c, st);
+      fail(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+      us[i] = std::min(us[i], std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (s.ok()) s = async_error();
+      if (!s.ok()) break;
+      t0 = Clock::now();
+      fail(cudaMemcpyAsync(m.staging, dev, bytes, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync");
+      fail(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+      if (s.ok()) s = ops_.allreduce_now(m.staging, m.staging, count, DataType::kFloat32, ReduceOp::kSum);
+      fail(cudaMemcpyAsync(dev, m.staging, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
+      fail(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+      us[n + i] = std::min(us[n + i], std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+  }
+  if (st) (void)cudaStreamDestroy(st);
+  (void)cudaFree(dev);
+  if (!s.ok()) return Status(s.code(), who() + ": measuring GRADSYNC_GDR_MIN_BYTES: " + s.message());
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(us.data(), us.data(), us.size(), DataType::kFloat64, ReduceOp::kMax));
+  m.gdr_min_bytes = topology::gdr_min_bytes_from_times(sizes, std::vector<double>(us.begin(), us.begin() + n),
+                                                       std::vector<double>(us.begin() + n, us.end()));
+  std::string table;
+  for (size_t i = 0; i < n; ++i) {
+    table += (i ? ", " : "") + std::to_string(sizes[i] >> 10) + " KiB " + std::to_string(int(us[i])) + "/" +
+             std::to_string(int(us[n + i])) + " us";
+  }
+  log::get("gpu")->info("{}: GRADSYNC_GDR_MIN_BYTES measured: {} bytes (GPUDirect/host-staged, slowest rank: {})",
+                        who(), m.gdr_min_bytes, table);
+  return Status::Ok();
+}
+#endif
 
 void DeviceComm::quiesce() {
 #if GRADSYNC_HAVE_GDR

@@ -121,6 +121,7 @@ class DeviceComm {
   Status setup_ipc(bool* usable);
   Status setup_staged();
   Status setup_gdr();
+  Status measure_gdr_min_bytes();
   Status setup_timeline();
   Status check_call(const CollectiveCall& call) const;
   Status check_device_buffer(const char* name, const void* p) const;

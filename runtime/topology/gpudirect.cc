@@ -332,6 +332,18 @@ Result<size_t> parse_gdr_min_bytes(std::string_view text) {
   return static_cast<size_t>(value << shift);
 }
 
+size_t gdr_min_bytes_from_times(const std::vector<size_t>& sizes, const std::vector<double>& gdr_us,
+                                const std::vector<double>& staged_us) {
+  const size_t n = std::min({sizes.size(), gdr_us.size(), staged_us.size()});
+  if (n == 0) return 0;
+  size_t from = n;  // GPUDirect wins at every size from sizes[from] up
+  for (size_t i = n; i-- > 0;) {
+    if (gdr_us[i] > staged_us[i]) break;
+    from = i;
+  }
+  return from < n ? sizes[from] : 2 * sizes[n - 1];
+}
+
 Result<size_t> gdr_min_bytes_from_env(size_t measured) {
   const char* env = std::getenv("GRADSYNC_GDR_MIN_BYTES");
   if (env == nullptr || *env == '\0') return measured;

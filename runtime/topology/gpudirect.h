@@ -152,10 +152,16 @@ GpuPath path_for_message(const GpuPath& peer, size_t message_bytes, size_t gdr_m
 
 // GRADSYNC_GDR_MIN_BYTES: the smallest message sent by GPUDirect RDMA. A byte count with an
 // optional binary suffix K, M or G ("65536", "64K", "1M"); 0 = GPUDirect for every size.
-// Unset or empty: `measured` (the threshold the runtime measures at start; the measurement is
-// not built yet, callers pass their default). Anything else: kInvalidArgument naming the
+// Unset or empty: `measured` (the threshold the runtime measured at start,
+// gdr_min_bytes_from_times). Anything else: kInvalidArgument naming the
 // variable and the bad value, so a typo does not silently change the path.
 Result<size_t> gdr_min_bytes_from_env(size_t measured);
+// The threshold from a measurement: per message size (ascending), the time of one call on the
+// GPUDirect path and on the host-staged path. The smallest measured size from which GPUDirect
+// is no slower at every larger measured size; twice the largest size when it is slower even
+// there (larger calls are where staging costs most); 0 for no sizes.
+size_t gdr_min_bytes_from_times(const std::vector<size_t>& sizes, const std::vector<double>& gdr_us,
+                                const std::vector<double>& staged_us);
 // The same parsing, for a given text (tests, command lines).
 Result<size_t> parse_gdr_min_bytes(std::string_view text);
 

@@ -159,6 +159,19 @@ TEST_F(Gdr, SmallCallsStayHostStagedAndInterleave) {
   testing::allreduce_matrix(gpus, Algorithm::kRing);  // counts 0..5003: both sides of 4 KiB
 }
 
+// GRADSYNC_GDR_MIN_BYTES unset: every rank measures the threshold at set-up (GPUDirect and
+// host-staged calls of 16 KiB .. 1 MiB, the slowest rank's times) and the job runs.
+TEST_F(Gdr, ThresholdMeasuredAtStart) {
+  ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-measure", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+}
+
 // One node without an RDMA device: no rank takes GPUDirect, and the job still runs.
 TEST_F(Gdr, ANodeWithoutVerbsKeepsEveryRankHostStaged) {
   DaemonCluster cluster({.nodes = 2, .transport = {"verbs", "tcp"}});
