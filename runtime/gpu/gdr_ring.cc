@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
 
 #include "common/log.h"
 #include "gpu/gdr_link.h"
@@ -27,13 +28,14 @@ Status cuda(cudaError_t e, const std::string& what) {
   return {Code::kInternal, what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")"};
 }
 
-// The slots in GPU memory and their registration; the registration goes first.
+// The slots in GPU memory and their registration; the registration goes first (its own
+// destructor deregisters the MR, then closes the dma-buf fd).
 struct GpuSlots {
   int device = 0;
   void* ptr = nullptr;
-  GpuRegistration reg;
+  std::optional<GpuRegistration> reg;
   ~GpuSlots() {
-    reg = {};
+    reg.reset();
     if (ptr) {
       (void)cudaSetDevice(device);
       (void)cudaFree(ptr);
@@ -131,11 +133,11 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
     GS_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
     auto r = register_gpu_memory(pd, slots->ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
     if (!r.ok()) return r.status();
-    slots->reg = std::move(r).value();
+    slots->reg.emplace(std::move(r).value());
     GdrRegion region;
     region.base = static_cast<uint8_t*>(slots->ptr);
-    region.mr = &slots->reg.mr();
-    region.method = slots->reg.method();
+    region.mr = &slots->reg->mr();
+    region.method = slots->reg->method();
     region.owner = slots;
     return region;
   };
