@@ -121,7 +121,6 @@ struct DeviceComm::Impl {
   std::unique_ptr<GdrRing> gdr;
   size_t gdr_min_bytes = 0;
 #endif
-  std::string gdr_why_not = "not tried";
 
   // GRADSYNC_GPU_TIMELINE (gpu/timeline.h), cuda-ipc only.
   bool timeline_asked = false;
@@ -376,11 +375,9 @@ Status DeviceComm::setup_gdr() {
   const char* on = std::getenv("GRADSYNC_GDR");
   const bool asked = on != nullptr && *on != '\0' && std::strcmp(on, "0") != 0;
   const bool staged = std::getenv("GRADSYNC_GPU_STAGED") != nullptr;
-  if (!asked) {
-    m.gdr_why_not = "GRADSYNC_GDR=1 is not set (GPUDirect RDMA in the GPU communicator is opt-in for now)";
-  } else if (staged) {
-    m.gdr_why_not = "GRADSYNC_GPU_STAGED is set";
-  }
+  const std::string off = !asked ? "GRADSYNC_GDR=1 is not set (GPUDirect RDMA in the GPU communicator is opt-in for now)"
+                          : staged ? "GRADSYNC_GPU_STAGED is set"
+                                   : "";
   // Still collective when this rank does not want it: the others may. It takes part and
   // fails locally, and then every rank keeps the host-staged path.
   GdrConfig g;
@@ -406,16 +403,14 @@ Status DeviceComm::setup_gdr() {
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
   m.gdr = std::move(ring).value();
   if (m.gdr) {
-    m.gdr_why_not.clear();
     if (measure) GS_RETURN_IF_ERROR(measure_gdr_min_bytes());
     log->info("{}: {}; calls of {} bytes and more per segment take it, smaller ones host-staged "
               "(GRADSYNC_GDR_MIN_BYTES)", who(), m.gdr->describe(), m.gdr_min_bytes);
   } else {
-    if (m.gdr_why_not == "not tried") m.gdr_why_not = why;
-    log->info("{}: no GPUDirect RDMA: {}; GPU collectives are host-staged", who(), m.gdr_why_not);
+    log->info("{}: no GPUDirect RDMA: {}; GPU collectives are host-staged", who(), off.empty() ? why : off);
   }
 #else
-  m.gdr_why_not = "built without the verbs headers";
+  (void)m;  // built without the verbs headers: host-staged only
 #endif
   return Status::Ok();
 }

@@ -252,10 +252,6 @@ Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
     });
     if (!s.ok()) break;
   }
-  if (std::getenv("GRADSYNC_GDR_TRACE") != nullptr) {
-    log::get("gpu")->info("{}: gdr queued {} sends, {} receives ({})", who, sends.size(), recvs.size(),
-                          s.to_string());
-  }
   // Hand the lengths to the worker even after an error: what was queued on the stream runs.
   link.plan(sends, recvs);
   return s;

@@ -3,46 +3,14 @@
 // rank's GPU memory, and the reduction kernels on the caller's stream read the slots there.
 // No byte of the payload passes through host memory.
 //
-// Set-up (collective, at join): each rank opens the RDMA device port its daemon uses (named
-// in the join reply), allocates one GPU region of `slots` send slots and `slots` receive slots
-// and registers it (gpu/gpu_memory_registration.h: dma-buf, else nvidia-peermem), creates one
-// RC QP to the next rank and one from the previous rank (ranks in rank order), and exchanges
-// QPN, PSN, LID/GID, MTU, the slot address and rkey and the credit word's address and rkey
-// with every rank through a host allreduce. If any rank cannot (no device, no registration,
-// a QP that would not connect), every rank hears so and the communicator keeps the
-// host-staged path, logging each rank's reason.
+// The set-up, the messages, credits and checks are gpu/gdr_link.h's (the transport half,
+// CUDA-free, tested on the CPU); the order of the steps is gpu/gdr_schedule.h's. This file is
+// the GPU half: the slots in GPU memory registered by dma-buf (else peermem), the four words in
+// mapped pinned memory, and per step on the caller's stream: wait kernels on `arrived` and
+// `send_free`, the copy or reduction kernels reading the receive slot and writing the send
+// slot (and the output), signal kernels for `ready` and `consumed`. Every wait has the op
+// timeout; a link failure sets the communicator's abort word, so the stream's waits end.
 //
-// A call is a ring schedule cut into messages of at most one slot, piece-major (NCCL's loop
-// order: every step of piece 0, then of piece 1, ...), so that two slots per direction keep
-// the ring deadlock-free. Everything the GPU does is queued on the caller's stream at the
-// call; a worker thread per communicator drives the NIC:
-//
-//   stream (rank r)                                    worker (rank r)
-//     wait arrived >= k+1  (message k from r-1)          poll the CQ: message k's receive
-//     wait send_free >= m+1-slots                          completion (imm == k, length
-//     kernel: reduce/copy recv slot k, input ->           checked) -> flush if the GPU needs
-//             send slot m (and/or the output)             it -> arrived = k+1
-//     signal ready = m+1, consumed = k+1                 ready >= m+1 and the next rank's
-//                                                        credit >= m+1-slots -> post
-//                                                        WRITE_WITH_IMM of send slot m into
-//                                                        its receive slot m % slots (imm = m)
-//                                                        send completion -> send_free = m+1
-//                                                        consumed advanced -> RDMA WRITE it
-//                                                        into the previous rank's credit word
-//
-// `arrived`, `ready`, `send_free` and `consumed` are words in mapped pinned host memory
-// (the stream's wait kernels poll them, as on the host-staged path); the credit word is host
-// memory registered with the NIC. Every wait has the op timeout; an error completion or a
-// stalled peer fails the communicator with the peer's rank and host and the verbs status,
-// aborts the job (so every rank's waits end), and every later call reports it.
-//
-// Allreduce is reduce-scatter then all-gather around the ring (rank r ends the first half
-// holding segment r reduced, in rank order from r+1 around to r); reduce_scatter and
-// all_gather are the halves; broadcast is a pipeline from the root around the ring. Results
-// are bitwise identical on every rank (each segment is reduced once, then copied).
-//
-// The transport half (QPs, credits, the worker) is gpu/gdr_link.h, CUDA-free and tested on
-// the CPU; this file is the GPU half: slot memory, mapped words, the stream's kernels.
 // Built with CUDA and the verbs headers (GRADSYNC_HAVE_GDR).
 #pragma once
 
