@@ -566,6 +566,9 @@ __global__ void wait_host_kernel(const volatile uint64_t* flag, uint64_t value,
                                  uint64_t* waited_ns, int32_t peer, uint32_t what) {
   const uint64_t start = now_ns();
   while (*flag < value) {
+    // A wait of this stream already failed: the rest of the queue drains at once, instead of
+    // each later wait spending its own timeout.
+    if (host_word(&error->code) != 0) return;
     if (host_word(abort) != 0) return fail(error, 2, peer, what);
     if (now_ns() - start > timeout_ns) return fail(error, 1, peer, what);
     __nanosleep(500);

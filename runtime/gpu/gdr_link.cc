@@ -436,7 +436,7 @@ void GdrLink::Impl::run() {
                                            peer_name(next) + " (its receive slots are full)") +
                        "; that rank is slow, hung, or never called the same collective" + state});
     }
-    if (trace && pending && Clock::now() - last_trace > std::chrono::seconds(1)) {
+    if (trace && Clock::now() - last_trace > std::chrono::seconds(1)) {
       last_trace = Clock::now();
       log::get(cfg.log_name)->info("{}: gdr idle: planned {}/{} posted {} completed {} ready {} credit {} arrived {} "
                             "landed {} consumed {}", cfg.who, planned_s, planned_r, posted, completed,

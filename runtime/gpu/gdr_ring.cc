@@ -214,6 +214,12 @@ Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
       recvs.push_back(uint32_t(len * es));
       ++m.recvs_queued;
     }
+    // The worker learns of each step as soon as it is queued, not at the end of the call: a
+    // call of many steps fills the stream's launch queue, and cudaLaunchKernel then blocks
+    // until the GPU has run earlier steps, whose messages the worker must already know.
+    link.plan(sends, recvs);
+    sends.clear();
+    recvs.clear();
     return Status::Ok();
   };
   // Copies by a kernel, not cudaMemcpyAsync: a copy between two addresses of one device may

@@ -141,6 +141,9 @@ class GpuWorld {
 // two warm-up calls, a barrier, then `iters` calls timed; the slowest rank's time.
 inline Result<double> device_allreduce_us(DaemonWorld& world, size_t bytes, int iters) {
   std::vector<double> us(size_t(world.size()), 0.0);
+  // Allocation and release between barriers: ranks that share a GPU share its context, and a
+  // cudaMalloc or cudaFree there waits for (and blocks kernel launches until) all of its work,
+  // while another rank's queued waits need the emulated NIC, whose copies are kernels.
   auto st = world.run([&](int r) -> Status {
     Communicator& comm = world.comm(r);
     GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
@@ -149,8 +152,9 @@ inline Result<double> device_allreduce_us(DaemonWorld& world, size_t bytes, int 
     cudaStream_t stream = nullptr;
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     cudaMemsetAsync(buf, 0, bytes, stream);
+    cudaStreamSynchronize(stream);
     const size_t count = bytes / 4;
-    Status s;
+    Status s = comm.barrier();
     for (int i = 0; i < 2 && s.ok(); ++i) s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
     cudaStreamSynchronize(stream);
     if (s.ok()) s = comm.barrier();
@@ -160,6 +164,7 @@ inline Result<double> device_allreduce_us(DaemonWorld& world, size_t bytes, int 
     cudaStreamSynchronize(stream);
     us[r] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
     if (s.ok()) s = comm.async_error();
+    if (s.ok()) s = comm.barrier();
     cudaStreamDestroy(stream);
     cudaFree(buf);
     return s;
