@@ -28,7 +28,8 @@ for src in tests/gpu/*_test.cc tests/gpu/*_test.cu; do
   name=$(basename "$src"); tests+=("${name%.*}")
 done
 ((${#tests[@]})) || { echo "gpu-run: no tests/gpu/*_test.cc" >&2; exit 1; }
-targets=("${tests[@]}")
+# The processes the GPU tests start (coordinator, daemons, rank workers).
+targets=("${tests[@]}" gradsync-coordinator gradsyncd gpu_worker)
 files=()
 for arg in "$@"; do
   if [ -f "$arg" ]; then files+=("$arg"); else targets+=("$arg"); fi

@@ -371,13 +371,11 @@ Status DeviceComm::setup_gdr() {
   auto min_bytes = topology::gdr_min_bytes_from_env(0);
   if (!min_bytes.ok()) return Status(min_bytes.status().code(), who() + ": " + min_bytes.status().message());
   m.gdr_min_bytes = *min_bytes;
-  // Opt-in until the path has passed its GPU tests (docs/gpudirect.md, "What ran where").
+  // On unless GRADSYNC_GDR=0 (or GRADSYNC_GPU_STAGED) says otherwise.
   const char* on = std::getenv("GRADSYNC_GDR");
-  const bool asked = on != nullptr && *on != '\0' && std::strcmp(on, "0") != 0;
+  const bool asked = on == nullptr || std::strcmp(on, "0") != 0;
   const bool staged = std::getenv("GRADSYNC_GPU_STAGED") != nullptr;
-  const std::string off = !asked ? "GRADSYNC_GDR=1 is not set (GPUDirect RDMA in the GPU communicator is opt-in for now)"
-                          : staged ? "GRADSYNC_GPU_STAGED is set"
-                                   : "";
+  const std::string off = !asked ? "GRADSYNC_GDR=0 is set" : staged ? "GRADSYNC_GPU_STAGED is set" : "";
   // Still collective when this rank does not want it: the others may. It takes part and
   // fails locally, and then every rank keeps the host-staged path.
   GdrConfig g;

@@ -71,7 +71,7 @@ class Gdr : public ::testing::Test {
     if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
     verbs::EmulatedFabric::instance().set_copier(gpu_copier);
     ::unsetenv("GRADSYNC_GPU_STAGED");
-    ::setenv("GRADSYNC_GDR", "1", 1);
+    ::unsetenv("GRADSYNC_GDR");  // on by default
     // Every call by GPUDirect, and small slots: many messages per call, slots reused.
     ::setenv("GRADSYNC_GDR_MIN_BYTES", "0", 1);
     ::setenv("GRADSYNC_GDR_SLOT_BYTES", "4096", 1);
@@ -170,6 +170,82 @@ TEST_F(Gdr, ThresholdMeasuredAtStart) {
   expect_path(world, "gpudirect-rdma");
   GpuWorld gpus(world);
   testing::allreduce_matrix(gpus, Algorithm::kRing);
+}
+
+// One call of thousands of messages (2 MB in 4 KiB slots: about 490 steps a rank, several
+// kernels each): the stream's launch queue fills while its first waits need messages of this very
+// call, so the worker must learn of each step as it is queued, not when the call returns.
+TEST_F(Gdr, CallLongerThanTheLaunchQueue) {
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-long", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  const size_t count = 500000;  // in and out: 4 MB of GpuWorld's 4 MiB a rank
+  std::vector<std::vector<float>> v(2);
+  for (int r = 0; r < 2; ++r) {
+    v[r].resize(count);
+    for (size_t i = 0; i < count; ++i) v[r][i] = float((i * 7 + size_t(r)) % 1000);
+  }
+  std::vector<float> out0(count, -1.0f), out1(count, -1.0f);
+  GpuWorld gpus(world);
+  auto st = gpus.collective({{CollectiveKind::kAllreduce, v[0].data(), out0.data(), count, DataType::kFloat32,
+                              ReduceOp::kSum, 0, Algorithm::kRing, 0},
+                             {CollectiveKind::kAllreduce, v[1].data(), out1.data(), count, DataType::kFloat32,
+                              ReduceOp::kSum, 0, Algorithm::kRing, 0}});
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+  size_t wrong = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const float want = v[0][i] + v[1][i];
+    wrong += out0[i] != want || out1[i] != want;
+  }
+  EXPECT_EQ(wrong, 0u);
+}
+
+// A rank that never calls: the other's long call fails naming it within about one op timeout
+// (one failed wait ends all later waits of the stream; they do not each spend the timeout).
+TEST_F(Gdr, APeerThatNeverCallsFailsWithinTheTimeout) {
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-absent", 2s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  const size_t count = 256 << 10;  // 512 messages of 4 KiB a direction
+  double secs = 0;
+  Status got;
+  auto st = world.run([&](int r) -> Status {
+    Communicator& comm = world.comm(r);
+    if (r == 1) return Status::Ok();
+    GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
+    void* buf = nullptr;
+    GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buf, count * 4), "cudaMalloc"));
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    const auto t0 = std::chrono::steady_clock::now();
+    Status s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
+    cudaStreamSynchronize(stream);
+    secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (s.ok()) s = comm.async_error();
+    cudaStreamDestroy(stream);
+    cudaFree(buf);
+    got = s;
+    return Status::Ok();
+  });
+  ASSERT_TRUE(st[0].ok()) << st[0].to_string();
+  ASSERT_FALSE(got.ok()) << "rank 0's call did not fail";
+  EXPECT_NE(got.message().find("rank 1"), std::string::npos) << got.to_string();
+  EXPECT_LT(secs, 8.0);
+  std::printf("rank 0 failed after %.1f s (op timeout 2 s): %s\n", secs, got.to_string().c_str());
+}
+
+// GRADSYNC_GDR=0 turns the path off on every rank.
+TEST_F(Gdr, GdrZeroKeepsHostStaged) {
+  ::setenv("GRADSYNC_GDR", "0", 1);
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-off", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "host-staged");
 }
 
 // One node without an RDMA device: no rank takes GPUDirect, and the job still runs.
