@@ -541,7 +541,28 @@ Result<v1::DescribeJobResponse> JobTable::describe(const std::string& job_id) co
     for (uint32_t r : ring_of(g)) out.add_ring(r);
   }
   for (const auto& [node_id, info] : g.members) *out.add_nodes() = info;
+  for (const auto& [rank, path] : g.paths) *out.add_paths() = path;
   return out;
+}
+
+Status JobTable::report_path(const std::string& node_id, const std::string& job_id,
+                             uint64_t generation, const v1::RankPath& path) {
+  GS_RETURN_IF_ERROR(check_registered(node_id, "ReportPath"));
+  auto jit = jobs_.find(job_id);
+  if (jit == jobs_.end()) return Status(Code::kNotFound, "ReportPath: no job '" + job_id + "'");
+  Generation& g = jit->second.gen;
+  if (generation != g.number) {
+    return Status(Code::kFailedPrecondition, "ReportPath " + label(jit->second) + ": generation " +
+                                                 std::to_string(generation) + " is not the current one");
+  }
+  auto claim = g.claims.find(path.rank());
+  if (claim == g.claims.end() || claim->second.node_id != node_id) {
+    return Status(Code::kPermissionDenied, "ReportPath " + label(jit->second) + ": rank " +
+                                               std::to_string(path.rank()) + " is not held by " +
+                                               node_label(node_id));
+  }
+  g.paths[path.rank()] = path;
+  return Status::Ok();
 }
 
 std::vector<Delivery> JobTable::take_events() { return std::exchange(events_, {}); }

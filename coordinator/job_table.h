@@ -82,6 +82,9 @@ class JobTable {
   // node_id empty: an operator. generation 0: the current one. Idempotent.
   Status abort(const std::string& node_id, const std::string& job_id, uint64_t generation,
                const std::string& reason, int32_t failed_rank);
+  // Records the data path of a rank `node_id` holds in the given (current) generation.
+  Status report_path(const std::string& node_id, const std::string& job_id, uint64_t generation,
+                     const v1::RankPath& path);
   // Expires leases and join deadlines.
   void tick(TimePoint now);
 
@@ -120,6 +123,7 @@ class JobTable {
     std::map<uint32_t, Claim> claims;             // rank -> holder
     std::map<JoinTicket, Joiner> joiners;         // pending calls (forming only)
     std::map<std::string, v1::NodeInfo> members;  // node_id -> info at join time
+    std::map<uint32_t, v1::RankPath> paths;       // rank -> its reported data path
     std::set<std::string> left;                   // members that called LeaveJob
     std::string reason;
     int32_t failed_rank = -1;

@@ -225,6 +225,12 @@ class CoordinatorService final : public v1::Coordinator::Service {
     return to_grpc(s);
   }
 
+  grpc::Status ReportPath(grpc::ServerContext*, const v1::ReportPathRequest* req,
+                          v1::ReportPathResponse*) override {
+    std::lock_guard lock(mu_);
+    return to_grpc(table_.report_path(req->node_id(), req->job_id(), req->generation(), req->path()));
+  }
+
   grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
                         v1::ListJobsResponse* resp) override {
     std::lock_guard lock(mu_);

@@ -112,6 +112,9 @@ int main(int argc, char** argv) {
                   n.data_endpoint().c_str(), n.transport().empty() ? "tcp" : n.transport().c_str(),
                   n.transport_why().c_str());
     }
+    for (const auto& p : resp.paths()) {
+      std::printf("rank %u data path: %s (%s)\n", p.rank(), p.path().c_str(), p.why().c_str());
+    }
     return 0;
   }
   if (args[0] == "abort" && args.size() == 2) {

@@ -190,6 +190,18 @@ class CommunicatorImpl {
     return reply.ok() ? Status::Ok() : reply.status();
   }
 
+  // Tells the daemon which data path this rank took and why; the daemon logs it and passes
+  // it to the coordinator for `gradsyncctl describe`. No reply; a failure costs only the report.
+  void report_path(const std::string& path, const std::string& why) {
+    v1::ClientMessage req;
+    req.mutable_path()->set_path(path);
+    req.mutable_path()->set_why(why);
+    std::lock_guard lock(send_mu_);
+    if (Status s = send_frame(daemon_.fd(), req); !s.ok()) {
+      log_->warn("job={} rank={}: reporting the data path to gradsyncd: {}", opts_.job, opts_.rank, s.to_string());
+    }
+  }
+
   Status abort(const std::string& reason) {
     {
       std::lock_guard lock(mu_);
@@ -693,9 +705,17 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon).value(), std::move(shm).value(),
                                                  layout, jr, std::move(links).value());
   GS_RETURN_IF_ERROR(impl->calibrate());
-  if (o.device != JoinOptions::kNoDevice) {
+  if (o.device == JoinOptions::kNoDevice) {
+    const int others = o.world_size - o.local_world_size;
+    impl->report_path("host-channels",
+                      others == 0 ? "shared-memory channels; every rank on this node"
+                                  : "shared-memory channels; " + std::to_string(others) +
+                                        " rank(s) on other nodes through gradsyncd over " +
+                                        (jr.has_verbs() ? "RDMA where their node has it, else TCP" : "TCP"));
+  } else {
 #if GRADSYNC_HAVE_CUDA
     GS_RETURN_IF_ERROR(impl->attach_device());
+    impl->report_path(impl->gpu()->path(), impl->gpu()->path_why());
 #else
     return Status(Code::kUnimplemented, who + "a device was asked for (JoinOptions::device " +
                                             std::to_string(o.device) + ") but gradsync was built without CUDA");

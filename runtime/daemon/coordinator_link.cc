@@ -186,6 +186,18 @@ Status CoordinatorLink::leave(const std::string& job, uint64_t generation) {
   return from_grpc(stub_->LeaveJob(&ctx, req, &resp), "leave of job " + job);
 }
 
+Status CoordinatorLink::report_path(const std::string& job, uint64_t generation, const v1::RankPath& path) {
+  grpc::ClientContext ctx;
+  set_deadline(ctx, kCallTimeout);
+  v1::ReportPathRequest req;
+  req.set_node_id(node_id());
+  req.set_job_id(job);
+  req.set_generation(generation);
+  *req.mutable_path() = path;
+  v1::ReportPathResponse resp;
+  return from_grpc(stub_->ReportPath(&ctx, req, &resp), "path report of job " + job);
+}
+
 Status CoordinatorLink::abort(const std::string& job, uint64_t generation, int failed_rank,
                               const std::string& reason) {
   grpc::ClientContext ctx;

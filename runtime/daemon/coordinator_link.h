@@ -36,6 +36,7 @@ class CoordinatorLink {
   Result<v1::JoinJobResponse> join(v1::JoinJobRequest req, std::chrono::milliseconds timeout);
   Result<v1::PeerTableResponse> peer_table(const std::string& job, uint64_t generation);
   Status leave(const std::string& job, uint64_t generation);
+  Status report_path(const std::string& job, uint64_t generation, const v1::RankPath& path);
   Status abort(const std::string& job, uint64_t generation, int failed_rank,
                const std::string& reason);
 

@@ -321,6 +321,18 @@ void Daemon::serve_trainer(Fd sock) {
       }
       reply.mutable_leave();
       s = send_frame(sock.get(), reply);
+    } else if (msg.has_path()) {
+      if (job) {
+        v1::RankPath p;
+        p.set_rank(rank);
+        p.set_path(msg.path().path());
+        p.set_why(msg.path().why());
+        log->info("{} rank {} data path: {} ({})", job->ids(), rank, p.path(), p.why());
+        // For `gradsyncctl describe`; a coordinator that cannot take it costs only the report.
+        if (Status r = link_->report_path(job->id, job->generation, p); !r.ok()) {
+          log->warn("{} rank {}: {}", job->ids(), rank, r.message());
+        }
+      }
     } else if (msg.has_abort()) {
       if (job) {
         abort(job, static_cast<int>(rank),

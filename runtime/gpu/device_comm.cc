@@ -93,6 +93,7 @@ bool poll_until(F done, Clock::time_point deadline) {
 
 struct DeviceComm::Impl {
   enum class Path { kSingle, kIpc, kStaged } path = Path::kSingle;
+  std::string why = "one rank";  // why this path (path_why())
   kernels::NodeLayout layout;
   kernels::NodeArgs args;
   void* region = nullptr;
@@ -206,10 +207,14 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     }
     if (ipc) {
       m.path = Impl::Path::kIpc;
+      m.why = "every rank on this node: kernels write peers' GPU memory through CUDA IPC";
       if (m.timeline_asked) GS_RETURN_IF_ERROR(d->setup_timeline());
     } else {
       GS_RETURN_IF_ERROR(d->setup_staged());
       m.path = Impl::Path::kStaged;
+      m.why = cfg.local_world_size != cfg.world_size ? "ranks on several nodes"
+              : std::getenv("GRADSYNC_GPU_STAGED") != nullptr ? "GRADSYNC_GPU_STAGED is set"
+                                                               : "CUDA IPC between this node's GPUs is not possible";
       GS_RETURN_IF_ERROR(d->setup_gdr());
     }
   }
@@ -402,9 +407,11 @@ Status DeviceComm::setup_gdr() {
   m.gdr = std::move(ring).value();
   if (m.gdr) {
     if (measure) GS_RETURN_IF_ERROR(measure_gdr_min_bytes());
-    log->info("{}: {}; calls of {} bytes and more per segment take it, smaller ones host-staged "
-              "(GRADSYNC_GDR_MIN_BYTES)", who(), m.gdr->describe(), m.gdr_min_bytes);
+    m.why = m.gdr->describe() + "; calls of " + std::to_string(m.gdr_min_bytes) +
+            " bytes and more per segment take it, smaller ones host-staged (GRADSYNC_GDR_MIN_BYTES)";
+    log->info("{}: {}", who(), m.why);
   } else {
+    m.why += "; no GPUDirect RDMA: " + (off.empty() ? why : off);
     log->info("{}: no GPUDirect RDMA: {}; GPU collectives are host-staged", who(), off.empty() ? why : off);
   }
 #else
@@ -511,6 +518,8 @@ Status DeviceComm::setup_timeline() {
                         who(), m.layout.blocks, gpu::kMaxChunksPerBlock, words * 8 / 1024);
   return Status::Ok();
 }
+
+const std::string& DeviceComm::path_why() const { return impl_->why; }
 
 const char* DeviceComm::path() const {
   switch (impl_->path) {

@@ -96,6 +96,8 @@ class DeviceComm {
   Status async_error();
   int device() const { return cfg_.device; }
   const char* path() const;
+  // Why path() was chosen, for logs and `gradsyncctl describe`.
+  const std::string& path_why() const;
   // Before the memory goes (leave, after the stream is idle): the GPUDirect ring's worker
   // sends its last credits and stops.
   void quiesce();

@@ -21,6 +21,28 @@ TEST(Transport, ProxyOverIPv6Loopback) {
   expect_exact(opts, "ipv6", {"check", "0,1,1000,1048579"});
 }
 
+// Each rank reports its data path at join; gradsyncd logs it and `gradsyncctl describe`
+// shows it, also after the job finished.
+TEST(Transport, DescribeShowsEachRanksDataPath) {
+  Cluster c;
+  ASSERT_TRUE(c.ok()) << c.error() << c.report();
+  auto ranks = c.spawn_ranks("paths", 3, std::vector<int>{2, 1}, {"check", "0,1,1000"});
+  ASSERT_EQ(all_succeeded(ranks, Millis(60'000)), "") << c.report(ranks);
+  EXPECT_TRUE(c.daemon(1).wait_for_output("rank 2 data path: host-channels", Millis(5'000))) << c.report();
+  Process ctl = c.spawn("gradsyncctl", {binary("gradsyncctl"), "--coordinator", c.coordinator_address(),
+                                        "describe", "paths"});
+  auto st = ctl.wait_for_exit(Millis(10'000));
+  ASSERT_TRUE(st.has_value() && st->success()) << ctl.output();
+  const std::string out = ctl.output();
+  EXPECT_NE(out.find("rank 0 data path: host-channels (shared-memory channels; 1 rank(s) on other nodes "
+                     "through gradsyncd over TCP)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("rank 2 data path: host-channels (shared-memory channels; 2 rank(s) on other nodes"),
+            std::string::npos)
+      << out;
+}
+
 TEST(Transport, SeveralRingsGiveSeveralStreamsPerPeer) {
   ClusterOptions opts;
   opts.daemon_args = {"--rings", "3", "--slot-bytes", "65536"};

@@ -140,6 +140,34 @@ TEST_F(JobTableTest, RingKeepsRanksOfOneNodeAdjacent) {
   EXPECT_EQ(table.peer_table("nope", 0).status().code(), Code::kNotFound);
 }
 
+TEST_F(JobTableTest, RankPathsAreKeptForDescribe) {
+  std::string a = add_node("hostA");
+  std::string b = add_node("hostB");
+  ASSERT_TRUE(table.join(req(a, {0}, 2), t0).ok());
+  v1::RankPath p;
+  p.set_rank(0);
+  p.set_path("gpudirect-rdma");
+  p.set_why("mlx5_0 port 1, dma-buf");
+  EXPECT_EQ(table.report_path(a, "train", 2, p).code(), Code::kFailedPrecondition) << "not the generation";
+  ASSERT_TRUE(table.report_path(a, "train", 1, p).ok()) << "a forming generation takes reports";
+  ASSERT_TRUE(table.join(req(b, {1}, 2), t0).ok());
+  p.set_rank(1);
+  p.set_path("host-staged");
+  auto foreign = table.report_path(a, "train", 1, p);
+  EXPECT_EQ(foreign.code(), Code::kPermissionDenied);
+  EXPECT_NE(foreign.message().find("rank 1 is not held by"), std::string::npos) << foreign.message();
+  ASSERT_TRUE(table.report_path(b, "train", 1, p).ok());
+  EXPECT_EQ(table.report_path("ghost-9", "train", 1, p).code(), Code::kNotFound);
+  EXPECT_EQ(table.report_path(b, "nope", 1, p).code(), Code::kNotFound);
+  auto d = table.describe("train");
+  ASSERT_TRUE(d.ok());
+  ASSERT_EQ(d->paths_size(), 2);
+  EXPECT_EQ(d->paths(0).rank(), 0u);
+  EXPECT_EQ(d->paths(0).path(), "gpudirect-rdma");
+  EXPECT_EQ(d->paths(0).why(), "mlx5_0 port 1, dma-buf");
+  EXPECT_EQ(d->paths(1).path(), "host-staged");
+}
+
 TEST_F(JobTableTest, TokenSizeAndRankConflicts) {
   std::string a = add_node("hostA");
   std::string b = add_node("hostB");
