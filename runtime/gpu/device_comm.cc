@@ -411,8 +411,9 @@ Status DeviceComm::setup_gdr() {
             " bytes and more per segment take it, smaller ones host-staged (GRADSYNC_GDR_MIN_BYTES)";
     log->info("{}: {}", who(), m.why);
   } else {
-    m.why += "; no GPUDirect RDMA: " + (off.empty() ? why : off);
-    log->info("{}: no GPUDirect RDMA: {}; GPU collectives are host-staged", who(), off.empty() ? why : off);
+    const std::string& no = off.empty() ? why : off;
+    m.why += "; no GPUDirect RDMA: " + no;
+    log->info("{}: no GPUDirect RDMA: {}; GPU collectives are host-staged", who(), no);
   }
 #else
   (void)m;  // built without the verbs headers: host-staged only

@@ -7,7 +7,10 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <grpcpp/grpcpp.h>
+
 #include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -16,6 +19,7 @@
 #include <vector>
 
 #include "collectives/collective.h"
+#include "coordinator.grpc.pb.h"
 #include "coordinator/service.h"
 #include "daemon/daemon.h"
 #include "gradsync/gradsync.h"
@@ -85,6 +89,25 @@ class DaemonCluster {
   Daemon& daemon(int node) { return *daemons_.at(node); }
   const std::string& socket(int node) const { return sockets_.at(node); }
   const std::string& device(int node) const { return devices_.at(node); }
+
+  // The coordinator's DescribeJob (what `gradsyncctl describe` prints), once `paths` ranks
+  // reported their data path (each rank reports it right after its join), or after 5 s.
+  v1::DescribeJobResponse describe(const std::string& job, int paths) {
+    auto stub = v1::Coordinator::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(coord_->port()),
+                                                             grpc::InsecureChannelCredentials()));
+    const auto until = std::chrono::steady_clock::now() + 5s;
+    v1::DescribeJobResponse resp;
+    for (;;) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+      v1::DescribeJobRequest req;
+      req.set_job_id(job);
+      resp.Clear();
+      (void)stub->DescribeJob(&ctx, req, &resp);
+      if (resp.paths_size() >= paths || std::chrono::steady_clock::now() > until) return resp;
+      std::this_thread::sleep_for(10ms);
+    }
+  }
 
  private:
   ClusterOptions opts_;

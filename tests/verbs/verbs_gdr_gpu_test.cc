@@ -97,6 +97,13 @@ TEST_F(Gdr, OneAllreduceEveryRank) {
   DaemonWorld world(cluster, 2, 1, "gdr-one", 10s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
   expect_path(world, "gpudirect-rdma");
+  // What `gradsyncctl describe gdr-one` shows.
+  auto d = cluster.describe("gdr-one", 2);
+  ASSERT_EQ(d.paths_size(), 2);
+  for (const auto& p : d.paths()) {
+    EXPECT_EQ(p.path(), "gpudirect-rdma") << "rank " << p.rank();
+    EXPECT_NE(p.why().find("dma-buf"), std::string::npos) << p.why();
+  }
   GpuWorld gpus(world);
   std::vector<std::vector<float>> v = {std::vector<float>(3000, 1.0f), std::vector<float>(3000, 2.0f)};
   std::vector<float> out0(3000, -1.0f), out1(3000, -1.0f);
@@ -255,6 +262,12 @@ TEST_F(Gdr, ANodeWithoutVerbsKeepsEveryRankHostStaged) {
   DaemonWorld world(cluster, 2, 1, "gdr-tcp", 20s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
   expect_path(world, "host-staged");
+  auto d = cluster.describe("gdr-tcp", 2);
+  ASSERT_EQ(d.paths_size(), 2);
+  for (const auto& p : d.paths()) {
+    EXPECT_EQ(p.path(), "host-staged") << "rank " << p.rank();
+    EXPECT_NE(p.why().find("no GPUDirect RDMA: "), std::string::npos) << p.why();
+  }
   GpuWorld gpus(world);
   std::vector<float> a(1000, 1.0f), b(1000, 2.0f);
   auto st = gpus.collective({{CollectiveKind::kAllreduce, a.data(), a.data(), a.size(), DataType::kFloat32,

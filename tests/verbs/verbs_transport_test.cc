@@ -68,6 +68,13 @@ TEST(VerbsTransport, PeerWithoutRdmaGetsTcpChannels) {
   EXPECT_EQ(cluster.daemon(2).transport(), "tcp");
   DaemonWorld world(cluster, 3, 1, "mixed");
   ASSERT_EQ(world.join_error(), "");
+  // What `gradsyncctl describe mixed` shows per rank: the daemon of ranks 0 and 1 has RDMA.
+  auto d = cluster.describe("mixed", 3);
+  ASSERT_EQ(d.paths_size(), 3);
+  EXPECT_EQ(d.paths(0).path(), "host-channels");
+  EXPECT_NE(d.paths(0).why().find("2 rank(s) on other nodes through gradsyncd over RDMA where their node has it"),
+            std::string::npos) << d.paths(0).why();
+  EXPECT_NE(d.paths(2).why().find("over TCP"), std::string::npos) << d.paths(2).why();
   for (Algorithm algo : {Algorithm::kRing, Algorithm::kTree}) {
     const size_t count = 70001;  // many slots of 4 KiB
     std::vector<std::vector<float>> buf(3, std::vector<float>(count));
