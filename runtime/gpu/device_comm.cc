@@ -528,7 +528,7 @@ const char* DeviceComm::path() const {
     case Impl::Path::kIpc: return "cuda-ipc";
     case Impl::Path::kStaged:
 #if GRADSYNC_HAVE_GDR
-      if (impl_->gdr) return "gpudirect-rdma";
+      if (impl_->gdr) return impl_->gdr->gpu_slots() ? "gpudirect-rdma" : "rdma-host-memory";
 #endif
       return "host-staged";
   }

@@ -43,12 +43,65 @@ struct GpuSlots {
   }
 };
 
+// The slots in pinned host memory, registered with the NIC as ordinary host memory: the
+// host-staged RDMA path of design §3 for a rank whose GPU memory the NIC cannot reach. The
+// kernels read and write them through the same address (unified addressing).
+struct HostSlots {
+  void* ptr = nullptr;
+  std::optional<verbs::MemoryRegion> mr;
+  ~HostSlots() {
+    mr.reset();
+    if (ptr) (void)cudaFreeHost(ptr);
+  }
+};
+
+Result<GdrRegion> gpu_region(int device, const verbs::ProtectionDomain& pd, size_t bytes) {
+  auto slots = std::make_shared<GpuSlots>();
+  slots->device = device;
+  GS_RETURN_IF_ERROR(cuda(cudaSetDevice(device), "cudaSetDevice"));
+  GS_RETURN_IF_ERROR(cuda(cudaMalloc(&slots->ptr, bytes),
+                          "cudaMalloc of the GPUDirect slots (" + std::to_string(bytes) + " bytes)"));
+  GS_RETURN_IF_ERROR(cuda(cudaMemset(slots->ptr, 0, bytes), "cudaMemset"));
+  GS_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
+  auto r = register_gpu_memory(pd, slots->ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  if (!r.ok()) return r.status();
+  slots->reg.emplace(std::move(r).value());
+  GdrRegion region;
+  region.base = static_cast<uint8_t*>(slots->ptr);
+  region.mr = &slots->reg->mr();
+  region.method = slots->reg->method();
+  region.owner = slots;
+  return region;
+}
+
+Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
+  auto slots = std::make_shared<HostSlots>();
+  GS_RETURN_IF_ERROR(cuda(cudaHostAlloc(&slots->ptr, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+                          "cudaHostAlloc of the RDMA slots (" + std::to_string(bytes) + " bytes)"));
+  std::memset(slots->ptr, 0, bytes);
+  void* dev = nullptr;
+  GS_RETURN_IF_ERROR(cuda(cudaHostGetDevicePointer(&dev, slots->ptr, 0), "cudaHostGetDevicePointer"));
+  if (dev != slots->ptr) {
+    return Status(Code::kUnimplemented, "pinned host slots need unified addressing (the GPU sees them elsewhere)");
+  }
+  auto mr = verbs::MemoryRegion::create(pd, slots->ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  if (!mr.ok()) return mr.status();
+  slots->mr.emplace(std::move(mr).value());
+  GdrRegion region;
+  region.base = static_cast<uint8_t*>(slots->ptr);
+  region.mr = &*slots->mr;
+  region.method = "pinned host memory";
+  region.owner = slots;
+  return region;
+}
+
 }  // namespace
 
 struct GdrRing::Impl {
   GdrConfig cfg;
   std::unique_ptr<GdrLink> link;
   std::string description;
+  bool gpu_slots = true;          // false: the slots are in pinned host memory
   GdrWords* words = nullptr;      // mapped pinned host memory: host view
   GdrWords* words_dev = nullptr;  // device view
   // Messages numbered at enqueue (the caller's thread), per direction.
@@ -94,10 +147,16 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
     else flush_needed = *f;
   }
   // Design §3: GPUDirect only within GRADSYNC_GDR_LEVEL of the NIC (the PCIe distance from
-  // sysfs, as gradsyncctl doctor shows it). The emulated fabric's devices have no place in
-  // the PCIe tree, so the rule does not apply to them.
-  std::string where;
-  if (local_why.empty() && !lc.verbs_device.empty() && lc.verbs_api != verbs::emulated_ibv()->name) {
+  // sysfs, as gradsyncctl doctor shows it); farther, this rank's slots go to pinned host
+  // memory (host-staged RDMA), as they do when the NIC cannot register GPU memory or
+  // GRADSYNC_GDR_HOST_SLOTS asks for it. The emulated fabric's devices have no place in the
+  // PCIe tree, so the distance rule does not apply to them.
+  std::string where, host_why;
+  if (const char* h = std::getenv("GRADSYNC_GDR_HOST_SLOTS"); h != nullptr && std::strcmp(h, "0") != 0) {
+    host_why = "GRADSYNC_GDR_HOST_SLOTS is set";
+  }
+  if (local_why.empty() && host_why.empty() && !lc.verbs_device.empty() &&
+      lc.verbs_api != verbs::emulated_ibv()->name) {
     topology::PciDistance level = topology::PciDistance::PXB;
     const char* lv = std::getenv("GRADSYNC_GDR_LEVEL");
     char bus[32] = {};
@@ -105,16 +164,16 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
       local_why = std::string("GRADSYNC_GDR_LEVEL='") + lv + "' is not one of PIX, PXB, PHB, NODE, SYS";
     } else if (cudaDeviceGetPCIBusId(bus, sizeof(bus) - 1, cfg.device) != cudaSuccess) {
       (void)cudaGetLastError();
-      local_why = "the GPU's PCI address is unknown (cudaDeviceGetPCIBusId failed)";
+      host_why = "the GPU's PCI address is unknown (cudaDeviceGetPCIBusId failed)";
     } else {
       if (lv != nullptr && *lv != '\0') level = *topology::parse_distance(lv);
       const auto d = topology::gpu_nic_distance(topology::SysfsRoot{}, bus, lc.verbs_device);
       const std::string pair = std::string("GPU ") + bus + " - " + lc.verbs_device;
       if (!d) {
-        local_why = "no PCIe path known between " + pair + " (distance unknown)";
+        host_why = "no PCIe path known between " + pair + " (distance unknown)";
       } else if (int(*d) > int(level)) {
-        local_why = pair + " is " + topology::distance_name(*d) + ", above GRADSYNC_GDR_LEVEL=" +
-                    topology::distance_name(level);
+        host_why = pair + " is " + topology::distance_name(*d) + ", above GRADSYNC_GDR_LEVEL=" +
+                   topology::distance_name(level);
       } else {
         where = ", " + pair + " is " + topology::distance_name(*d);
       }
@@ -123,27 +182,21 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
   if (!local_why.empty()) lc.verbs_device.clear();
 
   const int device = cfg.device;
-  GdrRegionMaker make_region = [device](const verbs::ProtectionDomain& pd, size_t bytes) -> Result<GdrRegion> {
-    auto slots = std::make_shared<GpuSlots>();
-    slots->device = device;
-    GS_RETURN_IF_ERROR(cuda(cudaSetDevice(device), "cudaSetDevice"));
-    GS_RETURN_IF_ERROR(cuda(cudaMalloc(&slots->ptr, bytes),
-                            "cudaMalloc of the GPUDirect slots (" + std::to_string(bytes) + " bytes)"));
-    GS_RETURN_IF_ERROR(cuda(cudaMemset(slots->ptr, 0, bytes), "cudaMemset"));
-    GS_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
-    auto r = register_gpu_memory(pd, slots->ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-    if (!r.ok()) return r.status();
-    slots->reg.emplace(std::move(r).value());
-    GdrRegion region;
-    region.base = static_cast<uint8_t*>(slots->ptr);
-    region.mr = &slots->reg->mr();
-    region.method = slots->reg->method();
-    region.owner = slots;
-    return region;
+  // Non-empty once this rank's slots are in host memory: why.
+  auto in_host = std::make_shared<std::string>(host_why);
+  GdrRegionMaker make_region = [device, in_host](const verbs::ProtectionDomain& pd,
+                                                 size_t bytes) -> Result<GdrRegion> {
+    if (in_host->empty()) {
+      auto gpu = gpu_region(device, pd, bytes);
+      if (gpu.ok()) return gpu;
+      *in_host = "the NIC cannot register this GPU's memory: " + gpu.status().message();
+    }
+    return host_region(pd, bytes);
   };
   std::function<Status()> flush;
   if (flush_needed) {
-    flush = [device] {
+    flush = [device, in_host] {  // RDMA writes into GPU memory only
+      if (!in_host->empty()) return Status::Ok();
       (void)cudaSetDevice(device);
       return flush_gdr_writes();
     };
@@ -163,10 +216,15 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
     return std::unique_ptr<GdrRing>();
   }
   m.link = std::move(link).value();
-  m.description = "GPUDirect RDMA over " + m.link->describe() + where +
-                  (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "");
+  m.gpu_slots = in_host->empty();
+  m.description = m.gpu_slots ? "GPUDirect RDMA over " + m.link->describe() + where +
+                                    (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "")
+                              : "RDMA into pinned host memory over " + m.link->describe() +
+                                    " (host-staged RDMA: " + *in_host + ")";
   return ring;
 }
+
+bool GdrRing::gpu_slots() const { return impl_->gpu_slots; }
 
 const std::string& GdrRing::describe() const { return impl_->description; }
 Status GdrRing::error() const { return impl_->link->error(); }

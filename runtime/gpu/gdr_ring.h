@@ -58,6 +58,11 @@ class GdrRing {
   void quiesce();
   // "GPUDirect RDMA over emu1n0 port 1 (RoCE, ...), dma-buf, 4 x 4194304-byte slots".
   const std::string& describe() const;
+  // True when this rank's slots are in GPU memory (GPUDirect RDMA); false when the NIC
+  // reaches them in pinned host memory (host-staged RDMA: the GPU too far from the NIC, GPU
+  // memory it cannot register, or GRADSYNC_GDR_HOST_SLOTS). The kernels and the protocol are
+  // the same; each rank decides for itself, so one ring may mix both.
+  bool gpu_slots() const;
 
   struct Impl;
 

@@ -308,6 +308,24 @@ TEST_F(Dmabuf, ProbeTellsWhetherTheDeviceRegistersDmabuf) {
   }
 }
 
+// A device made to refuse dma-buf (EmulatedFabric::set_dmabuf_supported): the probe says no,
+// and a registration of a real dma-buf fd fails with EOPNOTSUPP naming the device.
+TEST_F(Dmabuf, DeviceWithoutDmabufSupportRefusesIt) {
+  EmulatedFabric::instance().set_dmabuf_supported("emu1", false);
+  std::string note;
+  EXPECT_TRUE(probe_dmabuf(*node_[0].pd, &note)) << note;
+  EXPECT_FALSE(probe_dmabuf(*node_[1].pd, &note));
+  EXPECT_TRUE(contains(note, "provider or kernel without dma-buf")) << note;
+  MemfdMapping dst(page_size());
+  ASSERT_TRUE(dst.ok());
+  auto mr = RegDmabuf(1, dst.fd(), 0, dst.size(), dst.iova());
+  ASSERT_FALSE(mr.ok());
+  EXPECT_TRUE(contains(mr.status().message(), "emu1")) << mr.status().message();
+  EXPECT_TRUE(contains(mr.status().message(), "not supported")) << mr.status().message();
+  EmulatedFabric::instance().set_dmabuf_supported("emu1", true);
+  EXPECT_TRUE(RegDmabuf(1, dst.fd(), 0, dst.size(), dst.iova()).ok());
+}
+
 // The counting copier: records every call, then copies.
 struct CopyLog {
   int calls = 0;

@@ -83,6 +83,7 @@ class Gdr : public ::testing::Test {
     ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
     ::unsetenv("GRADSYNC_GDR_SLOT_BYTES");
     ::unsetenv("GRADSYNC_GDR_SLOTS");
+    ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");
   }
 };
 
@@ -245,6 +246,46 @@ TEST_F(Gdr, APeerThatNeverCallsFailsWithinTheTimeout) {
   std::printf("rank 0 failed after %.1f s (op timeout 2 s): %s\n", secs, got.to_string().c_str());
 }
 
+// A node whose NIC refuses dma-buf (and no nvidia-peermem): that rank's slots go to pinned
+// host memory (host-staged RDMA), the other keeps GPU slots, and one ring carries both.
+// Three ranks, so that host slots sit between two GPU-slot ranks.
+TEST_F(Gdr, NicWithoutDmaBufGivesThatRankHostSlots) {
+  DaemonCluster cluster({.nodes = 3});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  verbs::EmulatedFabric::instance().set_dmabuf_supported(cluster.device(1), false);
+  DaemonWorld world(cluster, 3, 1, "gdr-nodmabuf", 20s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  EXPECT_EQ(world.comm(0).gpu_path(), "gpudirect-rdma");
+  EXPECT_EQ(world.comm(2).gpu_path(), "gpudirect-rdma");
+  auto d = cluster.describe("gdr-nodmabuf", 3);
+  ASSERT_EQ(d.paths_size(), 3);
+  const auto& p1 = d.paths(1);
+  if (world.comm(1).gpu_path() == "gpudirect-rdma") {
+    // nvidia-peermem is loaded on this machine: registration took that way instead.
+    EXPECT_NE(p1.why().find("peermem"), std::string::npos) << p1.why();
+  } else {
+    EXPECT_EQ(p1.path(), "rdma-host-memory");
+    EXPECT_NE(p1.why().find("pinned host memory"), std::string::npos) << p1.why();
+    EXPECT_NE(p1.why().find("dma-buf"), std::string::npos) << p1.why();
+  }
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
+}
+
+// GRADSYNC_GDR_HOST_SLOTS: every rank's slots in pinned host memory.
+TEST_F(Gdr, HostSlotsOnEveryRank) {
+  ::setenv("GRADSYNC_GDR_HOST_SLOTS", "1", 1);
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "gdr-host", 20s, on_gpus);
+  ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "rdma-host-memory");
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+}
+
 // GRADSYNC_GDR=0 turns the path off on every rank.
 TEST_F(Gdr, GdrZeroKeepsHostStaged) {
   ::setenv("GRADSYNC_GDR", "0", 1);
@@ -336,18 +377,22 @@ TEST_F(Gdr, LinkDownMidCollectiveFailsEveryRankNamingThePeer) {
 TEST(GdrBench, DISABLED_BusbwGpuDirectBesideHostStaged) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
   verbs::EmulatedFabric::instance().set_copier(gpu_copier);
-  ::setenv("GRADSYNC_GDR", "1", 1);
+  ::unsetenv("GRADSYNC_GDR");
   ::setenv("GRADSYNC_GDR_MIN_BYTES", "0", 1);
+  constexpr int kPaths = 4;
   struct Row {
     size_t bytes;
-    double us[3];
+    double us[kPaths];
   };
   std::vector<Row> rows;
-  for (size_t bytes = 64 << 10; bytes <= (size_t(256) << 20); bytes *= 4) rows.push_back({bytes, {0, 0, 0}});
-  const char* names[3] = {"gpudirect", "staged-verbs", "staged-tcp"};
-  for (int t = 0; t < 3; ++t) {
-    if (t == 0) ::unsetenv("GRADSYNC_GPU_STAGED"); else ::setenv("GRADSYNC_GPU_STAGED", "1", 1);
-    const std::string tr = t == 2 ? "tcp" : "verbs";
+  for (size_t bytes = 64 << 10; bytes <= (size_t(256) << 20); bytes *= 4) rows.push_back({bytes, {}});
+  // The GPU ring with GPU slots, the same ring with pinned host slots, and the daemons'
+  // host-staged path over verbs and over TCP channels.
+  const char* names[kPaths] = {"gpudirect", "host-slots", "staged-verbs", "staged-tcp"};
+  for (int t = 0; t < kPaths; ++t) {
+    if (t == 1) ::setenv("GRADSYNC_GDR_HOST_SLOTS", "1", 1); else ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");
+    if (t < 2) ::unsetenv("GRADSYNC_GPU_STAGED"); else ::setenv("GRADSYNC_GPU_STAGED", "1", 1);
+    const std::string tr = t == 3 ? "tcp" : "verbs";
     DaemonCluster cluster({.nodes = 2, .transport = {tr, tr}, .slots = 8, .slot_bytes = 1 << 20});
     ASSERT_TRUE(cluster.ok()) << cluster.error();
     DaemonWorld world(cluster, 2, 1, std::string("bench-") + names[t], 120s, on_gpus);
@@ -359,18 +404,18 @@ TEST(GdrBench, DISABLED_BusbwGpuDirectBesideHostStaged) {
     }
   }
   ::unsetenv("GRADSYNC_GPU_STAGED");
-  ::unsetenv("GRADSYNC_GDR");
+  ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");
   ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
   verbs::EmulatedFabric::instance().set_copier(nullptr);
   // busbw = algbw * 2 (n - 1) / n, n = 2 ranks: algbw.
   std::printf("# GPU allreduce float32 sum, 2 nodes x 1 GPU, emulated RDMA fabric; daemons in one process\n");
-  std::printf("# %11s %13s %13s %13s %11s %11s\n", "bytes", "gdr GB/s", "staged-verbs", "staged-tcp",
-              "gdr/verbs", "gdr/tcp");
+  std::printf("# %11s %11s %11s %13s %11s %10s %10s\n", "bytes", "gdr GB/s", "host-slots", "staged-verbs",
+              "staged-tcp", "gdr/verbs", "gdr/tcp");
   for (const auto& row : rows) {
-    double bw[3];
-    for (int t = 0; t < 3; ++t) bw[t] = double(row.bytes) / row.us[t] / 1e3;
-    std::printf("  %11zu %13.2f %13.2f %13.2f %10.2fx %10.2fx\n", row.bytes, bw[0], bw[1], bw[2], bw[0] / bw[1],
-                bw[0] / bw[2]);
+    double bw[kPaths];
+    for (int t = 0; t < kPaths; ++t) bw[t] = double(row.bytes) / row.us[t] / 1e3;
+    std::printf("  %11zu %11.2f %11.2f %13.2f %11.2f %9.2fx %9.2fx\n", row.bytes, bw[0], bw[1], bw[2], bw[3],
+                bw[0] / bw[2], bw[0] / bw[3]);
   }
 }
 

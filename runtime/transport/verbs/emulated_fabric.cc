@@ -43,6 +43,7 @@ struct Device {
   ibv_device dev{};
   std::string name;
   std::vector<Port> ports;  // ports[i] is port i + 1
+  bool dmabuf = true;       // reg_dmabuf_mr supported (set_dmabuf_supported)
 };
 struct Context {
   ibv_context ctx{};
@@ -258,6 +259,13 @@ ibv_mr* emu_reg_mr(ibv_pd* pd, void* addr, size_t length, int access) {
 ibv_mr* emu_reg_dmabuf_mr(ibv_pd* pd, uint64_t offset, size_t length, uint64_t iova, int fd,
                           int access) {
   std::lock_guard lock(fab().mu);
+  // A provider without dma-buf support answers so whatever the fd (doctor's probe uses -1).
+  if (find(fab().pds, pd) != nullptr) {
+    if (Context* c = find(fab().contexts, pd->context); c != nullptr && !c->device->dmabuf) {
+      errno = EOPNOTSUPP;
+      return nullptr;
+    }
+  }
   struct stat st{};
   if (fd < 0 || ::fstat(fd, &st) != 0) {
     errno = EBADF;
@@ -636,6 +644,12 @@ void EmulatedFabric::set_link_state(const std::string& device, uint8_t port, boo
   for (auto& d : fab().devices)
     if (d->name == device && port >= 1 && port <= d->ports.size())
       d->ports[port - 1].state = up ? IBV_PORT_ACTIVE : IBV_PORT_DOWN;
+}
+
+void EmulatedFabric::set_dmabuf_supported(const std::string& device, bool supported) {
+  std::lock_guard lock(fab().mu);
+  for (auto& d : fab().devices)
+    if (d->name == device) d->dmabuf = supported;
 }
 
 void EmulatedFabric::force_qp_error(ibv_qp* qp) {

@@ -59,6 +59,9 @@ class EmulatedFabric {
   // Takes a port down (or back up). Sends to or from it then fail with RETRY_EXC_ERR.
   void set_link_state(const std::string& device, uint8_t port, bool up);
   void set_link_down(const std::string& device, uint8_t port) { set_link_state(device, port, false); }
+  // Makes the device answer reg_dmabuf_mr with EOPNOTSUPP (a NIC or driver without dma-buf
+  // support), or accept it again.
+  void set_dmabuf_supported(const std::string& device, bool supported);
   // Moves a QP to ERROR as a fatal NIC event would; its receives are flushed.
   void force_qp_error(ibv_qp* qp);
   // Moves every QP opened on `device` to ERROR (a NIC reset, seen by a process that cannot
