@@ -219,8 +219,7 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
   m.gpu_slots = in_host->empty();
   m.description = m.gpu_slots ? "GPUDirect RDMA over " + m.link->describe() + where +
                                     (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "")
-                              : "RDMA into pinned host memory over " + m.link->describe() +
-                                    " (host-staged RDMA: " + *in_host + ")";
+                              : "host-staged RDMA over " + m.link->describe() + " (" + *in_host + ")";
   return ring;
 }
 

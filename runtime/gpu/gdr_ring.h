@@ -1,7 +1,8 @@
 // GPUDirect RDMA between the GPUs of a job (design §3, path 1; issue 5): the NIC writes each
 // message straight from a send slot in one rank's GPU memory into a receive slot in the next
 // rank's GPU memory, and the reduction kernels on the caller's stream read the slots there.
-// No byte of the payload passes through host memory.
+// No byte of the payload passes through host memory. A rank whose GPU memory the NIC cannot
+// reach keeps the ring with its slots in pinned host memory instead (gpu_slots() below).
 //
 // The set-up, the messages, credits and checks are gpu/gdr_link.h's (the transport half,
 // CUDA-free, tested on the CPU); the order of the steps is gpu/gdr_schedule.h's. This file is
