@@ -5,7 +5,7 @@
 #
 #   bash scripts/bench-gpu.sh [ipc|staged|all] [extra gradsync-bench flags]
 #
-#   ipc     one node, 2 ranks (one per GPU), gradsync's CUDA IPC path vs NCCL (NVLink)
+#   ipc     one node, NGPUS ranks (default 2, one per GPU), gradsync's CUDA IPC path vs NCCL (NVLink)
 #   staged  two gradsyncd as two nodes on loopback TCP, one GPU each: gradsync's host-staged
 #           path vs NCCL forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
 #           NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo)
@@ -23,7 +23,7 @@ common="--device cuda $range -w 5 -n 20 $*"
 
 ipc() {
   # shellcheck disable=SC2086
-  timeout 300 "$bin/gradsyncrun" --standalone --no-prefix --timeout-s 280 -n 2 \
+  timeout 300 "$bin/gradsyncrun" --standalone --no-prefix --timeout-s 280 -n "${NGPUS:-2}" \
       "$bin/gradsync-bench" $common > "$OUT/bench-gpu-ipc.txt" 2> "$OUT/bench-gpu-ipc.err"
   echo "ipc: exit $?"
 }
