@@ -16,11 +16,14 @@ namespace {
 // A sleeping waiter looks at its abort flags and deadline at least this often, so a missed
 // wake-up costs at most this much latency, and an idle rank wakes 4 times a second.
 constexpr int kWaitSliceMs = 250;
+// A rank that owns sockets (ChannelDriver) sleeps on a shared-memory channel at most this long
+// before it moves its sockets again; only a socket whose kernel buffer was full needs that.
+constexpr int kDriverSliceUs = 200;
 // Polls between two clock reads while spinning.
 constexpr int kPollsPerClockRead = 32;
 
-void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int timeout_ms) {
-  timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1'000'000L};
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, long timeout_us) {
+  timespec ts{timeout_us / 1'000'000, (timeout_us % 1'000'000) * 1000L};
   // Shared futex (no FUTEX_PRIVATE_FLAG): the word lives in memory mapped by several processes.
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
@@ -29,10 +32,7 @@ void futex_wake(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-bool stopped(const WaitContext& ctx) {
-  return (ctx.control && ctx.control->aborted.load(std::memory_order_acquire)) ||
-         (ctx.local_abort && ctx.local_abort->load(std::memory_order_acquire));
-}
+bool stopped(const WaitContext& ctx) { return wait_stopped(ctx); }
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -41,9 +41,10 @@ inline void cpu_relax() {
 }
 
 // Waits until `ready(word value)` holds. Returns kAborted or kDeadlineExceeded otherwise.
+// With a driver (the rank also owns sockets), sleeps in short slices and pokes it in between.
 template <typename Ready>
 Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, const WaitContext& ctx,
-                Ready ready) {
+                ChannelDriver* driver, Ready ready) {
   const auto spin_until = Clock::now() + ctx.spin;
   for (;;) {
     for (int i = 0; i < kPollsPerClockRead; ++i) {
@@ -54,17 +55,19 @@ Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, con
   }
   for (;;) {
     if (stopped(ctx)) return aborted_status(ctx);
+    if (driver) GS_RETURN_IF_ERROR(driver->poke());
     int timeout = poll_timeout_ms(ctx.deadline, kWaitSliceMs);
     if (timeout == 0 && Clock::now() >= ctx.deadline) {
       return {Code::kDeadlineExceeded, "deadline passed"};
     }
+    long timeout_us = driver ? std::min<long>(kDriverSliceUs, std::max(timeout, 1) * 1000L) : timeout * 1000L;
     waiters.fetch_add(1, std::memory_order_seq_cst);
     uint32_t v = word.load(std::memory_order_seq_cst);
     if (ready(v)) {
       waiters.fetch_sub(1, std::memory_order_relaxed);
       return Status::Ok();
     }
-    futex_wait(&word, v, timeout);
+    futex_wait(&word, v, timeout_us);
     waiters.fetch_sub(1, std::memory_order_relaxed);
     if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
   }
@@ -78,6 +81,11 @@ void advance(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters) {
 }
 
 }  // namespace
+
+bool wait_stopped(const WaitContext& ctx) {
+  return (ctx.control && ctx.control->aborted.load(std::memory_order_acquire)) ||
+         (ctx.local_abort && ctx.local_abort->load(std::memory_order_acquire));
+}
 
 std::chrono::microseconds spin_for(int local_ranks) {
   // A futex sleep and wake-up pair costs about 6 us one way on the 2-core machine
@@ -138,11 +146,27 @@ Channel::Channel(void* base, const ShmLayout& layout, uint32_t index)
       slots_(layout.slots),
       slot_bytes_(layout.slot_bytes) {}
 
+Status Channel::wait_head(uint32_t tail, const WaitContext& ctx) {
+  auto credit = [&](uint32_t head) { return tail - head < slots_; };
+  if (driven_) {
+    return driver_->progress_until([&] { return credit(c_->head.load(std::memory_order_acquire)); }, ctx,
+                                   int(index_));
+  }
+  return wait_for(c_->head, c_->head_waiters, ctx, driver_, credit);
+}
+
+Status Channel::wait_tail(uint32_t head, const WaitContext& ctx) {
+  auto landed = [&](uint32_t tail) { return tail != head; };
+  if (driven_) {
+    return driver_->progress_until([&] { return landed(c_->tail.load(std::memory_order_acquire)); }, ctx,
+                                   int(index_));
+  }
+  return wait_for(c_->tail, c_->tail_waiters, ctx, driver_, landed);
+}
+
 Result<uint8_t*> Channel::acquire_send(const WaitContext& ctx) {
   uint32_t tail = c_->tail.load(std::memory_order_relaxed);  // only this producer writes it
-  Status s = wait_for(c_->head, c_->head_waiters, ctx,
-                      [&](uint32_t head) { return tail - head < slots_; });
-  if (!s.ok()) return s;
+  GS_RETURN_IF_ERROR(wait_head(tail, ctx));
   return data_ + size_t{tail % slots_} * slot_bytes_;
 }
 
@@ -150,13 +174,13 @@ void Channel::publish(const SlotMeta& meta) {
   uint32_t tail = c_->tail.load(std::memory_order_relaxed);
   c_->meta[tail % slots_] = meta;
   advance(c_->tail, c_->tail_waiters);
+  // Start the slot on its way now; a failure shows at the rank's next wait or flush.
+  if (driven_) driver_->published(index_);
 }
 
 Result<const uint8_t*> Channel::acquire_recv(const WaitContext& ctx, SlotMeta* meta) {
   uint32_t head = c_->head.load(std::memory_order_relaxed);  // only this consumer writes it
-  Status s = wait_for(c_->tail, c_->tail_waiters, ctx,
-                      [&](uint32_t tail) { return tail != head; });
-  if (!s.ok()) return s;
+  GS_RETURN_IF_ERROR(wait_tail(head, ctx));
   if (meta) *meta = c_->meta[head % slots_];
   return static_cast<const uint8_t*>(data_ + size_t{head % slots_} * slot_bytes_);
 }
@@ -171,7 +195,7 @@ void Channel::publish_landed() {
 }
 
 Status Channel::wait_published(uint32_t seen, const WaitContext& ctx) {
-  return wait_for(c_->tail, c_->tail_waiters, ctx, [&](uint32_t tail) { return tail != seen; });
+  return wait_for(c_->tail, c_->tail_waiters, ctx, nullptr, [&](uint32_t tail) { return tail != seen; });
 }
 
 uint32_t Channel::in_flight() const {

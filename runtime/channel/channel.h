@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "common/fd.h"
@@ -93,6 +94,28 @@ struct WaitContext {
 // The spin a rank should use when `local_ranks` share this node's cores.
 std::chrono::microseconds spin_for(int local_ranks);
 
+// True when the context says to stop waiting (the job or the process aborted).
+bool wait_stopped(const WaitContext& ctx);
+
+// Moves the slots of channels whose other end is a stream socket the rank itself owns
+// (transport/tcp/socket_driver.h), in the rank's own thread, while that thread waits: there is
+// no proxy thread to hand each slot to. A channel with a driver waits through it; every other
+// channel of the same rank keeps the driver going between short sleeps, so a slot published on
+// a socket always leaves while the rank waits for something else.
+class ChannelDriver {
+ public:
+  virtual ~ChannelDriver() = default;
+  // Moves data on every socket until `ready()` holds, the context stops, or its deadline passes.
+  // `channel`: the index of the channel waited on (its socket closing is then an error), or -1.
+  virtual Status progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) = 0;
+  // One pass over the sockets without blocking (a sleep slice ended).
+  virtual Status poke() = 0;
+  // A slot was published on driven channel `channel`: start sending it without blocking.
+  virtual void published(uint32_t channel) = 0;
+  // Waits until every published slot is in the kernel's hands (the end of a collective).
+  virtual Status flush(const WaitContext& ctx) = 0;
+};
+
 // A view of one channel in a mapped region. Cheap to copy.
 class Channel {
  public:
@@ -126,7 +149,21 @@ class Channel {
   // Wakes everybody asleep on this channel (after an abort).
   void wake_all();
 
+  // The rank's socket driver. `driven`: this channel's other end is one of its sockets, and
+  // its waits are the driver's progress; otherwise the channel is in shared memory and its
+  // waits sleep in short slices, poking the driver between them.
+  void set_driver(ChannelDriver* driver, bool driven) {
+    driver_ = driver;
+    driven_ = driven;
+  }
+  bool driven() const { return driven_; }
+
  private:
+  Status wait_head(uint32_t tail, const WaitContext& ctx);
+  Status wait_tail(uint32_t head, const WaitContext& ctx);
+
+  ChannelDriver* driver_ = nullptr;
+  bool driven_ = false;
   ChannelCounters* c_ = nullptr;
   uint8_t* data_ = nullptr;
   uint32_t index_ = 0;

@@ -1,5 +1,6 @@
 // Session, Communicator and Work: the public API over the daemon connection, the job's
 // shared memory and a worker thread that runs host collectives in call order.
+#include <algorithm>
 #include <poll.h>
 #include <sys/eventfd.h>
 
@@ -677,12 +678,14 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   j->set_local_rank(o.local_rank);
   j->set_local_world_size(o.local_world_size);
   j->set_timeout_ms(static_cast<uint32_t>(o.join_timeout.count()));
-  Fd shm_fd;
-  auto reply = daemon->call(req, deadline, &shm_fd);
+  std::vector<Fd> fds;  // the job's shared memory, then this rank's channel sockets
+  auto reply = daemon->call(req, deadline, &fds);
   if (!reply.ok()) return reply.status();
-  if (!reply->has_join() || !shm_fd.valid()) {
+  if (!reply->has_join() || fds.empty() || !fds.front().valid()) {
     return Status(Code::kInternal, "gradsyncd answered join without channel set-up");
   }
+  Fd shm_fd = std::move(fds.front());
+  fds.erase(fds.begin());
   const auto& setup = reply->join().setup();
   ShmLayout layout;
   layout.slots = setup.slots();
@@ -700,18 +703,27 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   if (ring.size() != size_t(o.world_size) || hosts.size() != ring.size()) {
     return Status(Code::kInternal, "gradsyncd returned a ring of the wrong size");
   }
-  auto links = build_links(o.job, o.rank, ring, hosts, setup, shm->data(), layout);
+  const size_t own_sockets = fds.size();
+  auto links = build_links(o.job, o.rank, ring, hosts, setup, shm->data(), layout, std::move(fds));
   if (!links.ok()) return links.status();
   auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon).value(), std::move(shm).value(),
                                                  layout, jr, std::move(links).value());
   GS_RETURN_IF_ERROR(impl->calibrate());
   if (o.device == JoinOptions::kNoDevice) {
     const int others = o.world_size - o.local_world_size;
-    impl->report_path("host-channels",
-                      others == 0 ? "shared-memory channels; every rank on this node"
-                                  : "shared-memory channels; " + std::to_string(others) +
-                                        " rank(s) on other nodes through gradsyncd over " +
-                                        (jr.has_verbs() ? "RDMA where their node has it, else TCP" : "TCP"));
+    // Cross-node send channels the daemon still pumps (RDMA, or a peer node that keeps TCP in
+    // its proxy); the others are sockets this rank moves itself.
+    const int proxied = int(std::count_if(setup.channels().begin(), setup.channels().end(),
+                                          [](const v1::ChannelRef& r) { return r.remote() && r.socket() == 0; }));
+    const std::string via_daemon =
+        std::string("through gradsyncd over ") + (jr.has_verbs() ? "RDMA where their node has it, else TCP" : "TCP");
+    const std::string own = "TCP sockets this rank moves itself (" + std::to_string(own_sockets) + " channel(s)";
+    std::string why = "shared-memory channels; " + std::to_string(others) + " rank(s) on other nodes ";
+    if (others == 0) why = "shared-memory channels; every rank on this node";
+    else if (own_sockets == 0) why += via_daemon;
+    else if (proxied == 0) why += "over " + own + ", connected by gradsyncd)";
+    else why += via_daemon + ", or on " + own + ")";
+    impl->report_path("host-channels", why);
   } else {
 #if GRADSYNC_HAVE_CUDA
     GS_RETURN_IF_ERROR(impl->attach_device());

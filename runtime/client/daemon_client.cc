@@ -43,6 +43,14 @@ Result<DaemonClient> DaemonClient::connect(const std::string& socket_path, Deadl
 
 Result<v1::DaemonMessage> DaemonClient::call(const v1::ClientMessage& request, Deadline deadline,
                                              Fd* passed) {
+  std::vector<Fd> fds;
+  auto reply = call(request, deadline, &fds);
+  if (passed && !fds.empty()) *passed = std::move(fds.front());
+  return reply;
+}
+
+Result<v1::DaemonMessage> DaemonClient::call(const v1::ClientMessage& request, Deadline deadline,
+                                             std::vector<Fd>* passed) {
   GS_RETURN_IF_ERROR(send_frame(sock_.get(), request));
   v1::DaemonMessage reply;
   Status s = recv_frame(sock_.get(), &reply, deadline, passed);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "common/fd.h"
 #include "daemon.pb.h"
@@ -20,6 +21,8 @@ class DaemonClient {
   // Sends one request and waits for its reply; an ErrorResponse becomes a Status.
   Result<v1::DaemonMessage> call(const v1::ClientMessage& request, Deadline deadline,
                                  Fd* passed = nullptr);
+  // The same, keeping every descriptor the reply carried, in order.
+  Result<v1::DaemonMessage> call(const v1::ClientMessage& request, Deadline deadline, std::vector<Fd>* passed);
 
   int fd() const { return sock_.get(); }
   const std::string& socket_path() const { return path_; }

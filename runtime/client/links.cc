@@ -4,11 +4,13 @@
 #include <map>
 #include <tuple>
 
+#include "transport/tcp/socket_driver.h"
+
 namespace gradsync {
 
 Result<RankLinks> build_links(const std::string& job, int rank, const std::vector<uint32_t>& ring,
                               const std::vector<std::string>& hosts, const v1::ChannelSetup& setup,
-                              void* base, const ShmLayout& layout) {
+                              void* base, const ShmLayout& layout, std::vector<Fd> sockets) {
   RankLinks l;
   l.job = job;
   l.rank = rank;
@@ -23,9 +25,23 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
 
   // (tag, peer, send) -> channel index, as the daemon laid them out.
   std::map<std::tuple<uint32_t, uint32_t, bool>, uint32_t> index;
+  std::map<uint32_t, bool> driven;  // channel index -> moved on a socket this rank owns
+  std::shared_ptr<SocketDriver> driver;
   for (const auto& ref : setup.channels()) {
     if (ref.index() >= layout.num_channels) return Status(Code::kInternal, "channel index out of range");
     index[{ref.tag(), ref.peer(), ref.send()}] = ref.index();
+    if (ref.socket() == 0) continue;
+    if (ref.socket() > sockets.size() || !sockets[ref.socket() - 1].valid()) {
+      return Status(Code::kInternal, "gradsyncd named socket " + std::to_string(ref.socket()) + " for rank " +
+                                         std::to_string(rank) + "'s channel to rank " + std::to_string(ref.peer()) +
+                                         " but passed " + std::to_string(sockets.size()));
+    }
+    if (!driver) driver = std::make_shared<SocketDriver>("job=" + job + " " + l.name(rank));
+    Channel ch(base, layout, ref.index());
+    Fd sock = std::move(sockets[ref.socket() - 1]);
+    if (ref.send()) driver->add_sender(ch, std::move(sock), l.name(int(ref.peer())));
+    else driver->add_receiver(ch, std::move(sock), l.name(int(ref.peer())));
+    driven[ref.index()] = true;
   }
   auto find = [&](uint32_t tag, int peer, bool send, Channel* out) -> Status {
     auto f = index.find({tag, uint32_t(peer), send});
@@ -54,6 +70,22 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
       if (tl.children[c] < 0) continue;
       GS_RETURN_IF_ERROR(find(tree_up_tag(t), tl.children[c], false, &l.up_recv[t][c]));
       GS_RETURN_IF_ERROR(find(tree_down_tag(t), tl.children[c], true, &l.down_send[t][c]));
+    }
+  }
+  if (driver) {
+    l.driver = driver;
+    auto attach = [&](Channel& ch) {
+      if (ch.slots() != 0) ch.set_driver(driver.get(), driven.count(ch.index()) != 0);
+    };
+    for (auto& ch : l.ring_send) attach(ch);
+    for (auto& ch : l.ring_recv) attach(ch);
+    for (uint32_t t = 0; t < kNumTrees; ++t) {
+      attach(l.up_send[t]);
+      attach(l.down_recv[t]);
+      for (int c = 0; c < 2; ++c) {
+        attach(l.up_recv[t][c]);
+        attach(l.down_send[t][c]);
+      }
     }
   }
   return l;

@@ -199,8 +199,14 @@ Status run_collective(const RankLinks& links, const WaitContext& wait, const Col
   size_t esize = element_size(call.type);
   size_t slot_bytes = links.world_size > 1 ? links.ring_send[0].slot_bytes() : 4096;
   RunContext rc{links, wait, call, collective_signature(call), esize, slot_bytes / esize};
-  if (call.algorithm == Algorithm::kTree && links.world_size > 1) return run_tree(rc);
-  return run_ring(rc);
+  Status s = call.algorithm == Algorithm::kTree && links.world_size > 1 ? run_tree(rc) : run_ring(rc);
+  // Slots this rank published on its own sockets leave before it returns: a peer may be
+  // waiting for them while this rank computes.
+  if (s.ok() && links.driver) {
+    s = links.driver->flush(wait);
+    if (!s.ok()) s = link_error(rc, s, true, links.next_rank(), 0);
+  }
+  return s;
 }
 
 }  // namespace gradsync

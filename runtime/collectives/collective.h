@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,9 @@ struct RankLinks {
   Channel down_recv[kNumTrees];                // from the parent
   Channel down_send[kNumTrees][2];             // to each child
   TreeLinks trees[kNumTrees];
+  // Moves the channels whose other end is a socket this rank owns; null when it owns none.
+  // Every channel above points at it (Channel::set_driver).
+  std::shared_ptr<ChannelDriver> driver;
 
   int prev_rank() const { return int(ring[(position + world_size - 1) % world_size]); }
   int next_rank() const { return int(ring[(position + 1) % world_size]); }

@@ -77,6 +77,15 @@ Status read_all(int sock, void* data, size_t len, Deadline deadline) {
 }
 
 Status send_frame(int sock, const google::protobuf::MessageLite& msg, int pass_fd) {
+  std::vector<int> fds;
+  if (pass_fd >= 0) fds.push_back(pass_fd);
+  return send_frame(sock, msg, fds);
+}
+
+Status send_frame(int sock, const google::protobuf::MessageLite& msg, const std::vector<int>& pass_fds) {
+  if (pass_fds.size() > kMaxPassedFds) {
+    return {Code::kInternal, "cannot pass " + std::to_string(pass_fds.size()) + " descriptors in one frame"};
+  }
   std::string body;
   if (!msg.SerializeToString(&body)) return {Code::kInternal, "cannot serialize message"};
   if (body.size() > kMaxFrameBytes) return {Code::kInvalidArgument, "frame too large"};
@@ -88,33 +97,40 @@ Status send_frame(int sock, const google::protobuf::MessageLite& msg, int pass_f
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-  if (pass_fd >= 0) {
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * kMaxPassedFds)] = {};
+  if (!pass_fds.empty()) {
     mh.msg_control = ctrl;
-    mh.msg_controllen = sizeof(ctrl);
+    mh.msg_controllen = CMSG_SPACE(sizeof(int) * pass_fds.size());
     cmsghdr* c = CMSG_FIRSTHDR(&mh);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+    c->cmsg_len = CMSG_LEN(sizeof(int) * pass_fds.size());
+    std::memcpy(CMSG_DATA(c), pass_fds.data(), sizeof(int) * pass_fds.size());
   }
   ssize_t n;
   do {
     n = ::sendmsg(sock, &mh, MSG_NOSIGNAL);
   } while (n < 0 && errno == EINTR);
   if (n < 0) return {Code::kUnavailable, errno_string("sendmsg")};
-  // The descriptor travelled with the first byte; the rest is plain data.
+  // The descriptors travelled with the first byte; the rest is plain data.
   return write_all(sock, frame.data() + n, frame.size() - static_cast<size_t>(n));
 }
 
 Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, Fd* passed) {
+  std::vector<Fd> fds;
+  Status s = recv_frame(sock, msg, deadline, &fds);
+  if (passed && !fds.empty()) *passed = std::move(fds.front());
+  return s;
+}
+
+Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, std::vector<Fd>* passed) {
   GS_RETURN_IF_ERROR(wait_readable(sock, deadline));
   uint32_t len = 0;
   iovec iov{&len, sizeof(len)};
   msghdr mh{};
   mh.msg_iov = &iov;
   mh.msg_iovlen = 1;
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * kMaxPassedFds)] = {};
   mh.msg_control = ctrl;
   mh.msg_controllen = sizeof(ctrl);
   ssize_t n;
@@ -125,11 +141,15 @@ Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadlin
   if (n < 0) return {Code::kUnavailable, errno_string("recvmsg")};
   for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c != nullptr; c = CMSG_NXTHDR(&mh, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
-      if (passed) passed->reset(fd); else ::close(fd);
+      size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        passed->emplace_back(fd);
+      }
     }
   }
+  if (mh.msg_flags & MSG_CTRUNC) return {Code::kInternal, "descriptors passed with a frame were truncated"};
   if (static_cast<size_t>(n) < sizeof(len)) {
     GS_RETURN_IF_ERROR(read_all(sock, reinterpret_cast<char*>(&len) + n, sizeof(len) - n, deadline));
   }

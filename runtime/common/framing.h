@@ -5,6 +5,7 @@
 #include <google/protobuf/message_lite.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "common/fd.h"
 
@@ -13,12 +14,18 @@ namespace gradsync {
 // A frame larger than this is a protocol error, not a message: 16 MiB.
 constexpr uint32_t kMaxFrameBytes = 16u << 20;
 
+// Descriptors one frame can carry (the job's shared memory and a rank's channel sockets).
+constexpr size_t kMaxPassedFds = 64;
+
 Status send_frame(int sock, const google::protobuf::MessageLite& msg, int pass_fd = -1);
+Status send_frame(int sock, const google::protobuf::MessageLite& msg, const std::vector<int>& pass_fds);
 
 // Reads one frame; fills `*passed` when the sender attached a descriptor. kUnavailable on EOF,
 // kDeadlineExceeded when `deadline` passes first.
 Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline,
                   Fd* passed = nullptr);
+// The same, keeping every attached descriptor in order.
+Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, std::vector<Fd>* passed);
 
 // Writes/reads exactly `len` bytes (retrying on EINTR and short transfers).
 Status write_all(int sock, const void* data, size_t len);

@@ -59,6 +59,14 @@ Status write_file_atomically(const std::string& path, const std::string& text) {
   return Status::Ok();
 }
 
+// How a channel from a rank on node `src` to a rank on node `dst` moves its slots: both
+// daemons of the channel compute this from the endpoints they exchanged, so they agree.
+ChannelTransport channel_transport(const v1::ChannelEndpoint& src, const v1::ChannelEndpoint& dst) {
+  if (src.transport() == "verbs" && dst.transport() == "verbs") return ChannelTransport::kVerbs;
+  if (src.rank_sockets() && dst.rank_sockets()) return ChannelTransport::kTcpRank;
+  return ChannelTransport::kTcp;
+}
+
 }  // namespace
 
 Result<std::string> Daemon::choose_data_host(const topology::NodeInfo& topo, std::string* why) const {
@@ -296,12 +304,14 @@ void Daemon::serve_trainer(Fd sock) {
       job = joined.value();
       rank = msg.join().rank();
       v1::JoinResponse* jr = reply.mutable_join();
+      std::vector<Fd> rank_socks;
       {
         std::lock_guard lock(mu_);
         jr->set_generation(job->generation);
         *jr->mutable_ring() = job->table.ring();
         for (uint32_t r = 0; r < job->world_size; ++r) jr->add_rank_hosts(job->host_of(r));
         *jr->mutable_setup() = job->setup_for(rank);
+        rank_socks = job->take_rank_sockets(jr->mutable_setup());
       }
 #if GRADSYNC_HAVE_VERBS
       if (verbs_) {
@@ -312,7 +322,11 @@ void Daemon::serve_trainer(Fd sock) {
         vd->set_api(verbs_->context().api()->name);
       }
 #endif
-      s = send_frame(sock.get(), reply, job->shm->fd());
+      // The job's memory, then this rank's channel sockets; ours close when the frame is out.
+      std::vector<int> fds{job->shm->fd()};
+      for (const Fd& f : rank_socks) fds.push_back(f.get());
+      s = send_frame(sock.get(), reply, fds);
+      rank_socks.clear();
     } else if (msg.has_leave()) {
       if (job) {
         std::lock_guard lock(mu_);
@@ -447,6 +461,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
   mine.set_rings(cfg_.rings);
   mine.set_slots(cfg_.slots);
   mine.set_slot_bytes(cfg_.slot_bytes);
+  mine.set_rank_sockets(cfg_.rank_sockets);
   v1::JoinJobRequest req;
   req.set_job_id(job->id);
   req.set_token(job->token);
@@ -519,21 +534,28 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
   for (const auto& [key, index] : job->staging) {
     auto [tag, src, dst] = key;
     const std::string& theirs = job->endpoints[dst].transport();
-    ChannelTransport via = transport_ == "verbs" && theirs == "verbs" ? ChannelTransport::kVerbs
-                                                                     : ChannelTransport::kTcp;
+    ChannelTransport via = channel_transport(job->endpoints[src], job->endpoints[dst]);
     if (logged.insert(job->endpoints[dst].proxy()).second) {
+      std::string no_rdma = transport_ != "verbs" ? "this node has no usable RDMA port"
+                                                  : "that node has no usable RDMA port (it offers " +
+                                                        (theirs.empty() ? std::string("tcp") : theirs) + ")";
       log->info("{} channels to gradsyncd {} (host {}): {} ({})", job->ids(), job->endpoints[dst].proxy(),
                 job->host_of(dst), to_string(via),
-                via == ChannelTransport::kVerbs ? "both nodes have RDMA"
-                : transport_ != "verbs"         ? "this node has no usable RDMA port"
-                                                : "that node has no usable RDMA port (it offers " +
-                                                      (theirs.empty() ? std::string("tcp") : theirs) + ")");
+                via == ChannelTransport::kVerbs     ? "both nodes have RDMA"
+                : via == ChannelTransport::kTcpRank ? no_rdma + "; both nodes hand the sockets to their ranks"
+                : !cfg_.rank_sockets                ? no_rdma + "; this node's proxy pumps them (--proxy-tcp)"
+                                                    : no_rdma + "; that node's proxy pumps them");
     }
     ProxyHello hello{job->id, via, job->generation, tag, src, dst};
     auto sock = proxy_connect(job->endpoints[dst].proxy(), hello, deadline_after(kPeerAcceptTimeout));
     if (!sock.ok()) {
       return {sock.status().code(), job->ids() + " rank " + std::to_string(src) + " -> " +
                                         job->peer_name(dst) + ": " + sock.status().message()};
+    }
+    if (via == ChannelTransport::kTcpRank) {
+      std::lock_guard lock(mu_);
+      job->rank_sockets[index] = std::move(sock).value();
+      continue;
     }
     PumpContext ctx{job->shm, job->layout, index, &job->stop, &job->drain, job->peer_name(dst),
                     job->ids() + " ch=" + std::to_string(index)};
@@ -553,7 +575,36 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
     std::lock_guard lock(mu_);
     job->pumps.push_back(std::move(pump));
   }
-  return Status::Ok();
+  return await_rank_sockets(job);
+}
+
+Status Daemon::await_rank_sockets(const std::shared_ptr<LocalJob>& job) {
+  // The incoming rank sockets: peer daemons connect them (serve_peer) while this node connects
+  // its own; a local rank's join reply carries them, so the join waits for all of them.
+  std::unique_lock lock(mu_);
+  auto missing = [&] {
+    std::vector<LocalJob::EdgeKey> out;
+    for (const auto& [key, index] : job->incoming) {
+      auto [tag, src, dst] = key;
+      if (job->is_local(src)) continue;
+      if (channel_transport(job->endpoints[src], job->endpoints[dst]) != ChannelTransport::kTcpRank) continue;
+      if (!job->rank_sockets.count(index)) out.push_back(key);
+    }
+    return out;
+  };
+  if (cv_.wait_until(lock, deadline_after(kPeerAcceptTimeout), [&] { return missing().empty() || job->stop; })) {
+    if (job->stop) return {Code::kAborted, job->ids() + " on " + hostname_ + ": aborted while connecting channels"};
+    return Status::Ok();
+  }
+  std::string which;
+  for (auto [tag, src, dst] : missing()) {
+    if (!which.empty()) which += ", ";
+    which += job->peer_name(src) + " -> rank " + std::to_string(dst) + " (tag " + std::to_string(tag) + ")";
+  }
+  return {Code::kDeadlineExceeded, job->ids() + " on " + hostname_ + ": after " +
+                                       std::to_string(kPeerAcceptTimeout.count() / 1000) +
+                                       " s these peers never connected their channels: " + which +
+                                       " (their gradsyncd stuck or unreachable from it?)"};
 }
 
 void Daemon::serve_peer(Fd sock) {
@@ -610,6 +661,20 @@ void Daemon::serve_peer(Fd sock) {
                       (verbs_ ? "the job's memory is not registered" : "no usable RDMA port") + ")";
     log->warn("rejected proxy connection: {}", why);
     (void)proxy_reply(sock.get(), {Code::kFailedPrecondition, why});
+    return;
+  }
+  if (hello->transport == ChannelTransport::kTcpRank) {
+    if (!job->endpoints[hello->src_rank].rank_sockets() || !cfg_.rank_sockets) {
+      lock.unlock();
+      std::string why = "rank " + std::to_string(hello->src_rank) + "'s node asked for a rank-owned socket but " +
+                        hostname_ + " pumps TCP channels in its proxy (--proxy-tcp)";
+      log->warn("rejected proxy connection: {}", why);
+      (void)proxy_reply(sock.get(), {Code::kFailedPrecondition, why});
+      return;
+    }
+    if (!proxy_reply(sock.get(), Status::Ok()).ok()) return;
+    job->rank_sockets[static_cast<uint32_t>(idx)] = std::move(sock);
+    cv_.notify_all();  // connect_job waits for every incoming one
     return;
   }
   if (!proxy_reply(sock.get(), Status::Ok()).ok()) return;

@@ -33,6 +33,9 @@ struct DaemonConfig {
   uint32_t rings = 1;            // parallel rings; must match on every node of a job
   std::string ready_file;        // written once serving
   std::string transport;         // auto|tcp|verbs (GRADSYNC_TRANSPORT)
+  // Over TCP, hand each rank the connected sockets of its cross-node channels (both nodes
+  // must); false: the proxy pumps them (--proxy-tcp, GRADSYNC_PROXY_TCP=1).
+  bool rank_sockets = true;
   std::string verbs_device;      // RDMA device to use; default the first (GRADSYNC_IB_HCA)
   uint8_t verbs_port = 1;        // its port
   int gid_index = -1;            // RoCE GID index; -1 picks one (GRADSYNC_IB_GID_INDEX)
@@ -65,6 +68,7 @@ class Daemon {
 
   Result<std::shared_ptr<LocalJob>> join(const v1::JoinRequest& req, uint32_t pid);
   Status connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::milliseconds timeout);
+  Status await_rank_sockets(const std::shared_ptr<LocalJob>& job);
   void member_gone(const std::shared_ptr<LocalJob>& job, uint32_t rank);
   void teardown(const std::shared_ptr<LocalJob>& job);
   // Aborts the job locally (first reason wins) and, if `tell`, at the coordinator too.

@@ -49,6 +49,18 @@ v1::ChannelSetup LocalJob::setup_for(uint32_t rank) const {
   return s;
 }
 
+std::vector<Fd> LocalJob::take_rank_sockets(v1::ChannelSetup* setup) {
+  std::vector<Fd> out;
+  for (auto& ref : *setup->mutable_channels()) {
+    auto it = rank_sockets.find(ref.index());
+    if (it == rank_sockets.end()) continue;
+    out.push_back(std::move(it->second));
+    rank_sockets.erase(it);
+    ref.set_socket(uint32_t(out.size()));
+  }
+  return out;
+}
+
 std::string LocalJob::host_of(uint32_t rank) const {
   if (rank < static_cast<uint32_t>(table.peers_size())) return table.peers(rank).hostname();
   return "?";

@@ -55,6 +55,9 @@ struct LocalJob {
   using EdgeKey = std::tuple<uint32_t, uint32_t, uint32_t>;
   std::map<EdgeKey, uint32_t> incoming;
   std::map<EdgeKey, uint32_t> staging;
+  // Connected sockets of rank-owned TCP channels (ChannelTransport::kTcpRank), by channel
+  // index, until the local rank that owns the channel end takes them with its join reply.
+  std::map<uint32_t, Fd> rank_sockets;
   std::atomic<bool> stop{false};        // aborted or torn down: pumps exit
   std::atomic<bool> drain{false};       // every local rank left: senders flush, then Bye
   bool aborted = false;
@@ -69,6 +72,9 @@ struct LocalJob {
   void plan_channels(uint32_t slots, uint32_t slot_bytes);
   // Channel set-up for one local rank.
   v1::ChannelSetup setup_for(uint32_t rank) const;
+  // Marks the channels of `setup` that have a rank socket and moves those sockets out, in
+  // the order ChannelRef.socket numbers them.
+  std::vector<Fd> take_rank_sockets(v1::ChannelSetup* setup);
   std::string host_of(uint32_t rank) const;
   std::string peer_name(uint32_t rank) const;  // "rank 3 (host h, gradsyncd h:p)"
   bool all_left() const;

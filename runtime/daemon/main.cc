@@ -29,6 +29,8 @@ void usage(FILE* out) {
                "  --slot-bytes N            bytes per slot (default 1048576)\n"
                "  --rings N                 parallel rings per job (default 1, or $GRADSYNC_NRINGS)\n"
                "  --transport T             auto|tcp|verbs between nodes ($GRADSYNC_TRANSPORT; default auto)\n"
+               "  --proxy-tcp               over TCP, pump the channels in this daemon instead of handing\n"
+               "                            the connected sockets to the ranks ($GRADSYNC_PROXY_TCP=1)\n"
                "  --ib-hca NAME             RDMA device for verbs channels ($GRADSYNC_IB_HCA; default the first)\n"
                "  --ib-port N               its port (default 1)\n"
                "  --gid-index N             RoCE GID index ($GRADSYNC_IB_GID_INDEX; default: IPv4-mapped v2)\n"
@@ -43,6 +45,7 @@ int main(int argc, char** argv) {
   if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
   if (const char* i = std::getenv("GRADSYNC_SOCKET_IFNAME"); i && *i) cfg.ifname = i;
   if (const char* t = std::getenv("GRADSYNC_TRANSPORT"); t && *t) cfg.transport = t;
+  if (const char* p = std::getenv("GRADSYNC_PROXY_TCP"); p && *p && std::string(p) != "0") cfg.rank_sockets = false;
   if (const char* h = std::getenv("GRADSYNC_IB_HCA"); h && *h) cfg.verbs_device = h;
   if (const char* g = std::getenv("GRADSYNC_IB_GID_INDEX"); g && *g) cfg.gid_index = std::clamp(std::atoi(g), -1, 255);
   if (const char* b = std::getenv("GRADSYNC_SLOT_BYTES"); b && *b) cfg.slot_bytes = static_cast<uint32_t>(std::clamp(std::atol(b), 4096L, 256L << 20));
@@ -75,6 +78,7 @@ int main(int argc, char** argv) {
     else if (a == "--data-host") cfg.data_host = value();
     else if (a == "--ifname") cfg.ifname = value();
     else if (a == "--transport") cfg.transport = value();
+    else if (a == "--proxy-tcp") cfg.rank_sockets = false;
     else if (a == "--ib-hca") cfg.verbs_device = value();
     else if (a == "--ib-port") cfg.verbs_port = static_cast<uint8_t>(number(1, 255));
     else if (a == "--gid-index") cfg.gid_index = static_cast<int>(number(-1, 255));

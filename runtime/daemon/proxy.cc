@@ -128,7 +128,7 @@ Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline) {
   if (w.magic != kProxyMagic || w.version != kProxyVersion) {
     return Status(Code::kInvalidArgument, "not a gradsync proxy connection (bad magic/version)");
   }
-  if (w.transport > static_cast<uint32_t>(ChannelTransport::kVerbs)) {
+  if (w.transport > static_cast<uint32_t>(ChannelTransport::kTcpRank)) {
     return Status(Code::kInvalidArgument, "unknown channel transport " + std::to_string(w.transport));
   }
   constexpr uint32_t kMaxJobIdBytes = 4096;
@@ -168,7 +168,13 @@ bool proxy_readable(int sock) {
   return ::poll(&p, 1, 0) > 0;
 }
 
-const char* to_string(ChannelTransport t) { return t == ChannelTransport::kVerbs ? "verbs" : "tcp"; }
+const char* to_string(ChannelTransport t) {
+  switch (t) {
+    case ChannelTransport::kVerbs: return "verbs";
+    case ChannelTransport::kTcpRank: return "tcp, on sockets the ranks move themselves";
+    default: return "tcp";
+  }
+}
 
 std::unique_ptr<Pump> Pump::start(PumpContext ctx, Fd sock, PumpFailure on_failure, bool sender) {
   std::unique_ptr<Pump> p(new Pump());

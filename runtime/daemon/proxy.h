@@ -29,6 +29,8 @@ constexpr uint32_t kByeBytes = 0xFFFFFFFFu;
 enum class ChannelTransport : uint32_t {
   kTcp = 0,    // frames on this connection
   kVerbs = 1,  // RDMA writes on an RC QP; this connection only bootstraps and says Bye
+  kTcpRank = 2,  // frames on this connection, but both daemons hand it to their rank after
+                 // the handshake: the ranks move the slots (transport/tcp/socket_driver.h)
 };
 const char* to_string(ChannelTransport t);
 

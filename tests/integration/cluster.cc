@@ -346,6 +346,9 @@ Cluster::Cluster(ClusterOptions options) : opts_(std::move(options)) {
                                       "--data-listen",       "127.0.0.1",
                                       "--ready-file",        ready.back()};
     dargv.insert(dargv.end(), opts_.daemon_args.begin(), opts_.daemon_args.end());
+    if (auto it = opts_.per_daemon_args.find(i); it != opts_.per_daemon_args.end()) {
+      dargv.insert(dargv.end(), it->second.begin(), it->second.end());
+    }
     daemons_.push_back(spawn("gradsyncd-" + std::to_string(i), dargv));
     if (daemons_.back().pid() < 0) {
       error_ = daemons_.back().error();

@@ -116,6 +116,7 @@ struct ClusterOptions {
   int join_timeout_ms = 0;   // 0: coordinator default
   std::vector<std::string> coordinator_args = {};  // extra flags, e.g. {"--log-level", "debug"}
   std::vector<std::string> daemon_args = {};       // extra flags for every daemon
+  std::map<int, std::vector<std::string>> per_daemon_args = {};  // and for daemon i only
   Millis start_timeout{20'000};               // for the port and ready files
 };
 

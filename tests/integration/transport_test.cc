@@ -35,12 +35,47 @@ TEST(Transport, DescribeShowsEachRanksDataPath) {
   ASSERT_TRUE(st.has_value() && st->success()) << ctl.output();
   const std::string out = ctl.output();
   EXPECT_NE(out.find("rank 0 data path: host-channels (shared-memory channels; 1 rank(s) on other nodes "
-                     "through gradsyncd over TCP)"),
+                     "over TCP sockets this rank moves itself ("),
             std::string::npos)
       << out;
   EXPECT_NE(out.find("rank 2 data path: host-channels (shared-memory channels; 2 rank(s) on other nodes"),
             std::string::npos)
       << out;
+}
+
+// gradsyncd --proxy-tcp keeps the daemons' proxy in the data path (design §2 as first built):
+// on both nodes, and on one only, where the other node then pumps too.
+TEST(Transport, ProxyTcpKeepsTheDaemonsInThePath) {
+  for (bool both : {true, false}) {
+    SCOPED_TRACE(both ? "both nodes --proxy-tcp" : "node 1 --proxy-tcp");
+    ClusterOptions opts;
+    if (both) opts.daemon_args = {"--proxy-tcp"};
+    else opts.per_daemon_args = {{1, {"--proxy-tcp"}}};
+    Cluster c(opts);
+    ASSERT_TRUE(c.ok()) << c.error() << c.report();
+    auto ranks = c.spawn_ranks("proxied", 4, 2, {"check", "0,1,1000,1048579"}, {{"GRADSYNC_ALGO", "ring"}});
+    ASSERT_EQ(all_succeeded(ranks, Millis(60'000)), "") << c.report(ranks);
+    EXPECT_TRUE(c.daemon(0).wait_for_output("through gradsyncd over TCP", Millis(5'000))) << c.report();
+    EXPECT_EQ(c.daemon(0).output().find("TCP sockets this rank moves itself"), std::string::npos) << c.report();
+    EXPECT_NE(c.daemon(0).output().find(both ? "this node's proxy pumps them (--proxy-tcp)"
+                                             : "that node's proxy pumps them"),
+              std::string::npos)
+        << c.report();
+  }
+}
+
+// The rank-owned sockets (the default): gradsyncd connects them and says so; every type, op
+// and algorithm runs over them (collectives_processes_test runs the full matrix).
+TEST(Transport, RanksMoveTheirOwnTcpSockets) {
+  Cluster c;
+  ASSERT_TRUE(c.ok()) << c.error() << c.report();
+  for (const char* algo : {"ring", "tree"}) {
+    auto ranks = c.spawn_ranks(std::string("own-") + algo, 4, 2, {"check", "0,1,3,1000,1048579"},
+                               {{"GRADSYNC_ALGO", algo}});
+    ASSERT_EQ(all_succeeded(ranks, Millis(60'000)), "") << c.report(ranks);
+  }
+  EXPECT_NE(c.daemon(0).output().find("both nodes hand the sockets to their ranks"), std::string::npos) << c.report();
+  EXPECT_NE(c.daemon(1).output().find("over TCP sockets this rank moves itself"), std::string::npos) << c.report();
 }
 
 TEST(Transport, SeveralRingsGiveSeveralStreamsPerPeer) {

@@ -1,0 +1,238 @@
+#include "transport/tcp/socket_driver.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <stdexcept>
+#include <thread>
+
+namespace gradsync {
+namespace {
+
+// A rank asleep in poll() looks at its abort flags and deadline at least this often.
+constexpr int kSliceMs = 100;
+// How long a rank whose socket broke waits for the job's abort flag before it reports the
+// socket (progress_until).
+constexpr std::chrono::milliseconds kAbortGrace{500};
+constexpr size_t kMetaBytes = sizeof(SlotMeta);
+// Channel ends one rank can own: rings x 2 plus 2 trees x 6 is far below.
+constexpr size_t kMaxPorts = 256;
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK; }
+
+}  // namespace
+
+void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer) {
+  if (ports_.size() >= kMaxPorts) throw std::length_error("SocketDriver: too many channel ends");
+  int flags = ::fcntl(sock.get(), F_GETFL);
+  if (flags >= 0) ::fcntl(sock.get(), F_SETFL, flags | O_NONBLOCK);
+  Port p;
+  p.ch = ch;
+  p.ch.set_driver(nullptr, false);  // the driver's own view: plain counters
+  p.sock = std::move(sock);
+  p.send = send;
+  p.peer = std::move(peer);
+  ports_.push_back(std::move(p));
+}
+
+void SocketDriver::add_sender(Channel ch, Fd sock, std::string peer) { add(ch, std::move(sock), true, std::move(peer)); }
+
+void SocketDriver::add_receiver(Channel ch, Fd sock, std::string peer) {
+  add(ch, std::move(sock), false, std::move(peer));
+}
+
+Status SocketDriver::broken(const Port& p, const std::string& what) const {
+  return {Code::kUnavailable, who_ + ": the TCP connection " + (p.send ? "to " : "from ") + p.peer + " " + what +
+                                  ": that rank's process exited, or its node or the network failed"};
+}
+
+Status SocketDriver::pump_send(Port& p, bool* moved) {
+  // Frames of published slots, oldest first: the driver is the staging channel's consumer.
+  if (p.closed && p.ch.consumed() != p.ch.published()) return broken(p, "was closed");
+  while (p.ch.consumed() != p.ch.published()) {
+    const uint32_t seq = p.ch.consumed();
+    const SlotMeta* meta = p.ch.slot_meta(seq);
+    const size_t total = kMetaBytes + meta->bytes;
+    iovec iov[2];
+    int n = 0;
+    if (p.done < kMetaBytes) {
+      iov[n++] = {reinterpret_cast<char*>(const_cast<SlotMeta*>(meta)) + p.done, kMetaBytes - p.done};
+      iov[n++] = {p.ch.slot_data(seq), meta->bytes};
+    } else {
+      iov[n++] = {p.ch.slot_data(seq) + (p.done - kMetaBytes), total - p.done};
+    }
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = n;
+    ssize_t w = ::sendmsg(p.sock.get(), &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (would_block(errno)) return Status::Ok();
+      return broken(p, std::string("failed (") + errno_string("send") + ")");
+    }
+    *moved = true;
+    p.done += size_t(w);
+    if (p.done < total) return Status::Ok();  // the kernel took part of it: its buffer is full
+    p.done = 0;
+    p.ch.release();  // the slot is in the kernel: its credit goes back to the rank
+  }
+  return Status::Ok();
+}
+
+Status SocketDriver::pump_recv(Port& p, bool* moved) {
+  // Frames into free slots of the incoming channel: the driver is its producer.
+  while (p.ch.published() - p.ch.consumed() < p.ch.slots()) {
+    const uint32_t seq = p.ch.published();
+    ssize_t r;
+    if (p.done < kMetaBytes) {
+      r = ::recv(p.sock.get(), reinterpret_cast<char*>(&p.meta) + p.done, kMetaBytes - p.done, MSG_DONTWAIT);
+    } else {
+      r = ::recv(p.sock.get(), p.ch.slot_data(seq) + (p.done - kMetaBytes), kMetaBytes + p.meta.bytes - p.done,
+                 MSG_DONTWAIT);
+    }
+    if (r == 0) {
+      // At a frame boundary the peer may simply be done (its last call needed nothing more
+      // from this rank); it is an error only for a rank that waits on this channel.
+      if (p.done != 0) return broken(p, "was closed in the middle of a slot");
+      p.closed = true;
+      return Status::Ok();
+    }
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (would_block(errno)) return Status::Ok();
+      return broken(p, std::string("failed (") + errno_string("recv") + ")");
+    }
+    *moved = true;
+    p.done += size_t(r);
+    if (p.done == kMetaBytes && p.meta.bytes > p.ch.slot_bytes()) {
+      return {Code::kInternal, who_ + ": protocol error: " + p.peer + " sent a slot of " +
+                                   std::to_string(p.meta.bytes) + " bytes into slots of " +
+                                   std::to_string(p.ch.slot_bytes()) + " (peers of different versions?)"};
+    }
+    if (p.done < kMetaBytes || p.done < kMetaBytes + p.meta.bytes) continue;
+    p.done = 0;
+    p.ch.publish(p.meta);
+  }
+  return Status::Ok();
+}
+
+Status SocketDriver::pump(bool* moved) {
+  if (!failed_.ok()) return failed_;
+  for (Port& p : ports_) {
+    if (p.closed && !p.send) continue;
+    Status s = p.send ? pump_send(p, moved) : pump_recv(p, moved);
+    if (!s.ok()) {
+      failed_ = s;
+      return s;
+    }
+  }
+  return Status::Ok();
+}
+
+Status SocketDriver::poke() {
+  bool moved = false;
+  return pump(&moved);
+}
+
+void SocketDriver::published(uint32_t channel) {
+  if (!failed_.ok()) return;
+  for (Port& p : ports_) {
+    if (!p.send || p.ch.index() != channel) continue;
+    bool moved = false;
+    Status s = pump_send(p, &moved);
+    if (!s.ok()) failed_ = s;  // reported by the rank's next wait or flush
+    return;
+  }
+}
+
+Status SocketDriver::wait_sockets(int timeout_ms) {
+  pollfd fds[kMaxPorts];
+  Port* of[kMaxPorts];
+  nfds_t n = 0;
+  for (Port& p : ports_) {
+    if (n == kMaxPorts) break;
+    if (p.closed) continue;
+    short events = 0;
+    // Nothing ever comes back on a send socket: readable means the peer closed it or it broke,
+    // which a rank waiting for some other peer must hear too.
+    if (p.send) events = POLLIN | (p.ch.consumed() != p.ch.published() ? POLLOUT : 0);
+    else if (p.ch.published() - p.ch.consumed() < p.ch.slots()) events = POLLIN;
+    if (!events) continue;
+    fds[n] = {p.sock.get(), events, 0};
+    of[n++] = &p;
+  }
+  int rc = ::poll(fds, n, timeout_ms);
+  if (rc < 0 && errno != EINTR) return {Code::kInternal, who_ + ": " + errno_string("poll")};
+  for (nfds_t i = 0; rc > 0 && i < n; ++i) {
+    if (!of[i]->send || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    char byte;
+    ssize_t r = ::recv(fds[i].fd, &byte, 1, MSG_DONTWAIT | MSG_PEEK);
+    if (r == 0) {
+      // The peer closed it: fine when nothing more is owed to it (it finished its last call).
+      of[i]->closed = true;
+      if (of[i]->ch.consumed() != of[i]->ch.published()) failed_ = broken(*of[i], "was closed");
+    } else if (r < 0 && !would_block(errno) && errno != EINTR) failed_ = broken(*of[i], "failed (" + errno_string("recv") + ")");
+    else if (r > 0) failed_ = {Code::kInternal, who_ + ": protocol error: " + of[i]->peer + " sent data on a send-only channel"};
+    if (!failed_.ok()) return failed_;
+  }
+  return Status::Ok();
+}
+
+Status SocketDriver::progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) {
+  Status s = progress(ready, ctx, channel);
+  if (s.code() != Code::kUnavailable) return s;
+  // A socket broke. When the job was aborted (a rank gave up, a node was lost), the peer's
+  // process usually closed it on the way out, and the abort's reason, which gradsyncd brings
+  // a moment later, names the cause better than the closed socket does: wait a little for it.
+  const auto until = Clock::now() + kAbortGrace;
+  while (Clock::now() < until && Clock::now() < ctx.deadline) {
+    if (wait_stopped(ctx)) return aborted_status(ctx);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return wait_stopped(ctx) ? aborted_status(ctx) : s;
+}
+
+Status SocketDriver::progress(const std::function<bool()>& ready, const WaitContext& ctx, int channel) {
+  const auto spin_until = Clock::now() + ctx.spin;
+  for (;;) {
+    if (ready()) return Status::Ok();
+    bool moved = false;
+    GS_RETURN_IF_ERROR(pump(&moved));
+    if (ready()) return Status::Ok();
+    if (moved) continue;
+    if (channel >= 0) {
+      for (const Port& p : ports_) {
+        if (p.closed && int(p.ch.index()) == channel) return broken(p, "was closed");
+      }
+    }
+    if (wait_stopped(ctx)) return aborted_status(ctx);
+    if (Clock::now() < spin_until) {
+      for (int i = 0; i < 16; ++i) cpu_relax();
+      continue;
+    }
+    int timeout = poll_timeout_ms(ctx.deadline, kSliceMs);
+    if (timeout == 0 && Clock::now() >= ctx.deadline) return {Code::kDeadlineExceeded, "deadline passed"};
+    GS_RETURN_IF_ERROR(wait_sockets(timeout));
+  }
+}
+
+Status SocketDriver::flush(const WaitContext& ctx) {
+  return progress_until(
+      [&] {
+        return std::all_of(ports_.begin(), ports_.end(),
+                           [](const Port& p) { return !p.send || p.ch.consumed() == p.ch.published(); });
+      },
+      ctx, -1);
+}
+
+}  // namespace gradsync

@@ -1,0 +1,68 @@
+// Rank-owned TCP channels (docs/architecture.md, "Rank sockets"): the cross-node channels of a
+// rank whose two nodes both run TCP, moved by the rank's own thread instead of gradsyncd's
+// proxy. The daemons still find the peer, connect, check the handshake and hand each rank the
+// connected sockets of its channel ends (SCM_RIGHTS with the join reply); from then on a slot
+// goes rank -> kernel -> peer rank, with no hand-off to another process on either side.
+//
+// Each socket carries the frames of one channel, the same frames the proxy sends: SlotMeta, then
+// meta.bytes of payload. The send side's slots are the rank's staging channel in shared memory
+// (the driver is that channel's consumer); the receive side reads each frame straight into a
+// slot of the rank's incoming channel (the driver is its producer). So the algorithms see the
+// same channels, credits and checks as with the proxy.
+//
+// Progress happens only inside the rank's waits (ChannelDriver). Every wait of a rank that owns
+// sockets moves all of them, and a collective ends with flush(), so a rank never holds back a
+// slot a peer is waiting for.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "channel/channel.h"
+#include "common/fd.h"
+
+namespace gradsync {
+
+class SocketDriver : public ChannelDriver {
+ public:
+  // `who` names this rank in errors: "job=x rank 3 (host h)".
+  explicit SocketDriver(std::string who) : who_(std::move(who)) {}
+
+  // Takes one channel end. `ch` is a view without a driver (the driver's own side of it);
+  // `peer` names the rank at the other end: "rank 1 (host h)".
+  void add_sender(Channel ch, Fd sock, std::string peer);
+  void add_receiver(Channel ch, Fd sock, std::string peer);
+  size_t size() const { return ports_.size(); }
+
+  Status progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) override;
+  Status poke() override;
+  void published(uint32_t channel) override;
+  Status flush(const WaitContext& ctx) override;
+
+ private:
+  struct Port {
+    Channel ch;
+    Fd sock;
+    bool send = false;
+    std::string peer;
+    size_t done = 0;       // bytes of the current frame (meta + payload) moved so far
+    SlotMeta meta{};       // receive side: the frame being read
+    bool closed = false;   // the peer closed its end (at a frame boundary)
+  };
+
+  void add(Channel ch, Fd sock, bool send, std::string peer);
+  Status progress(const std::function<bool()>& ready, const WaitContext& ctx, int channel);
+  // Moves what each socket takes or has right now. Sets *moved when anything did.
+  Status pump(bool* moved);
+  Status pump_send(Port& p, bool* moved);
+  Status pump_recv(Port& p, bool* moved);
+  Status broken(const Port& p, const std::string& what) const;
+  // Sleeps until a socket with work is ready, at most `timeout_ms`.
+  Status wait_sockets(int timeout_ms);
+
+  std::string who_;
+  std::vector<Port> ports_;
+  Status failed_;  // the first broken socket: every later wait reports it
+};
+
+}  // namespace gradsync

@@ -1,0 +1,241 @@
+// Rank-owned TCP channels (transport/tcp/socket_driver.h): the collectives matrix with every
+// rank its own node and every channel a loopback TCP socket, including kernel buffers smaller
+// than a slot; and the driver's failure paths (peer gone, deadline, abort, protocol error).
+#include <gtest/gtest.h>
+
+#include <sys/socket.h>
+
+#include <cstring>
+#include <thread>
+
+#include "collective_matrix.h"
+#include "socket_world.h"
+#include "transport/tcp/socket_driver.h"
+
+namespace gradsync {
+namespace {
+
+using namespace testing;
+
+class SocketCollectives : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {};
+
+TEST_P(SocketCollectives, MatchTheReference) {
+  auto [n, algo] = GetParam();
+  SocketWorld world(n, 1);
+  allreduce_matrix(world, algo);
+  reduce_scatter_all_gather_broadcast_matrix(world, algo);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, SocketCollectives,
+                         ::testing::Combine(::testing::Values(2, 3, 5),
+                                            ::testing::Values(Algorithm::kRing, Algorithm::kTree)),
+                         [](const auto& info) {
+                           return "n" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
+
+// Large float32 sums, three times over, checked against the exact sum and across ranks.
+void large_allreduces(SocketWorld& world, Algorithm algo, size_t count) {
+  const int n = world.size();
+  std::vector<std::vector<float>> in(n, std::vector<float>(count)), out(n, std::vector<float>(count));
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < count; ++i) in[r][i] = float((i * 7 + size_t(r)) % 13);
+  }
+  std::vector<CollectiveCall> calls(n);
+  for (int r = 0; r < n; ++r) {
+    calls[r] = {CollectiveKind::kAllreduce, in[r].data(), out[r].data(), count, DataType::kFloat32,
+                ReduceOp::kSum, 0, algo, 0};
+  }
+  for (int rep = 0; rep < 3; ++rep) {
+    auto st = world.collective(calls);
+    for (int r = 0; r < n; ++r) ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (size_t i = 0; i < count; i += 997) {
+      float want = 0;
+      for (int r = 0; r < n; ++r) want += float((i * 7 + size_t(r)) % 13);
+      ASSERT_EQ(out[0][i], want) << i;
+    }
+    for (int r = 1; r < n; ++r) ASSERT_EQ(std::memcmp(out[0].data(), out[r].data(), count * 4), 0) << r;
+  }
+}
+
+TEST(SocketCollectives, SeveralRingsAndLargeCalls) {
+  SocketWorld world(4, 2, 8, 65536);
+  large_allreduces(world, Algorithm::kRing, (3u << 20) + 17);  // many slots, a multiple of nothing
+}
+
+// Kernel buffers (64 KiB, doubled by the kernel) smaller than a slot (256 KiB): sends and
+// receives stop part-way through frames. (Far smaller buffers stall loopback TCP itself: the
+// receiver then announces its window only on a timer.)
+TEST(SocketCollectives, SlotsLargerThanTheKernelBuffers) {
+  SocketWorld world(3, 1, 4, 256 << 10, 64 << 10);
+  large_allreduces(world, Algorithm::kRing, (2u << 20) + 5);
+  large_allreduces(world, Algorithm::kTree, (2u << 20) + 5);
+}
+
+// Two channel ends in one region, each driven by its own driver over one TCP connection.
+struct Pair {
+  Pair() {
+    layout.num_channels = 2;
+    layout.slots = 2;
+    layout.slot_bytes = 4096;
+    auto m = SharedMemory::create("socket-pair", layout.total_bytes());
+    if (!m.ok()) throw std::runtime_error(m.status().to_string());
+    shm = std::make_shared<SharedMemory>(std::move(m).value());
+    init_job_control(shm->data(), layout);
+    send = Channel(shm->data(), layout, 0);
+    recv = Channel(shm->data(), layout, 1);
+    auto [a, b] = tcp_pair();
+    raw_sender = a.get();
+    raw_receiver = b.get();
+    sender = std::make_unique<SocketDriver>("job=j rank 0 (host a)");
+    receiver = std::make_unique<SocketDriver>("job=j rank 1 (host b)");
+    sender->add_sender(send, std::move(a), "rank 1 (host b)");
+    receiver->add_receiver(recv, std::move(b), "rank 0 (host a)");
+    send.set_driver(sender.get(), true);
+    recv.set_driver(receiver.get(), true);
+    wait.control = static_cast<const JobControl*>(shm->data());
+    wait.deadline = deadline_after(std::chrono::seconds(10));
+  }
+  ShmLayout layout;
+  std::shared_ptr<SharedMemory> shm;
+  Channel send, recv;
+  int raw_sender = -1, raw_receiver = -1;
+  std::unique_ptr<SocketDriver> sender, receiver;
+  WaitContext wait;
+};
+
+TEST(SocketDriver, SlotsArriveInOrderWithTheirMeta) {
+  Pair p;
+  std::thread producer([&] {
+    for (uint32_t i = 0; i < 10; ++i) {
+      auto slot = p.send.acquire_send(p.wait);
+      ASSERT_TRUE(slot.ok()) << slot.status().to_string();
+      std::memset(*slot, int(i), 100 + i);
+      p.send.publish(SlotMeta{100 + i, 7, 1000, 0xAB, i});
+    }
+    EXPECT_TRUE(p.sender->flush(p.wait).ok());
+  });
+  for (uint32_t i = 0; i < 10; ++i) {
+    SlotMeta meta{};
+    auto slot = p.recv.acquire_recv(p.wait, &meta);
+    ASSERT_TRUE(slot.ok()) << slot.status().to_string();
+    EXPECT_EQ(meta.bytes, 100 + i);
+    EXPECT_EQ(meta.step, i);
+    EXPECT_EQ(meta.seq, 7u);
+    EXPECT_EQ((*slot)[0], uint8_t(i));
+    EXPECT_EQ((*slot)[99 + i], uint8_t(i));
+    p.recv.release();
+  }
+  producer.join();
+}
+
+TEST(SocketDriver, ClosedPeerIsReportedNamingIt) {
+  Pair p;
+  p.sender.reset();  // rank 0's process is gone: its socket closes
+  auto start = Clock::now();
+  auto slot = p.recv.acquire_recv(p.wait, nullptr);
+  ASSERT_FALSE(slot.ok());
+  EXPECT_EQ(slot.status().code(), Code::kUnavailable);
+  EXPECT_NE(slot.status().message().find("from rank 0 (host a) was closed"), std::string::npos)
+      << slot.status().message();
+  EXPECT_NE(slot.status().message().find("job=j rank 1 (host b)"), std::string::npos) << slot.status().message();
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(2));
+  // Every later wait reports the same, at once.
+  EXPECT_EQ(p.recv.acquire_recv(p.wait, nullptr).status().code(), Code::kUnavailable);
+}
+
+TEST(SocketDriver, SendingToAClosedPeerFails) {
+  Pair p;
+  p.receiver.reset();
+  Status s;
+  for (int i = 0; i < 100 && s.ok(); ++i) {
+    auto slot = p.send.acquire_send(p.wait);
+    if (!slot.ok()) {
+      s = slot.status();
+      break;
+    }
+    p.send.publish(SlotMeta{4096, 0, 0, 0, uint32_t(i)});
+    s = p.sender->flush(p.wait);
+  }
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), Code::kUnavailable);
+  EXPECT_NE(s.message().find("to rank 1 (host b)"), std::string::npos) << s.message();
+}
+
+TEST(SocketDriver, SilentPeerTimesOut) {
+  Pair p;
+  p.wait.deadline = deadline_after(std::chrono::milliseconds(300));
+  auto start = Clock::now();
+  auto slot = p.recv.acquire_recv(p.wait, nullptr);
+  ASSERT_FALSE(slot.ok());
+  EXPECT_EQ(slot.status().code(), Code::kDeadlineExceeded);
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(2));
+}
+
+TEST(SocketDriver, AbortWakesAWaiterWithTheReason) {
+  Pair p;
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    abort_job(p.shm->data(), p.layout, 0, "rank 0 (host a) died");
+  });
+  auto start = Clock::now();
+  auto slot = p.recv.acquire_recv(p.wait, nullptr);
+  aborter.join();
+  ASSERT_FALSE(slot.ok());
+  EXPECT_EQ(slot.status().code(), Code::kAborted);
+  EXPECT_NE(slot.status().message().find("rank 0 (host a) died"), std::string::npos);
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(2));
+}
+
+TEST(SocketDriver, OversizedFrameIsAProtocolError) {
+  Pair p;
+  SlotMeta meta{1u << 20, 0, 0, 0, 0};  // more than a 4096-byte slot
+  ASSERT_EQ(::send(p.raw_sender, &meta, sizeof(meta), MSG_NOSIGNAL), ssize_t(sizeof(meta)));
+  auto slot = p.recv.acquire_recv(p.wait, nullptr);
+  ASSERT_FALSE(slot.ok());
+  EXPECT_EQ(slot.status().code(), Code::kInternal);
+  EXPECT_NE(slot.status().message().find("protocol error"), std::string::npos) << slot.status().message();
+}
+
+// A rank that dies fails the rank waiting for its data at once, naming it. (The others learn
+// it from the job's abort, which gradsyncd raises when the process goes: not part of this test.)
+TEST(SocketCollectives, DeadRankFailsItsSuccessorNamingIt) {
+  SocketWorld world(3, 1);  // ring order 1 -> 2 -> 0 -> 1
+  std::vector<std::vector<float>> buf(3, std::vector<float>(1 << 20, 1.0f));
+  world.kill_rank(1);
+  auto start = Clock::now();
+  auto st = world.run([&](int r) -> Status {
+    if (r == 1) return Status::Ok();
+    WaitContext wait;
+    wait.control = static_cast<const JobControl*>(world.base(r));
+    wait.deadline = deadline_after(std::chrono::seconds(3));
+    CollectiveCall c{CollectiveKind::kAllreduce, buf[r].data(), buf[r].data(), buf[r].size(),
+                     DataType::kFloat32, ReduceOp::kSum, 0, Algorithm::kRing, 0};
+    return run_collective(world.links(r), wait, c);
+  });
+  EXPECT_EQ(st[2].code(), Code::kUnavailable) << st[2].to_string();
+  EXPECT_NE(st[2].message().find("from rank 1 (host node1) was closed"), std::string::npos) << st[2].to_string();
+  EXPECT_FALSE(st[0].ok());
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+}
+
+// A peer that finished and closed its sockets is no error for a rank that needs nothing more
+// from it.
+TEST(SocketDriver, PeerThatClosedAfterItsLastSlotIsNoError) {
+  Pair p;
+  auto slot = p.send.acquire_send(p.wait);
+  ASSERT_TRUE(slot.ok());
+  p.send.publish(SlotMeta{16, 0, 0, 0, 0});
+  ASSERT_TRUE(p.sender->flush(p.wait).ok());
+  p.sender.reset();
+  auto got = p.recv.acquire_recv(p.wait, nullptr);
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  p.recv.release();
+  EXPECT_TRUE(p.receiver->poke().ok());
+  EXPECT_TRUE(p.receiver->flush(p.wait).ok());
+  // Only waiting for more from it fails.
+  EXPECT_EQ(p.recv.acquire_recv(p.wait, nullptr).status().code(), Code::kUnavailable);
+}
+
+}  // namespace
+}  // namespace gradsync
