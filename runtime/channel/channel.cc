@@ -2,6 +2,7 @@
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -18,7 +19,10 @@ namespace {
 constexpr int kWaitSliceMs = 250;
 // A rank that owns sockets (ChannelDriver) sleeps on a shared-memory channel at most this long
 // before it moves its sockets again; only a socket whose kernel buffer was full needs that.
-constexpr int kDriverSliceUs = 200;
+// The slice starts at this, and doubles up to kDriverSliceMaxUs while the wait goes on, so a
+// rank that waits long for a slow peer wakes only a few hundred times a second.
+constexpr long kDriverSliceUs = 200;
+constexpr long kDriverSliceMaxUs = 5000;
 // Polls between two clock reads while spinning.
 constexpr int kPollsPerClockRead = 32;
 
@@ -45,13 +49,21 @@ inline void cpu_relax() {
 template <typename Ready>
 Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, const WaitContext& ctx,
                 ChannelDriver* driver, Ready ready) {
-  const auto spin_until = Clock::now() + ctx.spin;
+  const auto start = Clock::now();
+  const auto spin_until = start + ctx.spin, yield_until = spin_until + ctx.yield_spin;
   for (;;) {
     for (int i = 0; i < kPollsPerClockRead; ++i) {
       if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
       cpu_relax();
     }
     if (Clock::now() >= spin_until) break;
+  }
+  long slice_us = kDriverSliceUs;
+  while (Clock::now() < yield_until) {
+    if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
+    if (stopped(ctx)) return aborted_status(ctx);
+    if (driver) GS_RETURN_IF_ERROR(driver->poke());
+    sched_yield();
   }
   for (;;) {
     if (stopped(ctx)) return aborted_status(ctx);
@@ -60,7 +72,8 @@ Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, con
     if (timeout == 0 && Clock::now() >= ctx.deadline) {
       return {Code::kDeadlineExceeded, "deadline passed"};
     }
-    long timeout_us = driver ? std::min<long>(kDriverSliceUs, std::max(timeout, 1) * 1000L) : timeout * 1000L;
+    long timeout_us = driver ? std::min<long>(slice_us, std::max(timeout, 1) * 1000L) : timeout * 1000L;
+    slice_us = std::min(slice_us * 2, kDriverSliceMaxUs);
     waiters.fetch_add(1, std::memory_order_seq_cst);
     uint32_t v = word.load(std::memory_order_seq_cst);
     if (ready(v)) {
@@ -88,11 +101,13 @@ bool wait_stopped(const WaitContext& ctx) {
 }
 
 std::chrono::microseconds spin_for(int local_ranks) {
-  // A futex sleep and wake-up pair costs about 6 us one way on the 2-core machine
-  // (gradsync-limits); spinning 30 us catches a peer that answers within a few hand-offs.
-  // With more ranks than cores (the daemon's pumps need a core too), spin only briefly.
+  // A futex sleep and wake-up pair costs 6 to 50 us one way on the 2-core VM (gradsync-limits;
+  // more when the host is busy). Where a rank has a core to itself and one is left over,
+  // spinning 30 us catches a peer that answers within a few hand-offs. Where the ranks fill
+  // the cores, a spinning rank steals the time slice of the peer it waits for, so it spins
+  // only briefly and then polls with sched_yield (WaitContext::yield_spin) instead.
   unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-  return unsigned(local_ranks) <= cores ? std::chrono::microseconds(30) : std::chrono::microseconds(2);
+  return unsigned(local_ranks) < cores ? std::chrono::microseconds(30) : std::chrono::microseconds(2);
 }
 
 void init_job_control(void* base, const ShmLayout& layout) {
@@ -176,6 +191,11 @@ void Channel::publish(const SlotMeta& meta) {
   advance(c_->tail, c_->tail_waiters);
   // Start the slot on its way now; a failure shows at the rank's next wait or flush.
   if (driven_) driver_->published(index_);
+}
+
+void Channel::publish_external(const SlotMeta& meta, const void* data) {
+  driver_->send_from(index_, c_->tail.load(std::memory_order_relaxed), data);
+  publish(meta);
 }
 
 Result<const uint8_t*> Channel::acquire_recv(const WaitContext& ctx, SlotMeta* meta) {

@@ -89,6 +89,11 @@ struct WaitContext {
   // has a core of its own; short when ranks outnumber cores, where spinning only steals the
   // time slice of the peer being waited for.
   std::chrono::microseconds spin{30};
+  // Then how long to keep polling with sched_yield between polls before sleeping: a waiter
+  // that yields costs a rank with work on its core only a context switch, not a time slice,
+  // and it sees the peer's answer without the wake-up of a sleeper (tens of microseconds on a
+  // virtual machine whose idle cores halt).
+  std::chrono::microseconds yield_spin{0};
 };
 
 // The spin a rank should use when `local_ranks` share this node's cores.
@@ -112,6 +117,12 @@ class ChannelDriver {
   virtual Status poke() = 0;
   // A slot was published on driven channel `channel`: start sending it without blocking.
   virtual void published(uint32_t channel) = 0;
+  // The next slot published on driven send channel `channel` carries the bytes at `data`
+  // instead of its own (they stay unchanged until flush() returns).
+  virtual void send_from(uint32_t channel, uint32_t seq, const void* data) = 0;
+  // After a failed collective: sends nothing more (queued slots may point into buffers
+  // that are the caller's again); every later wait reports `why`.
+  virtual void abandon(const Status& why) = 0;
   // Waits until every published slot is in the kernel's hands (the end of a collective).
   virtual Status flush(const WaitContext& ctx) = 0;
 };
@@ -129,6 +140,9 @@ class Channel {
   // Producer side.
   Result<uint8_t*> acquire_send(const WaitContext& ctx);
   void publish(const SlotMeta& meta);
+  // Driven channels only: publishes a slot whose payload is `meta.bytes` at `data`, sent from
+  // there (ChannelDriver::send_from) instead of from the slot.
+  void publish_external(const SlotMeta& meta, const void* data);
   // Consumer side.
   Result<const uint8_t*> acquire_recv(const WaitContext& ctx, SlotMeta* meta);
   void release();

@@ -45,6 +45,9 @@ std::string env_str(const char* name, const std::string& fallback = "") {
 
 // How long leave() waits for the daemon's answer.
 constexpr std::chrono::milliseconds kLeaveTimeout{10'000};
+// How long a channel wait polls with sched_yield after its spin, before it sleeps
+// (WaitContext::yield_spin; GRADSYNC_YIELD_US). docs/benchmarks.md has the measurements.
+constexpr std::chrono::microseconds kYieldSpin{1000};
 
 }  // namespace
 
@@ -123,6 +126,7 @@ class CommunicatorImpl {
     wait_.local_abort_reason = &lost_daemon_reason_;
     wait_.spin = spin_for(opts_.local_world_size);
     if (const char* s = std::getenv("GRADSYNC_SPIN_US"); s && *s) wait_.spin = std::chrono::microseconds(std::atol(s));
+    wait_.yield_spin = std::chrono::microseconds(std::max(0L, env_long("GRADSYNC_YIELD_US", kYieldSpin.count())));
     wake_.reset(::eventfd(0, EFD_CLOEXEC));
     monitor_ = std::thread([this] { monitor_daemon(); });
   }

@@ -1,5 +1,7 @@
 #include "collectives/collective.h"
 
+#include <cstring>
+
 #include <limits>
 
 #include "collectives/link.h"
@@ -172,6 +174,17 @@ void SendLink::publish(size_t elems) {
   ++step_;
 }
 
+void SendLink::publish_from(uint8_t* slot, const uint8_t* data, size_t elems) {
+  SlotMeta meta{uint32_t(elems * rc_.esize), rc_.call.seq, rc_.call.count, rc_.signature, step_};
+  if (ch_.driven()) {
+    ch_.publish_external(meta, data);
+  } else {
+    if (slot != data) std::memcpy(slot, data, meta.bytes);
+    ch_.publish(meta);
+  }
+  ++step_;
+}
+
 Result<const uint8_t*> RecvLink::acquire(size_t elems) {
   SlotMeta meta{};
   auto slot = ch_.acquire_recv(rc_.wait, &meta);
@@ -206,6 +219,9 @@ Status run_collective(const RankLinks& links, const WaitContext& wait, const Col
     s = links.driver->flush(wait);
     if (!s.ok()) s = link_error(rc, s, true, links.next_rank(), 0);
   }
+  // Slots that did not leave may point into the caller's buffers, which are the caller's
+  // again once this returns: nothing more is sent on this rank's sockets.
+  if (!s.ok() && links.driver) links.driver->abandon(s);
   return s;
 }
 

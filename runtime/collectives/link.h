@@ -21,6 +21,12 @@ class SendLink {
   SendLink(RunContext& rc, Channel ch, int peer) : rc_(rc), ch_(ch), peer_(peer) {}
   Result<uint8_t*> acquire();
   void publish(size_t elems);
+  // Publishes `elems` elements that are at `data` (the caller's buffers, unchanged until the
+  // collective ends): a channel on a socket sends them from there, any other copies them into
+  // `slot` (what acquire() returned) first.
+  void publish_from(uint8_t* slot, const uint8_t* data, size_t elems);
+  // Whether publish_from sends without the copy.
+  bool zero_copy() const { return ch_.driven(); }
 
  private:
   RunContext& rc_;

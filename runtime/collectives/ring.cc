@@ -53,6 +53,7 @@ long env_or(const char* name, long fallback) {
 // machine, where the ranks and daemons already need every core, one thread does it all.
 int ring_threads(const RankLinks& l, size_t bytes) {
   if (l.rings < 2) return 1;
+  if (l.driver) return 1;  // the rank's sockets are moved by whichever thread waits: one thread
   if (bytes < size_t(env_or("GRADSYNC_RING_THREAD_MIN_BYTES", long(kDefaultThreadMinBytes)))) return 1;
   const long cores = long(std::max(1u, std::thread::hardware_concurrency()));
   long local = 1;
@@ -199,20 +200,26 @@ class RingRunner {
       if (!slot.ok()) return slot.status();
       dst = *slot;
     }
+    // Where the data sent on is already in the user's buffers, a socket channel sends it from
+    // there (SendLink::publish_from); a shared-memory one copies it into the slot.
+    const uint8_t* send_from = nullptr;
     if (s == 0) {
-      std::memcpy(dst, in(span.begin), bytes(span.len));
+      send_from = in(span.begin);
     } else if (s < n_ - 1) {
       kernels::reduce(c.type, op, dst, in(span.begin), src, span.len);  // partial, onward only
     } else if (s == n_ - 1) {
       // The final value: kept (and passed on for the all-gather of an allreduce).
-      kernels::reduce_final(c.type, op, out(out_at), allreduce ? dst : nullptr, in(span.begin), src,
+      const bool from_out = allreduce && send_[r].zero_copy();
+      kernels::reduce_final(c.type, op, out(out_at), allreduce && !from_out ? dst : nullptr, in(span.begin), src,
                             span.len, n_);
+      if (from_out) send_from = out(out_at);
     } else {
       std::memcpy(out(out_at), src, bytes(span.len));
-      if (dst) std::memcpy(dst, src, bytes(span.len));
+      if (dst) send_from = out(out_at);
     }
     if (receives) recv_[r].release();
-    if (sends) send_[r].publish(span.len);
+    if (sends && send_from) send_[r].publish_from(dst, send_from, span.len);
+    else if (sends) send_[r].publish(span.len);
     return Status::Ok();
   }
 
@@ -246,8 +253,7 @@ class RingRunner {
           if (s < n_ - 1) {
             auto slot = send_[r].acquire();
             if (!slot.ok()) return slot.status();
-            std::memcpy(*slot, src, bytes(len));
-            send_[r].publish(len);
+            send_[r].publish_from(*slot, o, len);  // o holds src's bytes now
           }
           if (s > 0) recv_[r].release();
         }
@@ -281,8 +287,7 @@ class RingRunner {
         if (dist < n_ - 1) {
           auto slot = send_[r].acquire();
           if (!slot.ok()) return slot.status();
-          std::memcpy(*slot, src, bytes(len));
-          send_[r].publish(len);
+          send_[r].publish_from(*slot, out(p.cursor), len);  // out holds src's bytes now
         }
         if (dist > 0) recv_[r].release();
         p.cursor += len;

@@ -75,9 +75,11 @@ class TreeRunner {
       acc = out(s.begin);
     }
     const uint8_t* mine = in(s.begin);
-    if (nchildren == 0) {
-      std::memcpy(acc, mine, s.len * rc_.esize);
+    if (nchildren == 0 && !root) {  // a leaf passes its own data up (from the buffer where it can)
+      up_send_[t].publish_from(acc, mine, s.len);
+      return Status::Ok();
     }
+    if (nchildren == 0) std::memcpy(acc, mine, s.len * rc_.esize);
     for (int c = 0; c < nchildren; ++c) {
       RecvLink& link = up_recv_[2 * t + c];
       auto slot = link.acquire(s.len);
@@ -110,8 +112,7 @@ class TreeRunner {
       SendLink& link = down_send_[2 * t + c];
       auto slot = link.acquire();
       if (!slot.ok()) return slot.status();
-      std::memcpy(*slot, src, s.len * rc_.esize);
-      link.publish(s.len);
+      link.publish_from(*slot, out(s.begin), s.len);  // out holds src's bytes now
     }
     if (!root) down_recv_[t].release();
     return Status::Ok();

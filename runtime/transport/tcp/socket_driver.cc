@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -63,13 +64,14 @@ Status SocketDriver::pump_send(Port& p, bool* moved) {
     const uint32_t seq = p.ch.consumed();
     const SlotMeta* meta = p.ch.slot_meta(seq);
     const size_t total = kMetaBytes + meta->bytes;
+    const uint8_t* payload = p.external[seq % p.ch.slots()] ? p.external[seq % p.ch.slots()] : p.ch.slot_data(seq);
     iovec iov[2];
     int n = 0;
     if (p.done < kMetaBytes) {
       iov[n++] = {reinterpret_cast<char*>(const_cast<SlotMeta*>(meta)) + p.done, kMetaBytes - p.done};
-      iov[n++] = {p.ch.slot_data(seq), meta->bytes};
+      iov[n++] = {const_cast<uint8_t*>(payload), meta->bytes};
     } else {
-      iov[n++] = {p.ch.slot_data(seq) + (p.done - kMetaBytes), total - p.done};
+      iov[n++] = {const_cast<uint8_t*>(payload) + (p.done - kMetaBytes), total - p.done};
     }
     msghdr mh{};
     mh.msg_iov = iov;
@@ -84,6 +86,7 @@ Status SocketDriver::pump_send(Port& p, bool* moved) {
     p.done += size_t(w);
     if (p.done < total) return Status::Ok();  // the kernel took part of it: its buffer is full
     p.done = 0;
+    p.external[seq % p.ch.slots()] = nullptr;
     p.ch.release();  // the slot is in the kernel: its credit goes back to the rank
   }
   return Status::Ok();
@@ -142,6 +145,17 @@ Status SocketDriver::pump(bool* moved) {
 Status SocketDriver::poke() {
   bool moved = false;
   return pump(&moved);
+}
+
+void SocketDriver::send_from(uint32_t channel, uint32_t seq, const void* data) {
+  for (Port& p : ports_) {
+    if (p.send && p.ch.index() == channel) p.external[seq % p.ch.slots()] = static_cast<const uint8_t*>(data);
+  }
+}
+
+void SocketDriver::abandon(const Status& why) {
+  if (failed_.ok()) failed_ = why;
+  for (Port& p : ports_) p.external.fill(nullptr);
 }
 
 void SocketDriver::published(uint32_t channel) {
@@ -203,7 +217,7 @@ Status SocketDriver::progress_until(const std::function<bool()>& ready, const Wa
 }
 
 Status SocketDriver::progress(const std::function<bool()>& ready, const WaitContext& ctx, int channel) {
-  const auto spin_until = Clock::now() + ctx.spin;
+  const auto spin_until = Clock::now() + ctx.spin, yield_until = spin_until + ctx.yield_spin;
   for (;;) {
     if (ready()) return Status::Ok();
     bool moved = false;
@@ -216,8 +230,13 @@ Status SocketDriver::progress(const std::function<bool()>& ready, const WaitCont
       }
     }
     if (wait_stopped(ctx)) return aborted_status(ctx);
-    if (Clock::now() < spin_until) {
+    const auto now = Clock::now();
+    if (now < spin_until) {
       for (int i = 0; i < 16; ++i) cpu_relax();
+      continue;
+    }
+    if (now < yield_until) {
+      sched_yield();
       continue;
     }
     int timeout = poll_timeout_ms(ctx.deadline, kSliceMs);

@@ -15,6 +15,7 @@
 // slot a peer is waiting for.
 #pragma once
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,8 @@ class SocketDriver : public ChannelDriver {
   Status progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) override;
   Status poke() override;
   void published(uint32_t channel) override;
+  void send_from(uint32_t channel, uint32_t seq, const void* data) override;
+  void abandon(const Status& why) override;
   Status flush(const WaitContext& ctx) override;
 
  private:
@@ -48,6 +51,8 @@ class SocketDriver : public ChannelDriver {
     size_t done = 0;       // bytes of the current frame (meta + payload) moved so far
     SlotMeta meta{};       // receive side: the frame being read
     bool closed = false;   // the peer closed its end (at a frame boundary)
+    // Send side: the payload of slot seq % kMaxSlots when it is not in the slot (send_from).
+    std::array<const uint8_t*, kMaxSlots> external{};
   };
 
   void add(Channel ch, Fd sock, bool send, std::string peer);
