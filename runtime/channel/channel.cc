@@ -205,6 +205,17 @@ Result<const uint8_t*> Channel::acquire_recv(const WaitContext& ctx, SlotMeta* m
   return static_cast<const uint8_t*>(data_ + size_t{head % slots_} * slot_bytes_);
 }
 
+Result<const uint8_t*> Channel::acquire_recv_into(const WaitContext& ctx, SlotMeta* meta, const SlotMeta& expect,
+                                                  uint8_t* dst) {
+  if (!driven_) return acquire_recv(ctx, meta);
+  uint32_t head = c_->head.load(std::memory_order_relaxed);
+  driver_->recv_into(index_, head, expect, dst);
+  GS_RETURN_IF_ERROR(wait_tail(head, ctx));
+  if (meta) *meta = c_->meta[head % slots_];
+  if (const uint8_t* at = driver_->landed_at(index_, head)) return at;
+  return static_cast<const uint8_t*>(data_ + size_t{head % slots_} * slot_bytes_);
+}
+
 void Channel::release() { advance(c_->head, c_->head_waiters); }
 
 void Channel::publish_landed() {

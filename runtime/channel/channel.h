@@ -120,6 +120,11 @@ class ChannelDriver {
   // The next slot published on driven send channel `channel` carries the bytes at `data`
   // instead of its own (they stay unchanged until flush() returns).
   virtual void send_from(uint32_t channel, uint32_t seq, const void* data) = 0;
+  // The frame of slot `seq` of driven receive channel `channel`, when its meta equals
+  // `expect`, lands at `dst` instead of in the slot (when its payload has not started yet).
+  virtual void recv_into(uint32_t channel, uint32_t seq, const SlotMeta& expect, void* dst) = 0;
+  // Where slot `seq` of `channel` landed: `dst` of recv_into, or null for the slot.
+  virtual const uint8_t* landed_at(uint32_t channel, uint32_t seq) = 0;
   // After a failed collective: sends nothing more (queued slots may point into buffers
   // that are the caller's again); every later wait reports `why`.
   virtual void abandon(const Status& why) = 0;
@@ -145,6 +150,10 @@ class Channel {
   void publish_external(const SlotMeta& meta, const void* data);
   // Consumer side.
   Result<const uint8_t*> acquire_recv(const WaitContext& ctx, SlotMeta* meta);
+  // The same; on a driven channel a frame whose meta is `expect` may land at `dst` directly,
+  // and then the result is `dst` (else the slot, as above).
+  Result<const uint8_t*> acquire_recv_into(const WaitContext& ctx, SlotMeta* meta, const SlotMeta& expect,
+                                           uint8_t* dst);
   void release();
 
   // Slots published but not yet released.

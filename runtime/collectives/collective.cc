@@ -185,9 +185,12 @@ void SendLink::publish_from(uint8_t* slot, const uint8_t* data, size_t elems) {
   ++step_;
 }
 
-Result<const uint8_t*> RecvLink::acquire(size_t elems) {
+Result<const uint8_t*> RecvLink::acquire(size_t elems) { return acquire_into(elems, nullptr); }
+
+Result<const uint8_t*> RecvLink::acquire_into(size_t elems, uint8_t* dst) {
   SlotMeta meta{};
-  auto slot = ch_.acquire_recv(rc_.wait, &meta);
+  const SlotMeta expect{uint32_t(elems * rc_.esize), rc_.call.seq, rc_.call.count, rc_.signature, step_};
+  auto slot = dst ? ch_.acquire_recv_into(rc_.wait, &meta, expect, dst) : ch_.acquire_recv(rc_.wait, &meta);
   if (!slot.ok()) return link_error(rc_, slot.status(), false, peer_, step_);
   const CollectiveCall& c = rc_.call;
   if (meta.seq != c.seq || meta.signature != rc_.signature || meta.count != c.count ||

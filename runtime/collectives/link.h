@@ -40,6 +40,10 @@ class RecvLink {
   RecvLink(RunContext& rc, Channel ch, int peer) : rc_(rc), ch_(ch), peer_(peer) {}
   // Waits for the next slot and checks it carries `elems` elements of this very call.
   Result<const uint8_t*> acquire(size_t elems);
+  // The same, for data whose next stop is `dst` (the caller's buffer): a channel on a socket
+  // may read it straight there, and then returns `dst`; callers skip their copy when the
+  // result is `dst`.
+  Result<const uint8_t*> acquire_into(size_t elems, uint8_t* dst);
   void release() { ch_.release(); }
 
  private:

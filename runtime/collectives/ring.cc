@@ -191,7 +191,8 @@ class RingRunner {
     const uint8_t* src = nullptr;
     uint8_t* dst = nullptr;
     if (receives) {
-      auto slot = recv_[r].acquire(span.len);
+      // All-gather steps keep what arrives: it may land in the output directly.
+      auto slot = s > n_ - 1 ? recv_[r].acquire_into(span.len, out(out_at)) : recv_[r].acquire(span.len);
       if (!slot.ok()) return slot.status();
       src = *slot;
     }
@@ -214,7 +215,7 @@ class RingRunner {
                             span.len, n_);
       if (from_out) send_from = out(out_at);
     } else {
-      std::memcpy(out(out_at), src, bytes(span.len));
+      if (src != out(out_at)) std::memcpy(out(out_at), src, bytes(span.len));
       if (dst) send_from = out(out_at);
     }
     if (receives) recv_[r].release();
@@ -245,10 +246,10 @@ class RingRunner {
             src = in(p.cursor);
             if (src != o) std::memmove(o, src, bytes(len));
           } else {
-            auto slot = recv_[r].acquire(len);
+            auto slot = recv_[r].acquire_into(len, o);
             if (!slot.ok()) return slot.status();
             src = *slot;
-            std::memcpy(o, src, bytes(len));
+            if (src != o) std::memcpy(o, src, bytes(len));
           }
           if (s < n_ - 1) {
             auto slot = send_[r].acquire();
@@ -279,10 +280,10 @@ class RingRunner {
         size_t len = std::min(rc_.slot_elems, p.hi - p.cursor);
         const uint8_t* src = out(p.cursor);
         if (dist > 0) {
-          auto slot = recv_[r].acquire(len);
+          auto slot = recv_[r].acquire_into(len, out(p.cursor));
           if (!slot.ok()) return slot.status();
           src = *slot;
-          std::memcpy(out(p.cursor), src, bytes(len));
+          if (src != out(p.cursor)) std::memcpy(out(p.cursor), src, bytes(len));
         }
         if (dist < n_ - 1) {
           auto slot = send_[r].acquire();

@@ -102,10 +102,10 @@ class TreeRunner {
     const bool root = tl.parent < 0;
     const uint8_t* src = out(s.begin);
     if (!root) {
-      auto slot = down_recv_[t].acquire(s.len);
+      auto slot = down_recv_[t].acquire_into(s.len, out(s.begin));
       if (!slot.ok()) return slot.status();
       src = *slot;
-      std::memcpy(out(s.begin), src, s.len * rc_.esize);
+      if (src != out(s.begin)) std::memcpy(out(s.begin), src, s.len * rc_.esize);
     }
     for (int c = 0; c < 2; ++c) {
       if (tl.children[c] < 0) continue;

@@ -39,6 +39,8 @@ class SocketDriver : public ChannelDriver {
   Status poke() override;
   void published(uint32_t channel) override;
   void send_from(uint32_t channel, uint32_t seq, const void* data) override;
+  void recv_into(uint32_t channel, uint32_t seq, const SlotMeta& expect, void* dst) override;
+  const uint8_t* landed_at(uint32_t channel, uint32_t seq) override;
   void abandon(const Status& why) override;
   Status flush(const WaitContext& ctx) override;
 
@@ -53,12 +55,19 @@ class SocketDriver : public ChannelDriver {
     bool closed = false;   // the peer closed its end (at a frame boundary)
     // Send side: the payload of slot seq % kMaxSlots when it is not in the slot (send_from).
     std::array<const uint8_t*, kMaxSlots> external{};
+    // Receive side: where the next frame may land instead of its slot (recv_into) ...
+    uint8_t* direct = nullptr;
+    uint32_t direct_seq = 0;
+    SlotMeta direct_meta{};
+    uint8_t* dest = nullptr;  // ... where the current frame's payload goes ...
+    std::array<const uint8_t*, kMaxSlots> landed{};  // ... and where each slot's went
   };
 
   void add(Channel ch, Fd sock, bool send, std::string peer);
   Status progress(const std::function<bool()>& ready, const WaitContext& ctx, int channel);
-  // Moves what each socket takes or has right now. Sets *moved when anything did.
-  Status pump(bool* moved);
+  // Moves what each socket takes or has right now (`focus` >= 0: of the receive sockets, only
+  // that channel's). Sets *moved when anything did.
+  Status pump(bool* moved, int focus = -1);
   Status pump_send(Port& p, bool* moved);
   Status pump_recv(Port& p, bool* moved);
   Status broken(const Port& p, const std::string& what) const;
