@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <vector>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -55,21 +56,32 @@ int model_table(gradsync::Communicator& comm, const bench::Options& opt,
                 "pred ring", "pred tree", "model", "right");
   }
   int right = 0, total = 0;
+  // Ring and tree take turns, kModelRounds times; each is the median of its rounds (each
+  // round: the slowest rank's mean), so one preempted round on a shared machine does not
+  // decide which algorithm was faster.
+  constexpr int kModelRounds = 5;
   for (size_t bytes : sizes) {
     double t[2];
-    for (int a = 0; a < 2; ++a) {
-      bench::Case c{bench::Collective::kAllreduce, type.type, opt.ops[0].op, 0,
-                    {a == 0 ? gradsync::Algorithm::kRing : gradsync::Algorithm::kTree}, {}, 0};
-      c.g = bench::geometry(c.collective, bytes, bench::esize_of(type.type), comm.world_size());
-      bench::Buffers buf(c.g, bench::esize_of(type.type));
-      bench::Outcome r = bench::run_group(comm, c, false, false, opt.warmup, opt.iters, buf);
-      if (!r.status.ok()) {
-        std::fprintf(stderr, "gradsync-bench: --model %zu B failed: %s\n", bytes, r.status.to_string().c_str());
-        return 1;
+    std::vector<double> rounds[2];
+    for (int round = 0; round < kModelRounds; ++round) {
+      for (int a = 0; a < 2; ++a) {
+        bench::Case c{bench::Collective::kAllreduce, type.type, opt.ops[0].op, 0,
+                      {a == 0 ? gradsync::Algorithm::kRing : gradsync::Algorithm::kTree}, {}, 0};
+        c.g = bench::geometry(c.collective, bytes, bench::esize_of(type.type), comm.world_size());
+        bench::Buffers buf(c.g, bench::esize_of(type.type));
+        bench::Outcome r = bench::run_group(comm, c, false, false, round == 0 ? opt.warmup : 1, opt.iters, buf);
+        if (!r.status.ok()) {
+          std::fprintf(stderr, "gradsync-bench: --model %zu B failed: %s\n", bytes, r.status.to_string().c_str());
+          return 1;
+        }
+        auto all = bench::gather(comm, {r.time_us});
+        if (!all.ok()) return 1;
+        rounds[a].push_back(*std::max_element(all->begin(), all->end()));
       }
-      auto all = bench::gather(comm, {r.time_us});
-      if (!all.ok()) return 1;
-      t[a] = *std::max_element(all->begin(), all->end());
+    }
+    for (int a = 0; a < 2; ++a) {
+      std::sort(rounds[a].begin(), rounds[a].end());
+      t[a] = rounds[a][rounds[a].size() / 2];
     }
     size_t count = bytes / bench::esize_of(type.type);
     auto p = comm.predict_allreduce(count, type.type);

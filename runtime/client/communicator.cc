@@ -383,25 +383,25 @@ class CommunicatorImpl {
     // bandwidth (4 MiB). Small sizes get many cheap tries and keep the fastest, since one
     // preempted try on a busy machine would otherwise be read as latency.
     const size_t* sizes = CostModel::kSizes;
-    const int tries[CostModel::kPoints] = {12, 6, 4};
+    const int tries[CostModel::kPoints] = {12, 6, 6};
     // Two untimed calls per size first: they touch every slot the timed ones use and, between
-    // nodes, let the proxy's TCP connections grow their windows.
+    // nodes, let the TCP connections grow their windows. Ring and tree then take turns, so a
+    // busy moment of the machine (peers still starting, a neighbour) slows both, not one.
     constexpr int kWarmup = 2;
     std::vector<float> buf(sizes[CostModel::kPoints - 1] / sizeof(float), 1.0f);
-    std::vector<double> agreed;  // [algo][size] in us
-    for (int a = 0; a < 2; ++a) {
-      for (int z = 0; z < CostModel::kPoints; ++z) {
-        double best = 1e30;
-        for (int i = 0; i < kWarmup + tries[z]; ++i) {
+    std::vector<double> agreed(2 * CostModel::kPoints, 1e30);  // [algo][size] in us
+    for (int z = 0; z < CostModel::kPoints; ++z) {
+      for (int i = 0; i < kWarmup + tries[z]; ++i) {
+        for (int a = 0; a < 2; ++a) {
           CollectiveCall c{CollectiveKind::kAllreduce, buf.data(), buf.data(), sizes[z] / sizeof(float),
                            DataType::kFloat32, ReduceOp::kMax, 0, a == 0 ? Algorithm::kRing : Algorithm::kTree,
                            next_seq_++};
           auto t0 = Clock::now();
           GS_RETURN_IF_ERROR(run(c));
           double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+          double& best = agreed[size_t(a) * CostModel::kPoints + size_t(z)];
           if (i >= kWarmup) best = std::min(best, us);
         }
-        agreed.push_back(best);
       }
     }
     // Agree: every rank takes the slowest rank's figure.
