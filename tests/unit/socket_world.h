@@ -19,6 +19,7 @@
 #include "channel/shared_memory.h"
 #include "client/links.h"
 #include "daemon/local_job.h"
+#include "thread_world.h"
 
 namespace gradsync::testing {
 
@@ -97,24 +98,13 @@ class SocketWorld {
   // Closes rank r's sockets (its process died): its links must not be used afterwards.
   void kill_rank(int r) { links_[r].driver.reset(); }
 
-  std::vector<Status> run(const std::function<Status(int)>& fn) {
-    std::vector<Status> out(n_);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n_; ++r) threads.emplace_back([&, r] { out[r] = fn(r); });
-    for (auto& t : threads) t.join();
-    return out;
-  }
+  std::vector<Status> run(const std::function<Status(int)>& fn) { return run_on_threads(n_, fn); }
 
   std::vector<Status> collective(std::vector<CollectiveCall> calls,
                                  std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
-    for (auto& c : calls) c.seq = seq_;
-    ++seq_;
-    return run([&](int r) {
-      WaitContext wait;
-      wait.control = static_cast<const JobControl*>(shms_[r]->data());
-      wait.deadline = deadline_after(timeout);
-      return run_collective(links_[r], wait, calls[r]);
-    });
+    return collective_on_threads(
+        std::move(calls), &seq_, timeout, [&](int r) -> const RankLinks& { return links_[r]; },
+        [&](int r) { return shms_[r]->data(); });
   }
 
  private:

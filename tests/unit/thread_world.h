@@ -14,6 +14,30 @@
 
 namespace gradsync::testing {
 
+// Runs fn(rank) on one thread per rank; returns their statuses.
+inline std::vector<Status> run_on_threads(int n, const std::function<Status(int)>& fn) {
+  std::vector<Status> out(n);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) threads.emplace_back([&, r] { out[r] = fn(r); });
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+// One collective on every rank of a world of threads: calls[r] on links(r), whose job control
+// block (abort flag) is at control(r); the calls get sequence number *seq, which advances.
+template <typename Links, typename Control>
+std::vector<Status> collective_on_threads(std::vector<CollectiveCall> calls, uint32_t* seq,
+                                          std::chrono::milliseconds timeout, Links links, Control control) {
+  for (auto& c : calls) c.seq = *seq;
+  ++*seq;
+  return run_on_threads(int(calls.size()), [&](int r) {
+    WaitContext wait;
+    wait.control = static_cast<const JobControl*>(control(r));
+    wait.deadline = deadline_after(timeout);
+    return run_collective(links(r), wait, calls[r]);
+  });
+}
+
 class ThreadWorld {
  public:
   ThreadWorld(int n, uint32_t rings, uint32_t slots = 4, uint32_t slot_bytes = 4096) : n_(n) {
@@ -47,25 +71,14 @@ class ThreadWorld {
   const ShmLayout& layout() const { return job_.layout; }
 
   // Runs fn(rank) on one thread per rank; returns their statuses.
-  std::vector<Status> run(const std::function<Status(int)>& fn) {
-    std::vector<Status> out(n_);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < n_; ++r) threads.emplace_back([&, r] { out[r] = fn(r); });
-    for (auto& t : threads) t.join();
-    return out;
-  }
+  std::vector<Status> run(const std::function<Status(int)>& fn) { return run_on_threads(n_, fn); }
 
   // One collective on every rank; calls[r] is rank r's call (seq filled in here).
   std::vector<Status> collective(std::vector<CollectiveCall> calls,
                                  std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
-    for (auto& c : calls) c.seq = seq_;
-    ++seq_;
-    return run([&](int r) {
-      WaitContext wait;
-      wait.control = static_cast<const JobControl*>(shm_->data());
-      wait.deadline = deadline_after(timeout);
-      return run_collective(links_[r], wait, calls[r]);
-    });
+    return collective_on_threads(
+        std::move(calls), &seq_, timeout, [&](int r) -> const RankLinks& { return links_[r]; },
+        [&](int) { return shm_->data(); });
   }
 
  private:
