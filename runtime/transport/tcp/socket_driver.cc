@@ -1,6 +1,8 @@
 #include "transport/tcp/socket_driver.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/socket.h>
@@ -33,6 +35,28 @@ inline void cpu_relax() {
 
 bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK; }
 
+// "10.0.0.2:41234" or "[::1]:41234": the far end of a connected socket, for errors.
+std::string peer_address(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof(ss);
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return "?";
+  char host[INET6_ADDRSTRLEN] = "?";
+  uint16_t port = 0;
+  if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+    port = ntohs(a->sin6_port);
+    return "[" + std::string(host) + "]:" + std::to_string(port);
+  }
+  if (ss.ss_family == AF_INET) {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    port = ntohs(a->sin_port);
+    return std::string(host) + ":" + std::to_string(port);
+  }
+  return "a local socket";
+}
+
 }  // namespace
 
 void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer) {
@@ -42,9 +66,10 @@ void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer) {
   Port p;
   p.ch = ch;
   p.ch.set_driver(nullptr, false);  // the driver's own view: plain counters
+  // The peer's name with the far end of this very connection: "rank 1 (host b) at 10.0.0.2:41234".
+  p.peer = std::move(peer) + " at " + peer_address(sock.get());
   p.sock = std::move(sock);
   p.send = send;
-  p.peer = std::move(peer);
   ports_.push_back(std::move(p));
 }
 

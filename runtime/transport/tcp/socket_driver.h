@@ -30,7 +30,8 @@ class SocketDriver : public ChannelDriver {
   explicit SocketDriver(std::string who) : who_(std::move(who)) {}
 
   // Takes one channel end. `ch` is a view without a driver (the driver's own side of it);
-  // `peer` names the rank at the other end: "rank 1 (host h)".
+  // `peer` names the rank at the other end: "rank 1 (host h)"; errors add the address and
+  // port of the connection's far end.
   void add_sender(Channel ch, Fd sock, std::string peer);
   void add_receiver(Channel ch, Fd sock, std::string peer);
   size_t size() const { return ports_.size(); }
