@@ -126,7 +126,15 @@ class CommunicatorImpl {
     wait_.local_abort_reason = &lost_daemon_reason_;
     wait_.spin = spin_for(opts_.local_world_size);
     if (const char* s = std::getenv("GRADSYNC_SPIN_US"); s && *s) wait_.spin = std::chrono::microseconds(std::atol(s));
-    wait_.yield_spin = std::chrono::microseconds(std::max(0L, env_long("GRADSYNC_YIELD_US", kYieldSpin.count())));
+    // Where gradsyncd's pumps move some of this rank's cross-node slots (verbs, --proxy-tcp),
+    // a rank polling for them takes the pumps' cores on a small machine: it sleeps after the
+    // spin instead (2 nodes x 1 on the 2-core VM through the proxy: 0.6-0.75 GB/s polling,
+    // about 1 GB/s sleeping).
+    const auto& refs = join_.setup().channels();
+    const bool pumped = std::any_of(refs.begin(), refs.end(),
+                                    [](const v1::ChannelRef& r) { return r.remote() && r.socket() == 0; });
+    wait_.yield_spin = std::chrono::microseconds(
+        std::max(0L, env_long("GRADSYNC_YIELD_US", pumped ? 0 : long(kYieldSpin.count()))));
     wake_.reset(::eventfd(0, EFD_CLOEXEC));
     monitor_ = std::thread([this] { monitor_daemon(); });
   }
