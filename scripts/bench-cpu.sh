@@ -43,10 +43,13 @@ cmake --build "$build" -j "$(nproc)" --target gradsync-bench gradsyncrun gradsyn
 bin=$(cd "$build/bin" && pwd)
 
 # The anchors time 50 calls below 16 MiB and 5 from 16 MiB up (plus 2, median); gradsync-bench
-# times as many, out-of-place like them, after 5 (2 for the large sizes) warm-up calls. It
-# prints the mean, not the median: a preempted call counts against gradsync, never for it.
+# times as many, out-of-place like them, after 5 (2 for the large sizes) warm-up calls, and
+# takes the slowest rank's figure (the anchors take rank 0's).
 passes=("-b 1K -e 4M -f 4 -n 50 -w 5" "-b 16M -e 256M -f 4 -n 5 -w 2")
-common="-d float -o sum -c 1 --inplace 0"
+# TIMING=median (default): gradsync-bench times like the anchors, each call after a barrier and
+# the median call; TIMING=mean: nccl-tests' mean of back-to-back calls, where one preempted
+# call counts against gradsync.
+common="-d float -o sum -c 1 --inplace 0 --timing ${TIMING:-median}"
 failed=0
 
 one_node() {  # N R: N ranks on one node, round R

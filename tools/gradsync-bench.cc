@@ -209,7 +209,7 @@ int main(int argc, char** argv) {
         std::vector<double> mine;
         for (const auto& g : groups) {
           bench::Outcome r =
-              bench::run_group(*comm, c, g.in_place, opt.check, opt.warmup, opt.iters, buf);
+              bench::run_group(*comm, c, g.in_place, opt.check, opt.warmup, opt.iters, buf, opt.median);
           if (!r.status.ok()) {
             std::fprintf(stderr, "gradsync-bench: rank %d: %s %zu B %s failed: %s\n", rank,
                          label.c_str(), c.g.bytes, g.title, r.status.to_string().c_str());

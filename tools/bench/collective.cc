@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "bench/collective.h"
 
 #include <chrono>
@@ -132,7 +133,7 @@ Outcome checked_call(gradsync::Communicator& comm, const Case& c, bool in_place,
 }  // namespace
 
 Outcome run_group(gradsync::Communicator& comm, const Case& c, bool in_place, bool check,
-                  int warmup, int iters, Buffers& b) {
+                  int warmup, int iters, Buffers& b, bool median) {
   const size_t es = esize_of(c.type);
   Outcome out;
   if (check && c.collective != Collective::kBarrier) {
@@ -152,6 +153,20 @@ Outcome run_group(gradsync::Communicator& comm, const Case& c, bool in_place, bo
   Layout l = layout(c, in_place, comm.rank(), es, b);
   for (int i = 0; i < warmup; ++i) {
     if (out.status = call(comm, c, l); !out.status.ok()) return out;
+  }
+  if (median) {
+    // The CPU anchors' method (../shared/anchors/cpu): every call after a barrier, timed on
+    // its own; the median call.
+    std::vector<double> us(size_t(std::max(iters, 1)));
+    for (double& t : us) {
+      if (out.status = sync(comm); !out.status.ok()) return out;
+      auto t0 = std::chrono::steady_clock::now();
+      if (out.status = call(comm, c, l); !out.status.ok()) return out;
+      t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    }
+    std::sort(us.begin(), us.end());
+    out.time_us = us[us.size() / 2];
+    return out;
   }
   // Start together, so that the slowest rank's mean is the collective's time.
   if (out.status = sync(comm); !out.status.ok()) return out;

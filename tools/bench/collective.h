@@ -46,7 +46,7 @@ struct Buffers {
 };
 
 Outcome run_group(gradsync::Communicator& comm, const Case& c, bool in_place, bool check,
-                  int warmup, int iters, Buffers& buf);
+                  int warmup, int iters, Buffers& buf, bool median = false);
 
 // The bench's own bookkeeping uses only float32 sum allreduce, so that measuring the other
 // collectives does not depend on them working.

@@ -38,6 +38,9 @@ constexpr const char* kUsage =
     "      --model 0|1         allreduce: also time ring and tree at every size (medians of 5\n"
     "                          interleaved rounds) and print the cost model's\n"
     "                          predictions and choice beside them\n"
+    "      --timing T          mean (default, nccl-tests): the mean of back-to-back calls;\n"
+    "                          median: each call after a barrier, the median call (the CPU\n"
+    "                          anchors' method); the slowest rank's either way (host path)\n"
     "      --inplace 0|1       only out-of-place (0) or in-place (1); default both\n"
     "      --device D          host (default): host buffers, the host path; cuda: device\n"
     "                          buffers on the device of LOCAL_RANK (or $GRADSYNC_DEVICE),\n"
@@ -214,6 +217,9 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
       ok = parse_int(s, 0, 1, &flag), o->timeline = flag;
     } else if (a == "--model") {
       ok = parse_int(s, 0, 1, &flag), o->model = flag;
+    } else if (a == "--timing") {
+      ok = v == "mean" || v == "median";
+      o->median = v == "median";
     } else if (a == "--collective") {
       ok = false;
       for (auto c : {Collective::kAllreduce, Collective::kReduceScatter, Collective::kAllGather,

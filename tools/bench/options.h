@@ -38,6 +38,7 @@ struct Options {
   bool out_of_place = true;  // --inplace 1 leaves only the in-place group
   bool in_place = true;      // --inplace 0 leaves only the out-of-place group
   bool model = false;        // --model 1: the selection table after the main one
+  bool median = false;       // --timing median: each call after a barrier, the median call
   Device device = Device::kHost;
   bool nccl = false;  // --nccl 1: NCCL beside gradsync (default with --device cuda where built)
   // --timeline 1 (--device cuda, cuda-ipc path): instead of the table, the in-kernel timeline
