@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "transport/tcp/socket_driver.h"
@@ -25,7 +26,7 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
 
   // (tag, peer, send) -> channel index, as the daemon laid them out.
   std::map<std::tuple<uint32_t, uint32_t, bool>, uint32_t> index;
-  std::map<uint32_t, bool> driven;  // channel index -> moved on a socket this rank owns
+  std::set<uint32_t> driven;  // channel indexes moved on a socket this rank owns
   std::shared_ptr<SocketDriver> driver;
   for (const auto& ref : setup.channels()) {
     if (ref.index() >= layout.num_channels) return Status(Code::kInternal, "channel index out of range");
@@ -41,7 +42,7 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
     Fd sock = std::move(sockets[ref.socket() - 1]);
     if (ref.send()) driver->add_sender(ch, std::move(sock), l.name(int(ref.peer())));
     else driver->add_receiver(ch, std::move(sock), l.name(int(ref.peer())));
-    driven[ref.index()] = true;
+    driven.insert(ref.index());
   }
   auto find = [&](uint32_t tag, int peer, bool send, Channel* out) -> Status {
     auto f = index.find({tag, uint32_t(peer), send});

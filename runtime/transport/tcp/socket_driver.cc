@@ -213,6 +213,7 @@ void SocketDriver::abandon(const Status& why) {
   if (failed_.ok()) failed_ = why;
   for (Port& p : ports_) {
     p.external.fill(nullptr);
+    p.landed.fill(nullptr);
     p.direct = nullptr;
   }
 }
@@ -233,7 +234,6 @@ Status SocketDriver::wait_sockets(int timeout_ms) {
   Port* of[kMaxPorts];
   nfds_t n = 0;
   for (Port& p : ports_) {
-    if (n == kMaxPorts) break;
     if (p.closed) continue;
     short events = 0;
     // Nothing ever comes back on a send socket: readable means the peer closed it or it broke,
