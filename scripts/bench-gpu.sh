@@ -8,7 +8,10 @@
 #   ipc     one node, NGPUS ranks (default 2, one per GPU), gradsync's CUDA IPC path vs NCCL (NVLink)
 #   staged  two gradsyncd as two nodes on loopback TCP, one GPU each: gradsync's host-staged
 #           path vs NCCL forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
-#           NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo)
+#           NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo). On a machine with one GPU both "nodes"
+#           use GPU 0, and NCCL_HOSTID differs per rank so that NCCL too sees two hosts (it
+#           refuses two ranks on one GPU of one host).
+# Environment for staged: GRADSYNC_* (rings, slots, ...) reach both daemons and ranks.
 # Tables go to $OUT/bench-gpu-*.txt and are printed at the end. NCCL_NVLS_ENABLE=0 always.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -29,7 +32,9 @@ ipc() {
 }
 
 staged() {
-  local tmp pid port i pids=() dest job=gpu-staged-$RANDOM
+  local tmp pid port i dev ngpus pids=() dest job=gpu-staged-$RANDOM
+  ngpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  [ "${ngpus:-0}" -ge 2 ] || echo "staged: ${ngpus:-0} GPU(s): both nodes on GPU 0, NCCL_HOSTID per rank"
   tmp=$(mktemp -d)
   "$bin/gradsync-coordinator" --listen 127.0.0.1:0 --port-file "$tmp/port" 2> "$OUT/coordinator.err" &
   pid=$!
@@ -38,8 +43,10 @@ staged() {
   for i in 0 1; do
     dest=$OUT/bench-gpu-staged.txt
     [ "$i" = 1 ] && dest=/dev/null
+    dev=$i
+    [ "${ngpus:-0}" -ge 2 ] || dev=0
     # shellcheck disable=SC2086
-    GRADSYNC_DEVICE=$i NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \
+    GRADSYNC_DEVICE=$dev NCCL_HOSTID=gradsync-bench-node$i NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \
       timeout 400 "$bin/gradsyncrun" --coordinator "127.0.0.1:$port" --nnodes 2 --node-rank "$i" -n 1 \
         --job-id "$job" --node-name "n$i" --no-prefix --timeout-s 380 "$bin/gradsync-bench" $common \
         > "$dest" 2> "$OUT/bench-gpu-staged.n$i.err" &

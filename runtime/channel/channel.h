@@ -129,7 +129,19 @@ class ChannelDriver {
   // that are the caller's again); every later wait reports `why`.
   virtual void abandon(const Status& why) = 0;
   // Waits until every published slot is in the kernel's hands (the end of a collective).
+  // Inside lanes (below): only the slots of the calling thread's lane.
   virtual Status flush(const WaitContext& ctx) = 0;
+
+  // Lanes: several threads of one rank drive disjoint sets of channels at once (the ring's
+  // threads, ring.cc). After begin_lanes() returns true, assign_lane() gives channels to
+  // lanes 0..n-1 and each thread calls enter_lane() with its own; until end_lanes() (called
+  // when the threads have joined) a thread moves only the sockets of its lane's channels, and
+  // lane 0 also those of no lane. A thread leaving its lane early flushes its lane first.
+  // False: this driver moves its sockets from one thread only.
+  virtual bool begin_lanes() { return false; }
+  virtual void assign_lane(bool /*send*/, uint32_t /*channel*/, int /*lane*/) {}
+  virtual void enter_lane(int /*lane*/) {}
+  virtual void end_lanes() {}
 };
 
 // A view of one channel in a mapped region. Cheap to copy.

@@ -55,6 +55,8 @@ struct RankLinks {
   int position = 0;                  // index of `rank` in `ring`
   std::vector<std::string> hosts;    // hostname by rank, for errors
   uint32_t rings = 1;
+  // Threads that drive a large call's rings; 0: GRADSYNC_RING_THREADS, else by the cores (ring.cc).
+  uint32_t ring_threads = 0;
   // Channel ends, by ring or tree index. Unused ends are default (null) channels.
   std::vector<Channel> ring_send, ring_recv;
   Channel up_send[kNumTrees];                  // to the parent

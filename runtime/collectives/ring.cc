@@ -8,7 +8,10 @@
 // form a cycle.
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
+#include <functional>
+#include <mutex>
 #include <cstring>
 #include <thread>
 
@@ -47,13 +50,13 @@ long env_or(const char* name, long fallback) {
 
 // How many threads drive the rings of a reduce-scatter/allreduce of `bytes`: each ring's
 // positions stay in the same order on one thread, so deadlock freedom (above) holds per ring,
-// and rings share no channel. GRADSYNC_RING_THREADS overrides the default: the cores over 4
+// and rings share no channel. A rank that moves its own sockets gives each thread the sockets
+// of its rings (ChannelDriver lanes). GRADSYNC_RING_THREADS overrides the default: the cores over 4
 // times the ranks on this host (the ranks' daemons, pumps and other threads need the rest),
 // so a rank's copies and reductions run on several cores of a large node, while on a small
 // machine, where the ranks and daemons already need every core, one thread does it all.
 int ring_threads(const RankLinks& l, size_t bytes) {
   if (l.rings < 2) return 1;
-  if (l.driver) return 1;  // the rank's sockets are moved by whichever thread waits: one thread
   if (bytes < size_t(env_or("GRADSYNC_RING_THREAD_MIN_BYTES", long(kDefaultThreadMinBytes)))) return 1;
   const long cores = long(std::max(1u, std::thread::hardware_concurrency()));
   long local = 1;
@@ -61,8 +64,76 @@ int ring_threads(const RankLinks& l, size_t bytes) {
     local = 0;
     for (const auto& h : l.hosts) local += h == l.hosts[size_t(l.rank)] ? 1 : 0;
   }
-  const long t = env_or("GRADSYNC_RING_THREADS", std::max(1L, cores / (4 * std::max(1L, local))));
+  const long t = l.ring_threads > 0 ? long(l.ring_threads)
+                                    : env_or("GRADSYNC_RING_THREADS", std::max(1L, cores / (4 * std::max(1L, local))));
   return int(std::clamp<long>(t, 1, long(l.rings)));
+}
+
+// The threads that drive a large call's rings beside the calling one, kept between calls:
+// starting and joining seven threads cost 0.5 ms on a 2-core VM, half a 4 MiB piece of the
+// host-staged GPU path. One set per calling thread (each rank's worker has its own, so one
+// rank's rings never wait for a thread another rank holds); parked on a condition variable
+// between calls, joined when the calling thread exits.
+class RingHelpers {
+ public:
+  ~RingHelpers() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      quit_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  // Runs fn(1) .. fn(k - 1) on helper threads and fn(0) on this one; returns when all have.
+  void run(int k, const std::function<void(int)>& fn) {
+    while (int(threads_.size()) < k - 1) {
+      const int i = int(threads_.size()) + 1;
+      threads_.emplace_back([this, i] { loop(i); });
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = &fn;
+      width_ = k;
+      pending_ = k - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [&] { return pending_ == 0; });
+    job_ = nullptr;
+  }
+
+ private:
+  void loop(int i) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [&] { return quit_ || generation_ != seen; });
+      if (quit_) return;
+      seen = generation_;
+      if (i >= width_) continue;  // this call needs fewer threads
+      const std::function<void(int)>* job = job_;
+      lock.unlock();
+      (*job)(i);
+      lock.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> threads_;
+  const std::function<void(int)>* job_ = nullptr;
+  int width_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+  bool quit_ = false;
+};
+
+RingHelpers& ring_helpers() {
+  static thread_local RingHelpers helpers;
+  return helpers;
 }
 
 class RingRunner {
@@ -159,20 +230,29 @@ class RingRunner {
       }
       return Status::Ok();
     };
-    const int threads = ring_threads(l_, bytes(c.kind == CollectiveKind::kReduceScatter
-                                                          ? c.count * size_t(n_) : c.count));
+    int threads = ring_threads(l_, bytes(c.kind == CollectiveKind::kReduceScatter
+                                                    ? c.count * size_t(n_) : c.count));
+    ChannelDriver* driver = l_.driver.get();
+    if (threads > 1 && driver && !driver->begin_lanes()) threads = 1;
     if (threads <= 1) return drive(0, 1);
-    std::vector<Status> results(static_cast<size_t>(threads));
-    std::vector<std::thread> helpers;
-    for (int i = 1; i < threads; ++i) {
-      helpers.emplace_back([&, i] {
-        results[size_t(i)] = drive(uint32_t(i), uint32_t(threads));
-        if (!results[size_t(i)].ok()) stop = true;
-      });
+    if (driver) {
+      // Each thread moves the sockets of its own rings; the others' are not its business.
+      for (uint32_t r = 0; r < l_.rings; ++r) {
+        if (l_.ring_send[r].driven()) driver->assign_lane(true, l_.ring_send[r].index(), int(r % uint32_t(threads)));
+        if (l_.ring_recv[r].driven()) driver->assign_lane(false, l_.ring_recv[r].index(), int(r % uint32_t(threads)));
+      }
     }
-    results[0] = drive(0, uint32_t(threads));
-    if (!results[0].ok()) stop = true;
-    for (auto& h : helpers) h.join();
+    std::vector<Status> results(static_cast<size_t>(threads));
+    ring_helpers().run(threads, [&](int i) {
+      if (driver) driver->enter_lane(i);
+      Status& st = results[size_t(i)];
+      st = drive(uint32_t(i), uint32_t(threads));
+      // Slots of this lane still queued leave before its thread is done, beside the other
+      // lanes, instead of after them all (the collective's flush).
+      if (driver && st.ok()) st = driver->flush(rc_.wait);
+      if (!st.ok()) stop = true;
+    });
+    if (driver) driver->end_lanes();
     // The first real failure, not the "another ring failed" of those that stopped for it.
     for (const Status& st : results) {
       if (!st.ok() && st.message() != "another ring failed") return st;

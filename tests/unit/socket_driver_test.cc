@@ -63,6 +63,56 @@ TEST(SocketCollectives, SeveralRingsAndLargeCalls) {
   large_allreduces(world, Algorithm::kRing, (3u << 20) + 17);  // many slots, a multiple of nothing
 }
 
+// A large call's rings on several threads, each moving the sockets of its own rings (lanes),
+// with ranks that split the rings differently: one thread for all, two, four, three (rings
+// 0 and 3 on one thread), and kernel buffers smaller than a slot, so that frames stay queued
+// part-way while their thread waits on its other ring or leaves.
+TEST(SocketCollectives, RingThreadsMoveTheirOwnSockets) {
+  SocketWorld world(4, 4, 4, 256 << 10, 64 << 10);  // slots larger than the kernel buffers
+  const uint32_t threads[] = {1, 2, 4, 3};
+  for (int r = 0; r < 4; ++r) world.set_ring_threads(r, threads[r]);
+  large_allreduces(world, Algorithm::kRing, (3u << 20) + 17);
+  // Small calls (one thread) and tree calls between them use every socket from one thread.
+  large_allreduces(world, Algorithm::kTree, 4099);
+  large_allreduces(world, Algorithm::kRing, (5u << 20) + 3);
+}
+
+// The ring's helper threads stay with the calling thread between calls: one thread per rank
+// makes calls on 3, 1, 4 and 2 threads in turn (helpers parked, woken, some left idle), with
+// every rank's split different, each call checked.
+TEST(SocketCollectives, RingHelpersAreReusedAcrossCalls) {
+  const int n = 3;
+  SocketWorld world(n, 4, 4, 65536);
+  const size_t count = (1u << 20) + 7;  // 4 MiB and a bit: threads are used
+  std::vector<std::vector<float>> in(n, std::vector<float>(count)), out(n, std::vector<float>(count));
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < count; ++i) in[r][i] = float((i + size_t(r) * 5) % 17);
+  }
+  const uint32_t widths[] = {3, 1, 4, 2};
+  auto st = world.run([&](int r) -> Status {
+    for (uint32_t call = 0; call < 4; ++call) {
+      RankLinks links = world.links(r);
+      links.ring_threads = widths[(call + uint32_t(r)) % 4];
+      WaitContext wait;
+      wait.control = static_cast<const JobControl*>(world.base(r));
+      wait.deadline = deadline_after(std::chrono::seconds(30));
+      CollectiveCall c{CollectiveKind::kAllreduce, in[r].data(), out[r].data(), count, DataType::kFloat32,
+                       ReduceOp::kSum, 0, Algorithm::kRing, call};
+      GS_RETURN_IF_ERROR(run_collective(links, wait, c));
+      for (size_t i = 0; i < count; i += 101) {
+        float want = 0;
+        for (int p = 0; p < n; ++p) want += float((i + size_t(p) * 5) % 17);
+        if (out[r][i] != want) {
+          return {Code::kInternal, "call " + std::to_string(call) + " element " + std::to_string(i) + ": " +
+                                       std::to_string(out[r][i]) + " != " + std::to_string(want)};
+        }
+      }
+    }
+    return Status::Ok();
+  });
+  for (int r = 0; r < n; ++r) EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+}
+
 // Kernel buffers (64 KiB, doubled by the kernel) smaller than a slot (256 KiB): sends and
 // receives stop part-way through frames. (Far smaller buffers stall loopback TCP itself: the
 // receiver then announces its window only on a timer.)

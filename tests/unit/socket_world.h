@@ -95,6 +95,8 @@ class SocketWorld {
   const RankLinks& links(int r) const { return links_[r]; }
   void* base(int r) const { return shms_[r]->data(); }
   const ShmLayout& layout(int r) const { return jobs_[r]->layout; }
+  // Rank r drives a large call's rings on `t` threads (0: the default).
+  void set_ring_threads(int r, uint32_t t) { links_[r].ring_threads = t; }
   // Closes rank r's sockets (its process died): its links must not be used afterwards.
   void kill_rank(int r) { links_[r].driver.reset(); }
 

@@ -57,7 +57,58 @@ std::string peer_address(int fd) {
   return "a local socket";
 }
 
+// The lane of the calling thread in the driver whose lanes it entered.
+thread_local const void* t_lanes_of = nullptr;
+thread_local int t_lane = 0;
+
 }  // namespace
+
+bool SocketDriver::mine(const Port& p) const {
+  if (!lanes_) return true;
+  const int lane = t_lanes_of == this ? t_lane : 0;
+  return p.lane == lane || (p.lane < 0 && lane == 0);
+}
+
+Status SocketDriver::failure() const {
+  if (!has_failed_.load(std::memory_order_acquire)) return Status::Ok();
+  std::lock_guard<std::mutex> lock(failed_mu_);
+  return failed_;
+}
+
+Status SocketDriver::fail(Status s) {
+  std::lock_guard<std::mutex> lock(failed_mu_);
+  if (failed_.ok()) {
+    failed_ = std::move(s);
+    has_failed_.store(true, std::memory_order_release);
+  }
+  return failed_;
+}
+
+bool SocketDriver::begin_lanes() {
+  lanes_ = true;
+  for (Port& p : ports_) p.lane = -1;
+  t_lanes_of = this;
+  t_lane = 0;
+  return true;
+}
+
+void SocketDriver::assign_lane(bool send, uint32_t channel, int lane) {
+  for (Port& p : ports_) {
+    if (p.send == send && p.ch.index() == channel) p.lane = lane;
+  }
+}
+
+void SocketDriver::enter_lane(int lane) {
+  t_lanes_of = this;
+  t_lane = lane;
+}
+
+void SocketDriver::end_lanes() {
+  lanes_ = false;
+  for (Port& p : ports_) p.lane = -1;
+  t_lanes_of = nullptr;
+  t_lane = 0;
+}
 
 void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer) {
   if (ports_.size() >= kMaxPorts) throw std::length_error("SocketDriver: too many channel ends");
@@ -164,17 +215,14 @@ Status SocketDriver::pump_recv(Port& p, bool* moved) {
 }
 
 Status SocketDriver::pump(bool* moved, int focus) {
-  if (!failed_.ok()) return failed_;
+  GS_RETURN_IF_ERROR(failure());
   for (Port& p : ports_) {
-    if (p.closed && !p.send) continue;
+    if ((p.closed && !p.send) || !mine(p)) continue;
     // Sends with nothing queued cost no system call; receives do, so a focused pass reads
     // only the channel waited on.
     if (!p.send && focus >= 0 && int(p.ch.index()) != focus) continue;
     Status s = p.send ? pump_send(p, moved) : pump_recv(p, moved);
-    if (!s.ok()) {
-      failed_ = s;
-      return s;
-    }
+    if (!s.ok()) return fail(std::move(s));
   }
   return Status::Ok();
 }
@@ -210,7 +258,7 @@ const uint8_t* SocketDriver::landed_at(uint32_t channel, uint32_t seq) {
 }
 
 void SocketDriver::abandon(const Status& why) {
-  if (failed_.ok()) failed_ = why;
+  (void)fail(why);
   for (Port& p : ports_) {
     p.external.fill(nullptr);
     p.landed.fill(nullptr);
@@ -219,12 +267,13 @@ void SocketDriver::abandon(const Status& why) {
 }
 
 void SocketDriver::published(uint32_t channel) {
-  if (!failed_.ok()) return;
+  if (has_failed_.load(std::memory_order_acquire)) return;
   for (Port& p : ports_) {
     if (!p.send || p.ch.index() != channel) continue;
+    if (!mine(p)) return;  // its lane's thread sends it
     bool moved = false;
     Status s = pump_send(p, &moved);
-    if (!s.ok()) failed_ = s;  // reported by the rank's next wait or flush
+    if (!s.ok()) (void)fail(std::move(s));  // reported by the rank's next wait or flush
     return;
   }
 }
@@ -234,7 +283,7 @@ Status SocketDriver::wait_sockets(int timeout_ms) {
   Port* of[kMaxPorts];
   nfds_t n = 0;
   for (Port& p : ports_) {
-    if (p.closed) continue;
+    if (p.closed || !mine(p)) continue;
     short events = 0;
     // Nothing ever comes back on a send socket: readable means the peer closed it or it broke,
     // which a rank waiting for some other peer must hear too.
@@ -253,10 +302,12 @@ Status SocketDriver::wait_sockets(int timeout_ms) {
     if (r == 0) {
       // The peer closed it: fine when nothing more is owed to it (it finished its last call).
       of[i]->closed = true;
-      if (of[i]->ch.consumed() != of[i]->ch.published()) failed_ = broken(*of[i], "was closed");
-    } else if (r < 0 && !would_block(errno) && errno != EINTR) failed_ = broken(*of[i], "failed (" + errno_string("recv") + ")");
-    else if (r > 0) failed_ = {Code::kInternal, who_ + ": protocol error: " + of[i]->peer + " sent data on a send-only channel"};
-    if (!failed_.ok()) return failed_;
+      if (of[i]->ch.consumed() != of[i]->ch.published()) return fail(broken(*of[i], "was closed"));
+    } else if (r < 0 && !would_block(errno) && errno != EINTR) {
+      return fail(broken(*of[i], "failed (" + errno_string("recv") + ")"));
+    } else if (r > 0) {
+      return fail({Code::kInternal, who_ + ": protocol error: " + of[i]->peer + " sent data on a send-only channel"});
+    }
   }
   return Status::Ok();
 }
@@ -289,7 +340,7 @@ Status SocketDriver::progress(const std::function<bool()>& ready, const WaitCont
     if (moved) continue;
     if (channel >= 0) {
       for (const Port& p : ports_) {
-        if (p.closed && int(p.ch.index()) == channel) return broken(p, "was closed");
+        if (p.closed && int(p.ch.index()) == channel && mine(p)) return broken(p, "was closed");
       }
     }
     if (wait_stopped(ctx)) return aborted_status(ctx);
@@ -312,8 +363,9 @@ Status SocketDriver::progress(const std::function<bool()>& ready, const WaitCont
 Status SocketDriver::flush(const WaitContext& ctx) {
   return progress_until(
       [&] {
-        return std::all_of(ports_.begin(), ports_.end(),
-                           [](const Port& p) { return !p.send || p.ch.consumed() == p.ch.published(); });
+        return std::all_of(ports_.begin(), ports_.end(), [&](const Port& p) {
+          return !p.send || !mine(p) || p.ch.consumed() == p.ch.published();
+        });
       },
       ctx, -1);
 }

@@ -12,10 +12,13 @@
 //
 // Progress happens only inside the rank's waits (ChannelDriver). Every wait of a rank that owns
 // sockets moves all of them, and a collective ends with flush(), so a rank never holds back a
-// slot a peer is waiting for.
+// slot a peer is waiting for. Inside lanes (a large ring call on several threads) each thread
+// moves the sockets of its own rings, in parallel; a thread flushes its lane before it leaves.
 #pragma once
 
 #include <array>
+#include <atomic>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -44,6 +47,10 @@ class SocketDriver : public ChannelDriver {
   const uint8_t* landed_at(uint32_t channel, uint32_t seq) override;
   void abandon(const Status& why) override;
   Status flush(const WaitContext& ctx) override;
+  bool begin_lanes() override;
+  void assign_lane(bool send, uint32_t channel, int lane) override;
+  void enter_lane(int lane) override;
+  void end_lanes() override;
 
  private:
   struct Port {
@@ -62,6 +69,7 @@ class SocketDriver : public ChannelDriver {
     SlotMeta direct_meta{};
     uint8_t* dest = nullptr;  // ... where the current frame's payload goes ...
     std::array<const uint8_t*, kMaxSlots> landed{};  // ... and where each slot's went
+    int lane = -1;  // inside lanes: the thread that moves this socket (-1: lane 0)
   };
 
   void add(Channel ch, Fd sock, bool send, std::string peer);
@@ -74,9 +82,17 @@ class SocketDriver : public ChannelDriver {
   Status broken(const Port& p, const std::string& what) const;
   // Sleeps until a socket with work is ready, at most `timeout_ms`.
   Status wait_sockets(int timeout_ms);
+  // Whether the calling thread moves `p` (always, outside lanes).
+  bool mine(const Port& p) const;
+  // The first failure (the lanes' threads share it), and recording one.
+  Status failure() const;
+  Status fail(Status s);
 
   std::string who_;
   std::vector<Port> ports_;
+  bool lanes_ = false;  // set and cleared while only one thread uses the driver
+  std::atomic<bool> has_failed_{false};
+  mutable std::mutex failed_mu_;
   Status failed_;  // the first broken socket: every later wait reports it
 };
 
