@@ -51,7 +51,7 @@ long env_or(const char* name, long fallback) {
 // How many threads drive the rings of a reduce-scatter/allreduce of `bytes`: each ring's
 // positions stay in the same order on one thread, so deadlock freedom (above) holds per ring,
 // and rings share no channel. A rank that moves its own sockets gives each thread the sockets
-// of its rings (ChannelDriver lanes). GRADSYNC_RING_THREADS overrides the default: the cores over 4
+// of its rings (ChannelDriver lanes). GRADSYNC_RING_THREADS overrides the default: the cores over 2
 // times the ranks on this host (the ranks' daemons, pumps and other threads need the rest),
 // so a rank's copies and reductions run on several cores of a large node, while on a small
 // machine, where the ranks and daemons already need every core, one thread does it all.
@@ -65,7 +65,7 @@ int ring_threads(const RankLinks& l, size_t bytes) {
     for (const auto& h : l.hosts) local += h == l.hosts[size_t(l.rank)] ? 1 : 0;
   }
   const long t = l.ring_threads > 0 ? long(l.ring_threads)
-                                    : env_or("GRADSYNC_RING_THREADS", std::max(1L, cores / (4 * std::max(1L, local))));
+                                    : env_or("GRADSYNC_RING_THREADS", std::max(1L, cores / (2 * std::max(1L, local))));
   return int(std::clamp<long>(t, 1, long(l.rings)));
 }
 

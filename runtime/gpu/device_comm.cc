@@ -89,6 +89,17 @@ bool poll_until(F done, Clock::time_point deadline) {
   }
 }
 
+// The host-staged path cuts a call into pieces: the stream copies one while the worker runs
+// the host collective of another. A quarter of the call, from 4 to 8 MiB: at least 4 MiB so
+// that a piece's rings run on several threads (ring.cc), at most 8 MiB so that a large call
+// still pipelines. Measured on the H200 host (2 nodes x 1 rank, 16 rings, 8 ring threads,
+// GB/s at 8 / 32 / 128 / 512 MiB): pieces of 2 MiB 1.8/2.0/2.1/2.4, 4 MiB 3.1/3.6/5.1/5.2,
+// 8 MiB 1.9/6.4/7.7/7.5, 16 MiB 1.8/5.9/6.7/6.6; a one-piece call is the slow case.
+constexpr size_t kMinPiece = size_t(4) << 20;
+constexpr size_t kMaxPiece = size_t(8) << 20;
+
+size_t piece_for(size_t call_bytes) { return std::clamp(call_bytes / 4 / 64 * 64, kMinPiece, kMaxPiece); }
+
 }  // namespace
 
 struct DeviceComm::Impl {
@@ -105,8 +116,9 @@ struct DeviceComm::Impl {
   // host-staged
   static constexpr size_t kStagingSlots = 4;
   uint8_t* staging = nullptr;  // kStagingSlots slots of pinned host memory
-  size_t piece_bytes =
-      4u << 20;  // a piece's bytes (all ranks' rows of it: reduce_scatter, all_gather)
+  // A piece's bytes (all ranks' rows of it: reduce_scatter, all_gather): GRADSYNC_STAGE_PIECE,
+  // or 0: a quarter of the call, from kMinPiece to kMaxPiece (piece_for).
+  size_t piece_bytes = 0;
   size_t slot_bytes = 4u << 20;  // one staging slot: >= piece_bytes and >= one element per rank
   size_t max_pitch = 0;          // cudaDevAttrMaxPitch: the largest pitch of a 2D copy
   uint64_t staged_seq = 0;
@@ -347,11 +359,11 @@ Status DeviceComm::setup_ipc(bool* usable) {
 
 Status DeviceComm::setup_staged() {
   Impl& m = *impl_;
-  m.piece_bytes = size_t(env_long("GRADSYNC_STAGE_PIECE", 4 << 20));
-  m.piece_bytes = std::max<size_t>(4096, m.piece_bytes / 64 * 64);
+  const long fixed = env_long("GRADSYNC_STAGE_PIECE", 0);
+  m.piece_bytes = fixed > 0 ? std::max<size_t>(4096, size_t(fixed) / 64 * 64) : 0;
   // A reduce_scatter or all_gather piece holds at least one element (8 bytes at most) of every
   // rank's segment.
-  m.slot_bytes = std::max(m.piece_bytes, (size_t(cfg_.world_size) * 8 + 63) / 64 * 64);
+  m.slot_bytes = std::max(m.piece_bytes ? m.piece_bytes : kMaxPiece, (size_t(cfg_.world_size) * 8 + 63) / 64 * 64);
   int pitch = 0;
   GS_CUDA(cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, cfg_.device),
           "cudaDeviceGetAttribute");
@@ -784,7 +796,8 @@ Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint
   const int n = cfg_.world_size, me = cfg_.rank;
   const size_t es = element_size(c.type);
   const int rows = strided(c.kind) ? n : 1;
-  const size_t per = std::max<size_t>(1, m.piece_bytes / (es * size_t(rows)));
+  const size_t piece = m.piece_bytes ? m.piece_bytes : piece_for(c.count * es * size_t(rows));
+  const size_t per = std::max<size_t>(1, piece / (es * size_t(rows)));
   const size_t pieces = (c.count + per - 1) / per;
   const size_t K = Impl::kStagingSlots;
   const uint64_t seq = ++m.staged_seq;
