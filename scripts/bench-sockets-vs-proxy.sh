@@ -5,10 +5,13 @@
 # Runs from the repository root over bundle/ (scripts/gpu-run.sh gradsync-bench gradsyncrun) on
 # the GPU machine; on a machine without a GPU, SKIP_GPU=1 runs (a) only over build/bin.
 #   bash scripts/bench-sockets-vs-proxy.sh        (tables on stdout, raw output under $OUT)
+# GRADSYNC_* settings (GRADSYNC_NRINGS=16, ...) reach both daemons and ranks.
 # (a) host tensors, 2 nodes x 1 rank; (b) GPU tensors, host-staged path, both ranks on GPU 0.
 export NCCL_NVLS_ENABLE=0
 if [ "${SKIP_GPU:-0}" = 1 ]; then bin=$PWD/${GRADSYNC_BUILD_DIR:-build}/bin
 else export LD_LIBRARY_PATH=$PWD/bundle/lib; bin=$PWD/bundle/bin; fi
+# GRADSYNC_BIN_DIR: the binaries to run instead (SKIP_GPU=1 over bundle/bin on the GPU machine).
+bin=${GRADSYNC_BIN_DIR:-$bin}
 OUT=${OUT:-$PWD/bench-out/sockets-vs-proxy}; mkdir -p "$OUT"
 two() {  # label, env, bench args
   local label=$1 envs=$2; shift 2

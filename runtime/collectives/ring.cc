@@ -36,9 +36,10 @@ struct RingPart {
 
 int mod(int a, int n) { return ((a % n) + n) % n; }
 
-// Below this many bytes a call's rings share one thread: starting threads costs more than
-// the copies and reductions they would split (GRADSYNC_RING_THREAD_MIN_BYTES overrides).
-constexpr size_t kDefaultThreadMinBytes = size_t(4) << 20;
+// Below this many bytes a call's rings share one thread: waking the helper threads costs
+// more than the copies and reductions they would split (GRADSYNC_RING_THREAD_MIN_BYTES
+// overrides). 4 MiB while each call started its threads; 512 KiB since they are kept.
+constexpr size_t kDefaultThreadMinBytes = size_t(512) << 10;
 
 long env_or(const char* name, long fallback) {
   const char* v = std::getenv(name);
@@ -162,12 +163,25 @@ class RingRunner {
   uint8_t* out(size_t elem) const { return static_cast<uint8_t*>(rc_.call.recv) + elem * rc_.esize; }
   size_t bytes(size_t elems) const { return elems * rc_.esize; }
 
+  // How many rings a split of `total` elements uses: one per quarter slot of data, so that a
+  // small call is not cut into many tiny messages, each paying its own wait and system calls.
+  // Every rank computes the same (the job's slot size is one for all). Measured on a 16-core
+  // host, 2 nodes x 1 rank, 16 rings of 1 MiB slots over rank sockets (us at 64 KiB / 256 KiB
+  // / 1 MiB): every ring 47 / 144 / 614, a ring per 256 KiB (with ring threads from 512 KiB)
+  // 38 / 80 / 208; one ring alone 33 / 107 / 453 (docs/benchmarks.md).
+  uint32_t used_rings(size_t total) const {
+    const size_t per_ring = std::max<size_t>(1, rc_.slot_elems * rc_.esize / 4);
+    const size_t k = (bytes(total) + per_ring - 1) / per_ring;
+    return uint32_t(std::clamp<size_t>(k, 1, l_.rings));
+  }
+
   // Splits [0, total) among the rings.
   std::vector<RingPart> split(size_t total) const {
     std::vector<RingPart> parts(l_.rings);
-    for (uint32_t r = 0; r < l_.rings; ++r) {
-      parts[r].lo = parts[r].cursor = total * r / l_.rings;
-      parts[r].hi = total * (r + 1) / l_.rings;
+    const uint32_t k = used_rings(total);
+    for (uint32_t r = 0; r < k; ++r) {
+      parts[r].lo = parts[r].cursor = total * r / k;
+      parts[r].hi = total * (r + 1) / k;
     }
     return parts;
   }
@@ -230,8 +244,9 @@ class RingRunner {
       }
       return Status::Ok();
     };
-    int threads = ring_threads(l_, bytes(c.kind == CollectiveKind::kReduceScatter
-                                                    ? c.count * size_t(n_) : c.count));
+    int threads = std::min<int>(int(used_rings(c.count)),
+                                ring_threads(l_, bytes(c.kind == CollectiveKind::kReduceScatter
+                                                           ? c.count * size_t(n_) : c.count)));
     ChannelDriver* driver = l_.driver.get();
     if (threads > 1 && driver && !driver->begin_lanes()) threads = 1;
     if (threads <= 1) return drive(0, 1);

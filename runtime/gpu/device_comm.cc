@@ -90,9 +90,9 @@ bool poll_until(F done, Clock::time_point deadline) {
 }
 
 // The host-staged path cuts a call into pieces: the stream copies one while the worker runs
-// the host collective of another. A quarter of the call, from 4 to 8 MiB: at least 4 MiB so
-// that a piece's rings run on several threads (ring.cc), at most 8 MiB so that a large call
-// still pipelines. Measured on the H200 host (2 nodes x 1 rank, 16 rings, 8 ring threads,
+// the host collective of another. A quarter of the call, from 4 to 8 MiB: smaller pieces
+// were slower (below, when ring threads started at 4 MiB; 2 MiB pieces with threads from
+// 1 MiB: no better at 8 MiB), and at most 8 MiB so that a large call still pipelines. Measured on the H200 host (2 nodes x 1 rank, 16 rings, 8 ring threads,
 // GB/s at 8 / 32 / 128 / 512 MiB): pieces of 2 MiB 1.8/2.0/2.1/2.4, 4 MiB 3.1/3.6/5.1/5.2,
 // 8 MiB 1.9/6.4/7.7/7.5, 16 MiB 1.8/5.9/6.7/6.6; a one-piece call is the slow case.
 constexpr size_t kMinPiece = size_t(4) << 20;
