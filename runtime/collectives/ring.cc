@@ -10,9 +10,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <mutex>
-#include <cstring>
 #include <thread>
 
 #include "collectives/link.h"
@@ -52,8 +52,8 @@ long env_or(const char* name, long fallback) {
 // How many threads drive the rings of a reduce-scatter/allreduce of `bytes`: each ring's
 // positions stay in the same order on one thread, so deadlock freedom (above) holds per ring,
 // and rings share no channel. A rank that moves its own sockets gives each thread the sockets
-// of its rings (ChannelDriver lanes). GRADSYNC_RING_THREADS overrides the default: the cores over 2
-// times the ranks on this host (the ranks' daemons, pumps and other threads need the rest),
+// of its rings (ChannelDriver lanes). GRADSYNC_RING_THREADS overrides the default: the cores
+// over 2 times the ranks on this host (the ranks' daemons, pumps and other threads need the rest),
 // so a rank's copies and reductions run on several cores of a large node, while on a small
 // machine, where the ranks and daemons already need every core, one thread does it all.
 int ring_threads(const RankLinks& l, size_t bytes) {
@@ -65,8 +65,8 @@ int ring_threads(const RankLinks& l, size_t bytes) {
     local = 0;
     for (const auto& h : l.hosts) local += h == l.hosts[size_t(l.rank)] ? 1 : 0;
   }
-  const long t = l.ring_threads > 0 ? long(l.ring_threads)
-                                    : env_or("GRADSYNC_RING_THREADS", std::max(1L, cores / (2 * std::max(1L, local))));
+  const long fallback = std::max(1L, cores / (2 * std::max(1L, local)));
+  const long t = l.ring_threads > 0 ? long(l.ring_threads) : env_or("GRADSYNC_RING_THREADS", fallback);
   return int(std::clamp<long>(t, 1, long(l.rings)));
 }
 
@@ -253,8 +253,9 @@ class RingRunner {
     if (driver) {
       // Each thread moves the sockets of its own rings; the others' are not its business.
       for (uint32_t r = 0; r < l_.rings; ++r) {
-        if (l_.ring_send[r].driven()) driver->assign_lane(true, l_.ring_send[r].index(), int(r % uint32_t(threads)));
-        if (l_.ring_recv[r].driven()) driver->assign_lane(false, l_.ring_recv[r].index(), int(r % uint32_t(threads)));
+        const int lane = int(r % uint32_t(threads));
+        if (l_.ring_send[r].driven()) driver->assign_lane(true, l_.ring_send[r].index(), lane);
+        if (l_.ring_recv[r].driven()) driver->assign_lane(false, l_.ring_recv[r].index(), lane);
       }
     }
     std::vector<Status> results(static_cast<size_t>(threads));

@@ -92,9 +92,10 @@ bool poll_until(F done, Clock::time_point deadline) {
 // The host-staged path cuts a call into pieces: the stream copies one while the worker runs
 // the host collective of another. A quarter of the call, from 4 to 8 MiB: smaller pieces
 // were slower (below, when ring threads started at 4 MiB; 2 MiB pieces with threads from
-// 1 MiB: no better at 8 MiB), and at most 8 MiB so that a large call still pipelines. Measured on the H200 host (2 nodes x 1 rank, 16 rings, 8 ring threads,
-// GB/s at 8 / 32 / 128 / 512 MiB): pieces of 2 MiB 1.8/2.0/2.1/2.4, 4 MiB 3.1/3.6/5.1/5.2,
-// 8 MiB 1.9/6.4/7.7/7.5, 16 MiB 1.8/5.9/6.7/6.6; a one-piece call is the slow case.
+// 1 MiB: no better at 8 MiB), and at most 8 MiB so that a large call still pipelines.
+// Measured on the H200 host (2 nodes x 1 rank, 16 rings, 8 ring threads, GB/s at 8 / 32 /
+// 128 / 512 MiB): pieces of 2 MiB 1.8/2.0/2.1/2.4, 4 MiB 3.1/3.6/5.1/5.2, 8 MiB
+// 1.9/6.4/7.7/7.5, 16 MiB 1.8/5.9/6.7/6.6; a one-piece call is the slow case.
 constexpr size_t kMinPiece = size_t(4) << 20;
 constexpr size_t kMaxPiece = size_t(8) << 20;
 
@@ -363,7 +364,8 @@ Status DeviceComm::setup_staged() {
   m.piece_bytes = fixed > 0 ? std::max<size_t>(4096, size_t(fixed) / 64 * 64) : 0;
   // A reduce_scatter or all_gather piece holds at least one element (8 bytes at most) of every
   // rank's segment.
-  m.slot_bytes = std::max(m.piece_bytes ? m.piece_bytes : kMaxPiece, (size_t(cfg_.world_size) * 8 + 63) / 64 * 64);
+  m.slot_bytes =
+      std::max(m.piece_bytes ? m.piece_bytes : kMaxPiece, (size_t(cfg_.world_size) * 8 + 63) / 64 * 64);
   int pitch = 0;
   GS_CUDA(cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, cfg_.device),
           "cudaDeviceGetAttribute");
