@@ -94,6 +94,27 @@ TEST(Collectives, RingsOnSeveralThreadsMatchTheReference) {
   ::unsetenv("GRADSYNC_RING_THREAD_MIN_BYTES");
 }
 
+// A call uses one ring per quarter slot of data (4096-byte slots: 1 KiB), so a small call is
+// not cut into tiny messages: 400 bytes go over ring 0 alone, 4000 bytes over all four.
+TEST(Collectives, SmallCallsUseOneRingPerQuarterSlot) {
+  ThreadWorld w(2, 4);
+  auto published = [&](uint32_t ring) { return w.links(0).ring_send[ring].published(); };
+  auto allreduce = [&](size_t count) {
+    std::vector<std::vector<float>> v(2, std::vector<float>(count, 1.0f));
+    auto st = w.collective({{CollectiveKind::kAllreduce, v[0].data(), v[0].data(), count, DataType::kFloat32,
+                             ReduceOp::kSum, 0, Algorithm::kRing, 0},
+                            {CollectiveKind::kAllreduce, v[1].data(), v[1].data(), count, DataType::kFloat32,
+                             ReduceOp::kSum, 0, Algorithm::kRing, 0}});
+    for (const Status& s : st) ASSERT_TRUE(s.ok()) << s.to_string();
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(v[0][i], 2.0f) << i;
+  };
+  allreduce(100);
+  EXPECT_GT(published(0), 0u);
+  for (uint32_t r = 1; r < 4; ++r) EXPECT_EQ(published(r), 0u) << "ring " << r;
+  allreduce(1000);
+  for (uint32_t r = 1; r < 4; ++r) EXPECT_GT(published(r), 0u) << "ring " << r;
+}
+
 TEST(Collectives, AbortWakesWaitersWithTheReason) {
   ThreadWorld w(3, 1);
   std::vector<float> a(10, 1);
