@@ -90,5 +90,25 @@ TEST(StagedRdmaBench, DISABLED_BusbwVerbsBesideTcp) {
   }
 }
 
+// Small calls on the host-staged path, per call (200 calls queued back to back), over the
+// daemons' TCP channels, with both ranks in one process: on a machine with one GPU, two
+// processes would time-slice the GPU between their contexts and hide the path's own cost
+// (docs/benchmarks.md).
+TEST(StagedRdmaBench, DISABLED_SmallCallsInOneProcess) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  ::setenv("GRADSYNC_GPU_STAGED", "1", 1);
+  DaemonCluster cluster({.nodes = 2, .transport = {"tcp", "tcp"}, .slots = 8, .slot_bytes = 1 << 20});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "bench-small", 120s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  std::printf("# GPU allreduce float32 sum, 2 nodes x 1 GPU, host-staged over TCP; one process\n");
+  std::printf("# %12s %12s\n", "bytes", "us/call");
+  for (size_t bytes : {size_t(8), size_t(1) << 10, size_t(64) << 10, size_t(1) << 20}) {
+    auto us = testing::device_allreduce_us(world, bytes, 200);
+    ASSERT_TRUE(us.ok()) << us.status().to_string();
+    std::printf("  %12zu %12.1f\n", bytes, *us);
+  }
+}
+
 }  // namespace
 }  // namespace gradsync
