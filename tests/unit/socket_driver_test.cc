@@ -270,6 +270,37 @@ TEST(SocketCollectives, DeadRankFailsItsSuccessorNamingIt) {
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
 }
 
+// The same with the rings on several threads (lanes): whichever thread's socket breaks, the
+// call fails naming the dead rank, the other threads stop, and the helpers serve the next
+// call, which fails at once with the same error (the driver remembers it).
+TEST(SocketCollectives, DeadRankFailsEveryLaneNamingIt) {
+  SocketWorld world(3, 4);  // ring order 1 -> 2 -> 0 -> 1, four rings
+  for (int r = 0; r < 3; ++r) world.set_ring_threads(r, 2);
+  std::vector<std::vector<float>> buf(3, std::vector<float>(2 << 20, 1.0f));  // 8 MiB: threads
+  world.kill_rank(1);
+  auto start = Clock::now();
+  std::vector<Status> second(3);
+  auto st = world.run([&](int r) -> Status {
+    if (r == 1) return Status::Ok();
+    WaitContext wait;
+    wait.control = static_cast<const JobControl*>(world.base(r));
+    wait.deadline = deadline_after(std::chrono::seconds(3));
+    CollectiveCall c{CollectiveKind::kAllreduce, buf[r].data(), buf[r].data(), buf[r].size(),
+                     DataType::kFloat32, ReduceOp::kSum, 0, Algorithm::kRing, 0};
+    Status first = run_collective(world.links(r), wait, c);
+    c.seq = 1;
+    second[r] = run_collective(world.links(r), wait, c);
+    return first;
+  });
+  EXPECT_EQ(st[2].code(), Code::kUnavailable) << st[2].to_string();
+  EXPECT_NE(st[2].message().find("from rank 1 (host node1) at 127.0.0.1:"), std::string::npos) << st[2].to_string();
+  EXPECT_FALSE(st[0].ok());
+  EXPECT_EQ(second[2].code(), Code::kUnavailable) << second[2].to_string();
+  EXPECT_NE(second[2].message().find("rank 1 (host node1)"), std::string::npos) << second[2].to_string();
+  EXPECT_FALSE(second[0].ok());
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+}
+
 // A peer that finished and closed its sockets is no error for a rank that needs nothing more
 // from it.
 TEST(SocketDriver, PeerThatClosedAfterItsLastSlotIsNoError) {
