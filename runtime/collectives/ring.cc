@@ -12,8 +12,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
+
+#include <unistd.h>
 
 #include "collectives/link.h"
 #include "kernels/host_reduce.h"
@@ -74,62 +77,83 @@ int ring_threads(const RankLinks& l, size_t bytes) {
 // starting and joining seven threads cost 0.5 ms on a 2-core VM, half a 4 MiB piece of the
 // host-staged GPU path. One set per calling thread (each rank's worker has its own, so one
 // rank's rings never wait for a thread another rank holds); parked on a condition variable
-// between calls, joined when the calling thread exits.
+// between calls, joined when the calling thread exits. A child process after fork() has none
+// of its parent's helpers: it starts its own and leaves the parent's alone.
 class RingHelpers {
  public:
   ~RingHelpers() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      quit_ = true;
+    if (::getpid() != pid_) {
+      forget_parents();
+      return;
     }
-    wake_.notify_all();
-    for (auto& t : threads_) t.join();
+    {
+      std::lock_guard<std::mutex> lock(s_->mu);
+      s_->quit = true;
+    }
+    s_->wake.notify_all();
+    for (auto& t : s_->threads) t.join();
   }
 
   // Runs fn(1) .. fn(k - 1) on helper threads and fn(0) on this one; returns when all have.
   void run(int k, const std::function<void(int)>& fn) {
-    while (int(threads_.size()) < k - 1) {
-      const int i = int(threads_.size()) + 1;
-      threads_.emplace_back([this, i] { loop(i); });
+    if (::getpid() != pid_) forget_parents();
+    State& s = *s_;
+    while (int(s.threads.size()) < k - 1) {
+      const int i = int(s.threads.size()) + 1;
+      s.threads.emplace_back([&s, i] { loop(s, i); });
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      job_ = &fn;
-      width_ = k;
-      pending_ = k - 1;
-      ++generation_;
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.job = &fn;
+      s.width = k;
+      s.pending = k - 1;
+      ++s.generation;
     }
-    wake_.notify_all();
+    s.wake.notify_all();
     fn(0);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    job_ = nullptr;
+    std::unique_lock<std::mutex> lock(s.mu);
+    s.done.wait(lock, [&] { return s.pending == 0; });
+    s.job = nullptr;
   }
 
  private:
-  void loop(int i) {
+  struct State {
+    std::mutex mu;
+    std::condition_variable wake, done;
+    std::vector<std::thread> threads;
+    const std::function<void(int)>* job = nullptr;
+    int width = 0, pending = 0;
+    uint64_t generation = 0;
+    bool quit = false;
+  };
+
+  static void loop(State& s, int i) {
     uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(s.mu);
     for (;;) {
-      wake_.wait(lock, [&] { return quit_ || generation_ != seen; });
-      if (quit_) return;
-      seen = generation_;
-      if (i >= width_) continue;  // this call needs fewer threads
-      const std::function<void(int)>* job = job_;
+      s.wake.wait(lock, [&] { return s.quit || s.generation != seen; });
+      if (s.quit) return;
+      seen = s.generation;
+      if (i >= s.width) continue;  // this call needs fewer threads
+      const std::function<void(int)>* job = s.job;
       lock.unlock();
       (*job)(i);
       lock.lock();
-      if (--pending_ == 0) done_.notify_one();
+      if (--s.pending == 0) s.done.notify_one();
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable wake_, done_;
-  std::vector<std::thread> threads_;
-  const std::function<void(int)>* job_ = nullptr;
-  int width_ = 0, pending_ = 0;
-  uint64_t generation_ = 0;
-  bool quit_ = false;
+  // After fork(): the parent's threads do not exist here, and their std::thread objects may
+  // be neither joined nor destroyed (either ends the process), nor their lock trusted: the
+  // parent's state is left as it is, never freed, and this process starts afresh.
+  void forget_parents() {
+    (void)s_.release();
+    s_ = std::make_unique<State>();
+    pid_ = ::getpid();
+  }
+
+  pid_t pid_ = ::getpid();
+  std::unique_ptr<State> s_ = std::make_unique<State>();
 };
 
 RingHelpers& ring_helpers() {

@@ -3,7 +3,12 @@
 // its reference: collective_matrix.h).
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <tuple>
 
 #include "kernels/half.h"
@@ -113,6 +118,49 @@ TEST(Collectives, SmallCallsUseOneRingPerQuarterSlot) {
   for (uint32_t r = 1; r < 4; ++r) EXPECT_EQ(published(r), 0u) << "ring " << r;
   allreduce(1000);
   for (uint32_t r = 1; r < 4; ++r) EXPECT_GT(published(r), 0u) << "ring " << r;
+}
+
+// A process that forks after a call on several ring threads: the child has none of the
+// parent's helper threads, starts its own for its calls, and exits cleanly (exit() runs the
+// calling thread's destructors). SIGALRM ends a child that hangs.
+TEST(Collectives, RingHelpersAfterFork) {
+  ::setenv("GRADSYNC_RING_THREADS", "3", 1);
+  ::setenv("GRADSYNC_RING_THREAD_MIN_BYTES", "0", 1);
+  // Rank 0 on this very thread (whose helpers persist), rank 1 on a new one.
+  auto allreduce_here = [](ThreadWorld& w, uint32_t seq) -> bool {
+    const size_t count = 30000;
+    std::vector<std::vector<float>> v(2, std::vector<float>(count, 1.5f));
+    Status other;
+    auto call = [&](int r) {
+      WaitContext wait;
+      wait.control = static_cast<const JobControl*>(w.base());
+      wait.deadline = deadline_after(std::chrono::seconds(10));
+      CollectiveCall c{CollectiveKind::kAllreduce, v[r].data(), v[r].data(), count, DataType::kFloat32,
+                       ReduceOp::kSum, 0, Algorithm::kRing, seq};
+      return run_collective(w.links(r), wait, c);
+    };
+    std::thread t([&] { other = call(1); });
+    Status mine = call(0);
+    t.join();
+    return mine.ok() && other.ok() && v[0][0] == 3.0f && v[0][count - 1] == 3.0f && v[1][count / 2] == 3.0f;
+  };
+  ThreadWorld parent(2, 3);
+  ASSERT_TRUE(allreduce_here(parent, 0));
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::alarm(20);
+    ThreadWorld child(2, 3);
+    const bool ok = allreduce_here(child, 0) && allreduce_here(child, 1);
+    std::exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status)) << "child ended by signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 0);
+  EXPECT_TRUE(allreduce_here(parent, 1));  // the parent's helpers still serve it
+  ::unsetenv("GRADSYNC_RING_THREADS");
+  ::unsetenv("GRADSYNC_RING_THREAD_MIN_BYTES");
 }
 
 TEST(Collectives, AbortWakesWaitersWithTheReason) {
