@@ -77,6 +77,17 @@ TEST(SocketCollectives, RingThreadsMoveTheirOwnSockets) {
   large_allreduces(world, Algorithm::kRing, (5u << 20) + 3);
 }
 
+// One float32 sum allreduce in place on rank r of `world`, within `timeout`.
+Status allreduce_in_place(SocketWorld& world, int r, std::vector<float>& buf, uint32_t seq,
+                          std::chrono::seconds timeout) {
+  WaitContext wait;
+  wait.control = static_cast<const JobControl*>(world.base(r));
+  wait.deadline = deadline_after(timeout);
+  CollectiveCall c{CollectiveKind::kAllreduce, buf.data(), buf.data(), buf.size(), DataType::kFloat32,
+                   ReduceOp::kSum, 0, Algorithm::kRing, seq};
+  return run_collective(world.links(r), wait, c);
+}
+
 // The ring's helper threads stay with the calling thread between calls: one thread per rank
 // makes calls on 3, 1, 4 and 2 threads in turn (helpers parked, woken, some left idle), with
 // every rank's split different, each call checked.
@@ -257,12 +268,7 @@ TEST(SocketCollectives, DeadRankFailsItsSuccessorNamingIt) {
   auto start = Clock::now();
   auto st = world.run([&](int r) -> Status {
     if (r == 1) return Status::Ok();
-    WaitContext wait;
-    wait.control = static_cast<const JobControl*>(world.base(r));
-    wait.deadline = deadline_after(std::chrono::seconds(3));
-    CollectiveCall c{CollectiveKind::kAllreduce, buf[r].data(), buf[r].data(), buf[r].size(),
-                     DataType::kFloat32, ReduceOp::kSum, 0, Algorithm::kRing, 0};
-    return run_collective(world.links(r), wait, c);
+    return allreduce_in_place(world, r, buf[r], 0, std::chrono::seconds(3));
   });
   EXPECT_EQ(st[2].code(), Code::kUnavailable) << st[2].to_string();
   EXPECT_NE(st[2].message().find("from rank 1 (host node1) at 127.0.0.1:"), std::string::npos) << st[2].to_string();
@@ -282,14 +288,8 @@ TEST(SocketCollectives, DeadRankFailsEveryLaneNamingIt) {
   std::vector<Status> second(3);
   auto st = world.run([&](int r) -> Status {
     if (r == 1) return Status::Ok();
-    WaitContext wait;
-    wait.control = static_cast<const JobControl*>(world.base(r));
-    wait.deadline = deadline_after(std::chrono::seconds(3));
-    CollectiveCall c{CollectiveKind::kAllreduce, buf[r].data(), buf[r].data(), buf[r].size(),
-                     DataType::kFloat32, ReduceOp::kSum, 0, Algorithm::kRing, 0};
-    Status first = run_collective(world.links(r), wait, c);
-    c.seq = 1;
-    second[r] = run_collective(world.links(r), wait, c);
+    Status first = allreduce_in_place(world, r, buf[r], 0, std::chrono::seconds(3));
+    second[r] = allreduce_in_place(world, r, buf[r], 1, std::chrono::seconds(3));
     return first;
   });
   EXPECT_EQ(st[2].code(), Code::kUnavailable) << st[2].to_string();
