@@ -85,10 +85,8 @@ Status SocketDriver::fail(Status s) {
 }
 
 bool SocketDriver::begin_lanes() {
-  lanes_ = true;
-  for (Port& p : ports_) p.lane = -1;
-  t_lanes_of = this;
-  t_lane = 0;
+  lanes_ = true;  // every port's lane is -1 here: set so at add(), and again by end_lanes()
+  enter_lane(0);
   return true;
 }
 
