@@ -6,6 +6,9 @@
 // time per iteration and the #wrong elements summed over ranks. Exits 1 when anything was
 // wrong or a call failed, 2 on a bad command line. Flags: gradsync-bench --help.
 //
+// --simulate 1 (bench/simulate.cc): no job; the GPU cost model over the planned schedules for
+// declared shapes and links (docs/benchmarks.md, "Scale on paper").
+//
 // --device cuda (bench/gpu.cc, CUDA builds): allreduce, reduce_scatter, all_gather or
 // broadcast (--collective) on device buffers, timed on a stream, beside NCCL's on the same
 // buffers (--nccl 1, the default where NCCL was found at build time).
@@ -21,6 +24,7 @@
 #include "bench/collective.h"
 #include "bench/data.h"
 #include "bench/options.h"
+#include "bench/simulate.h"
 #ifdef GRADSYNC_BENCH_CUDA
 #include "bench/gpu.h"
 #endif
@@ -46,8 +50,10 @@ struct Group {
 
 // --model: times ring and tree allreduce (out-of-place) at every size and prints them beside
 // the cost model's predictions and choice; counts the sizes where the choice was the faster.
+// Then, where the job's ranks fill its nodes evenly (`local` per node), the GPU cost model's
+// choice for GPU calls of that shape (bench/simulate.h).
 int model_table(gradsync::Communicator& comm, const bench::Options& opt,
-                const std::vector<size_t>& sizes) {
+                const std::vector<size_t>& sizes, int local) {
   const bool root0 = comm.rank() == 0;
   const auto type = opt.types[0];
   if (root0) {
@@ -100,6 +106,8 @@ int model_table(gradsync::Communicator& comm, const bench::Options& opt,
   if (root0) {
     std::printf("# selection picked the faster algorithm (or a tie within 5%%) at %d of %d sizes (%.0f%%)\n",
                 right, total, total ? 100.0 * right / total : 0.0);
+    const int n = comm.world_size();
+    if (local >= 1 && n % local == 0) bench::print_gpu_choices(opt, n / local, local, sizes);
   }
   return 0;
 }
@@ -110,6 +118,8 @@ int main(int argc, char** argv) {
   bench::Options opt;
   bool help = false;
   if (!bench::parse_options(argc, argv, &opt, &help)) return help ? 0 : 2;
+  // --simulate 1: the planned GPU schedules on paper; no daemon, no job.
+  if (opt.simulate) return bench::run_simulate(opt);
 
   // --timeline 1: the communicator records the GPU timeline (read when it is created).
   if (opt.timeline) ::setenv("GRADSYNC_GPU_TIMELINE", "1", 1);
@@ -276,7 +286,7 @@ int main(int argc, char** argv) {
     std::printf("# Avg bus bandwidth    : %.4f \n#\n", bw_lines ? bw_sum / bw_lines : 0.0);
     std::fflush(stdout);
   }
-  if (opt.model && coll == Collective::kAllreduce && model_table(*comm, opt, sizes) != 0) failures++;
+  if (opt.model && coll == Collective::kAllreduce && model_table(*comm, opt, sizes, join.local_world_size) != 0) failures++;
   (void)comm->leave();
   return (total_wrong > 0 || failures > 0) ? 1 : 0;
 }

@@ -1,8 +1,10 @@
 #include "bench/options.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <string_view>
 
 namespace bench {
@@ -53,6 +55,18 @@ constexpr const char* kUsage =
     "                          stamps of every block; GRADSYNC_GPU_TIMELINE=1 is set): busy\n"
     "                          times, the fraction of transfer time hidden under folds, and\n"
     "                          the first chunks of block 0 (gradsync only, no NCCL)\n"
+    "      --simulate 0|1      no job: the GPU cost model over the planned GPU schedules\n"
+    "                          (runtime/gpu/plan) for --sim-nodes x --sim-gpus shapes with\n"
+    "                          declared links; prints predicted time and busbw per size, the\n"
+    "                          algorithm and protocol chosen (--algo forces one), and a\n"
+    "                          busbw table; sizes default to -b 8 -e 4G\n"
+    "      --sim-nodes LIST    node counts, e.g. 1,2,4 (default 1,2,4,...,1024)\n"
+    "      --sim-gpus N        GPUs per node (default 8)   --sim-nics N  NICs per node (8)\n"
+    "      --intra-gbps X      GB/s per GPU per direction inside a node (default 450)\n"
+    "      --intra-lat-us L,B  per-hop latency inside a node, LL and bulk (default 0.6,3.4)\n"
+    "      --intra-link K      nvlink (default) or pcie\n"
+    "      --nic-gbps X        GB/s per NIC per direction (default 48: 400 Gb/s NDR)\n"
+    "      --nic-lat-us L,B    per-hop latency between nodes, LL and bulk (default 2.7,14)\n"
     "size is the bytes of the full buffer (reduce_scatter's input, all_gather's output);\n"
     "time is the mean per iteration, max over ranks; busbw = algbw x 2(n-1)/n for\n"
     "allreduce, (n-1)/n for reduce_scatter and all_gather, 1 for broadcast.\n";
@@ -83,12 +97,46 @@ bool parse_size(const char* s, size_t* out) {
   return true;
 }
 
+bool parse_double(const char* s, double lo, double* out) {
+  char* end = nullptr;
+  double v = std::strtod(s, &end);
+  if (end == s || *end != '\0' || !(v > lo)) return false;
+  *out = v;
+  return true;
+}
+
+// "L,B": two latencies in microseconds.
+bool parse_latency(const std::string& v, gradsync::plan::HopLatency* out) {
+  const auto comma = v.find(',');
+  if (comma == std::string::npos) return false;
+  double ll = 0, bulk = 0;
+  if (!parse_double(v.substr(0, comma).c_str(), -1e-12, &ll) ||
+      !parse_double(v.substr(comma + 1).c_str(), -1e-12, &bulk))
+    return false;
+  *out = {ll, bulk};
+  return true;
+}
+
 bool parse_int(const char* s, int lo, int hi, int* out) {
   char* end = nullptr;
   long v = std::strtol(s, &end, 10);
   if (end == s || *end != '\0' || v < lo || v > hi) return false;
   *out = static_cast<int>(v);
   return true;
+}
+
+// "1,2,4": node counts, each 1..65536.
+bool parse_int_list(const std::string& v, std::vector<int>* out) {
+  out->clear();
+  size_t start = 0;
+  while (start <= v.size()) {
+    const size_t comma = std::min(v.find(',', start), v.size());
+    int x = 0;
+    if (!parse_int(v.substr(start, comma - start).c_str(), 1, 1 << 16, &x)) return false;
+    out->push_back(x);
+    start = comma + 1;
+  }
+  return !out->empty();
 }
 
 // nccl-tests' type names, plus the spellings gradsync's own to_string uses.
@@ -160,6 +208,7 @@ const char* name(Device d) { return d == Device::kCuda ? "cuda" : "host"; }
 bool parse_options(int argc, char** argv, Options* o, bool* help) {
   *help = false;
   int nccl = -1;  // not given
+  bool sizes_given = false;
   o->types = {kTypes[0]};
   o->ops = {kOps[0]};
   for (int i = 1; i < argc; ++i) {
@@ -182,9 +231,9 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
     int flag = 0;
     bool ok = true;
     if (a == "-b" || a == "--minbytes")
-      ok = parse_size(s, &o->min_bytes);
+      ok = parse_size(s, &o->min_bytes), sizes_given = true;
     else if (a == "-e" || a == "--maxbytes")
-      ok = parse_size(s, &o->max_bytes);
+      ok = parse_size(s, &o->max_bytes), sizes_given = true;
     else if (a == "-f" || a == "--stepfactor")
       ok = parse_size(s, &o->factor) && o->factor >= 2;
     else if (a == "-d" || a == "--datatype")
@@ -217,6 +266,25 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
       ok = parse_int(s, 0, 1, &flag), o->timeline = flag;
     } else if (a == "--model") {
       ok = parse_int(s, 0, 1, &flag), o->model = flag;
+    } else if (a == "--simulate") {
+      ok = parse_int(s, 0, 1, &flag), o->simulate = flag;
+    } else if (a == "--sim-nodes") {
+      ok = parse_int_list(v, &o->sim.nodes);
+    } else if (a == "--sim-gpus") {
+      ok = parse_int(s, 1, 64, &o->sim.gpus);
+    } else if (a == "--sim-nics") {
+      ok = parse_int(s, 1, 64, &o->sim.nics);
+    } else if (a == "--intra-gbps") {
+      ok = parse_double(s, 0, &o->sim.links.intra_gbps);
+    } else if (a == "--nic-gbps") {
+      ok = parse_double(s, 0, &o->sim.links.nic_gbps);
+    } else if (a == "--intra-lat-us") {
+      ok = parse_latency(v, &o->sim.links.intra_lat);
+    } else if (a == "--nic-lat-us") {
+      ok = parse_latency(v, &o->sim.links.nic_lat);
+    } else if (a == "--intra-link") {
+      ok = v == "nvlink" || v == "pcie";
+      o->sim.links.intra_class = v == "pcie" ? gradsync::plan::LinkClass::kPCIe : gradsync::plan::LinkClass::kNVLink;
     } else if (a == "--timing") {
       ok = v == "mean" || v == "median";
       o->median = v == "median";
@@ -232,6 +300,13 @@ bool parse_options(int argc, char** argv, Options* o, bool* help) {
     }
     if (!ok) {
       std::fprintf(stderr, "gradsync-bench: bad value '%s' for %s\n%s", s, a.c_str(), kUsage);
+      return false;
+    }
+  }
+  if (o->simulate) {
+    if (!sizes_given) o->min_bytes = 8, o->max_bytes = size_t{4} << 30;
+    if (o->device == Device::kCuda || o->collective == Collective::kBarrier || o->timeline) {
+      std::fprintf(stderr, "gradsync-bench: --simulate 1 runs no job: drop --device cuda, --timeline and barrier\n");
       return false;
     }
   }

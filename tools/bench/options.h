@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/plan/shape.h"
 #include "gradsync/gradsync.h"
 
 namespace bench {
@@ -21,6 +22,15 @@ struct TypeName {
 struct OpName {
   gradsync::ReduceOp op;
   const char* name;
+};
+
+// --simulate 1 (bench/simulate.h): shapes and declared link figures; no daemon, no GPU.
+struct SimOptions {
+  std::vector<int> nodes = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};  // --sim-nodes
+  int gpus = 8;                             // --sim-gpus: GPUs (ranks) per node
+  int nics = 8;                             // --sim-nics: NICs (rails) per node
+  gradsync::plan::LinkFigures links;        // --intra-gbps, --intra-lat-us, --intra-link,
+                                            // --nic-gbps, --nic-lat-us
 };
 
 struct Options {
@@ -44,6 +54,8 @@ struct Options {
   // --timeline 1 (--device cuda, cuda-ipc path): instead of the table, the in-kernel timeline
   // of the chunked protocol per size (GRADSYNC_GPU_TIMELINE=1, runtime/gpu/timeline.h).
   bool timeline = false;
+  bool simulate = false;  // --simulate 1: predicted busbw of the planned GPU schedules
+  SimOptions sim;
 };
 
 // What this build of gradsync-bench can do.
