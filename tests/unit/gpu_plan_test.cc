@@ -359,6 +359,54 @@ TEST(GpuPlanSchedule, EveryShapeCollectiveAndAlgorithmIsExact) {
   EXPECT_GT(runs, 500);
 }
 
+// Ranks need not be numbered node by node, nor nodes be alike: ranks dealt round-robin over
+// three nodes of 3, 1 and 2 GPUs with 2, 1 and 2 NICs.
+TEST(GpuPlanSchedule, UnevenShapesWithRanksDealtAcrossNodes) {
+  JobShape shape;
+  const std::vector<std::vector<int>> ranks = {{0, 3, 5}, {1}, {2, 4}};
+  const std::vector<int> nics = {2, 1, 2};
+  for (size_t x = 0; x < ranks.size(); ++x) {
+    NodeShape node;
+    node.name = "n" + std::to_string(x);
+    node.ranks = ranks[x];
+    node.nic_count = nics[x];
+    for (size_t l = 0; l < ranks[x].size(); ++l) {
+      node.gpus.push_back(int(l));
+      node.nics.push_back(int(l) % nics[x]);
+    }
+    shape.nodes.push_back(node);
+  }
+  ASSERT_EQ(shape.validate(), "");
+  EXPECT_EQ(default_ring_channels(shape), 1);
+  for (Kind kind : {Kind::kAllreduce, Kind::kReduceScatter, Kind::kAllGather, Kind::kBroadcast}) {
+    for (Algo algo : {Algo::kRing, Algo::kTree}) {
+      for (int channels : {1, 2, 3}) {
+        PlanRequest req;
+        req.kind = kind;
+        req.algo = algo;
+        req.count = 517;
+        req.chunk_bytes = 48;
+        req.root = 4;
+        req.channels = channels;
+        SCOPED_TRACE(std::string(to_string(kind)) + " " + to_string(algo) + " channels " + std::to_string(channels));
+        RunResult res = run_case(shape, req, DataType::kInt32, ReduceOp::kSum, true, 11);
+        ASSERT_TRUE(res.status.ok()) << res.status.to_string();
+        expect_reference(res, req, DataType::kInt32, ReduceOp::kSum);
+        ChannelSet set = plan_channels(shape, req);
+        for (int c = 0; c < set.size(); ++c) {
+          for (const Hop& h : set[c].hops) {  // every hop's ends are where the shape puts them
+            EXPECT_EQ(h.inter_node, shape.node_of(h.src) != shape.node_of(h.dst));
+            if (h.inter_node) {
+              EXPECT_LT(h.nic, shape.nodes[size_t(shape.node_of(h.src))].nic_count);
+              EXPECT_LT(h.recv_nic, shape.nodes[size_t(shape.node_of(h.dst))].nic_count);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Random floats: the fold order matters. One-shot and two-shot fold in rank order, so they
 // equal the host fold exactly; ring and tree compute each value once and copy it, so every
 // rank holds the same bits.
