@@ -5,7 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
-          protobuf-compiler libspdlog-dev libgtest-dev libgmock-dev libibverbs-dev)
+          protobuf-compiler libspdlog-dev libgtest-dev libgmock-dev libibverbs-dev
+          # LibTorch (examples/train_mlp_libtorch.cc) and torch for /usr/bin/python3 with the
+          # headers its extensions build with (integrations/torch): about 1 min 45 s to install
+          # on the 2-core VM (178 packages), docs/training-loop.md.
+          libtorch-dev python3-torch python3-dev pybind11-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
