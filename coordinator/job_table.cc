@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "common/log.h"
+#include "topology/topology_summary.h"
 
 namespace gradsync::coordinator {
 namespace {
@@ -146,6 +147,11 @@ Result<std::string> JobTable::register_node(const v1::NodeInfo& info, TimePoint 
   std::string name = !info.node_name().empty()  ? info.node_name()
                      : !info.hostname().empty() ? info.hostname()
                                                 : "node";
+  // The GPU topology is kept and shown to operators: refuse one that breaks its bounds.
+  if (Status s = topology::check_summary(info.gpu_topology()); !s.ok()) {
+    return Status(s.code(), "registration of node " + name + " (host " + info.hostname() + ", pid " +
+                                std::to_string(info.pid()) + ") refused: " + s.message());
+  }
   std::string id = name + "-" + std::to_string(next_node_number_++);
   // The suffix after the last '-' is a counter that is never reused, so ids never collide.
   std::vector<std::string> replaced;

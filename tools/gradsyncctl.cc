@@ -16,6 +16,7 @@
 
 #include "coordinator.grpc.pb.h"
 #include "doctor/doctor.h"
+#include "topology/topology_summary.h"
 
 namespace {
 
@@ -25,7 +26,7 @@ int usage(FILE* out, int rc) {
   std::fprintf(out,
                "usage: gradsyncctl [--coordinator HOST:PORT] COMMAND\n"
                "  jobs                      list jobs: id, generation, state, joined/world, reason\n"
-               "  describe JOB              ring order, ranks with their nodes, node details\n"
+               "  describe JOB              ring order, ranks with their nodes, node details (GPU topology)\n"
                "  abort JOB [--reason TEXT] abort the job's current generation\n"
                "%s",
                gradsync::doctor::usage_text());
@@ -111,6 +112,7 @@ int main(int argc, char** argv) {
                   n.node_name().c_str(), n.hostname().c_str(), n.cpus(), n.gpus_size(), n.nics_size(),
                   n.data_endpoint().c_str(), n.transport().empty() ? "tcp" : n.transport().c_str(),
                   n.transport_why().c_str());
+      std::fputs(gradsync::topology::render_summary(n.gpu_topology(), "  ").c_str(), stdout);
     }
     for (const auto& p : resp.paths()) {
       std::printf("rank %u data path: %s (%s)\n", p.rank(), p.path().c_str(), p.why().c_str());

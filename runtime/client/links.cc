@@ -5,6 +5,7 @@
 #include <set>
 #include <tuple>
 
+#include "collectives/topology.h"
 #include "transport/tcp/socket_driver.h"
 
 namespace gradsync {
@@ -19,6 +20,10 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
   l.ring = ring;
   l.hosts = hosts;
   l.rings = std::max<uint32_t>(1, setup.rings());
+  if (l.rings > kMaxRings) {  // ring tags above the limit would name the trees' channels
+    return Status(Code::kInternal, "gradsyncd gave job=" + job + " " + std::to_string(l.rings) +
+                                       " rings, above the limit of " + std::to_string(kMaxRings));
+  }
   auto it = std::find(ring.begin(), ring.end(), uint32_t(rank));
   if (it == ring.end()) return Status(Code::kInternal, "rank missing from the ring order");
   l.position = static_cast<int>(it - ring.begin());

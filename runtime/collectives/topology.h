@@ -15,8 +15,13 @@ enum class ChannelTag : uint32_t {
   kTreeUp = 16,    // + tree index: child -> parent
   kTreeDown = 24,  // + tree index: parent -> child
 };
-constexpr uint32_t kMaxRings = 8;
+// Ring tags run from kRing up to kTreeUp: 16 rings at most (gradsyncd --rings refuses more).
+constexpr uint32_t kMaxRings = 16;
 constexpr uint32_t kNumTrees = 2;
+static_assert(uint32_t(ChannelTag::kRing) + kMaxRings <= uint32_t(ChannelTag::kTreeUp),
+              "ring tags must not reach the tree tags");
+static_assert(uint32_t(ChannelTag::kTreeUp) + kNumTrees <= uint32_t(ChannelTag::kTreeDown),
+              "tree-up tags must not reach the tree-down tags");
 
 constexpr uint32_t ring_tag(uint32_t ring) { return uint32_t(ChannelTag::kRing) + ring; }
 constexpr uint32_t tree_up_tag(uint32_t tree) { return uint32_t(ChannelTag::kTreeUp) + tree; }

@@ -12,9 +12,12 @@
 #include <set>
 
 #include "common/framing.h"
+#include "collectives/topology.h"
 #include "common/log.h"
+#include "daemon/ring_count.h"
 #include "daemon/transport_choice.h"
 #include "topology/node_info.h"
+#include "topology/topology_summary.h"
 #if GRADSYNC_HAVE_VERBS
 #include "daemon/verbs_pump.h"
 #endif
@@ -154,6 +157,18 @@ Status Daemon::start() {
   transport_why_ = transport->why;
   log->info("transport {} between nodes: {}", transport->name, transport->why);
   topology::NodeInfo topo = topology::discover();
+  if (cfg_.rings == 0) {
+    const RingCount rc = default_ring_count(topo.cpus, cfg_.slots, cfg_.slot_bytes);
+    cfg_.rings = rc.rings;
+    rings_chosen_ = true;
+    log->info("rings: {}", rc.why);
+  } else if (cfg_.rings > kMaxRings) {
+    return {Code::kInvalidArgument, "rings=" + std::to_string(cfg_.rings) + " is above the limit of " +
+                                        std::to_string(kMaxRings) + " rings"};
+  } else {
+    log->info("rings: {} (--rings/GRADSYNC_NRINGS): {} MiB of ring channels per rank", cfg_.rings,
+              ring_memory_per_rank(cfg_.rings, cfg_.slots, cfg_.slot_bytes) >> 20);
+  }
 
   // Proxy listener first: its port goes into the registration. The default listens on every
   // IPv6 and IPv4 address ("::" is dual-stack on Linux), falling back to IPv4 only.
@@ -185,7 +200,12 @@ Status Daemon::start() {
     return {Code::kUnavailable, "cannot serve on " + cfg_.socket_path + ": " + errno_string("bind/listen")};
   }
 
+  auto gpu_topo = topology::node_gpu_topology(cfg_.topo_file);
+  if (!gpu_topo.ok()) return gpu_topo.status();
+  log->info("GPU topology {}", topology::describe(*gpu_topo));
+
   v1::NodeInfo node;
+  *node.mutable_gpu_topology() = topology::summarize(*gpu_topo);
   node.set_hostname(hostname_);
   node.set_node_name(cfg_.node_name);
   for (const auto& a : topo.addresses) node.add_addresses(a);
@@ -459,6 +479,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
   mine.set_proxy(endpoint_);
   mine.set_transport(transport_);
   mine.set_rings(cfg_.rings);
+  mine.set_rings_chosen(rings_chosen_);
   mine.set_slots(cfg_.slots);
   mine.set_slot_bytes(cfg_.slot_bytes);
   mine.set_rank_sockets(cfg_.rank_sockets);
@@ -479,23 +500,31 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
     return {Code::kInternal, "coordinator returned a malformed peer table for job " + job->id};
   }
   std::vector<v1::ChannelEndpoint> endpoints(job->world_size);
+  std::vector<NodeRings> offered;
   for (const auto& peer : table->peers()) {
     auto& ep = endpoints.at(peer.rank());
-    if (!ep.ParseFromString(peer.endpoint()) || ep.rings() != cfg_.rings ||
-        ep.slots() != cfg_.slots || ep.slot_bytes() != cfg_.slot_bytes) {
+    if (!ep.ParseFromString(peer.endpoint()) || ep.slots() != cfg_.slots || ep.slot_bytes() != cfg_.slot_bytes) {
       return {Code::kInvalidArgument,
               "job=" + job->id + ": rank " + std::to_string(peer.rank()) + " (host " +
-                  peer.hostname() + ") has channel geometry rings=" + std::to_string(ep.rings()) +
-                  " slots=" + std::to_string(ep.slots()) + " slot_bytes=" + std::to_string(ep.slot_bytes()) +
-                  " but this node (" + hostname_ + ") has rings=" + std::to_string(cfg_.rings) +
-                  " slots=" + std::to_string(cfg_.slots) + " slot_bytes=" + std::to_string(cfg_.slot_bytes) +
-                  ": start every gradsyncd with the same --rings/--slots/--slot-bytes"};
+                  peer.hostname() + ") has channel geometry slots=" + std::to_string(ep.slots()) +
+                  " slot_bytes=" + std::to_string(ep.slot_bytes()) + " but this node (" + hostname_ +
+                  ") has slots=" + std::to_string(cfg_.slots) + " slot_bytes=" + std::to_string(cfg_.slot_bytes) +
+                  ": start every gradsyncd with the same --slots/--slot-bytes"};
     }
+    offered.push_back({ep.rings(), ep.rings_chosen(),
+                       "rank " + std::to_string(peer.rank()) + " (host " + peer.hostname() + ")"});
+  }
+  auto rings = job_ring_count(offered);
+  if (!rings.ok()) return {rings.status().code(), "job=" + job->id + ": " + rings.status().message()};
+  if (*rings != cfg_.rings) {
+    log->info("job={}: {} ring(s), as agreed with the job's other nodes (this node offered {}: a count given "
+              "to a node wins, else the smallest choice)",
+              job->id, *rings, cfg_.rings);
   }
   {
     std::lock_guard lock(mu_);
     job->local_ranks = ranks;
-    job->rings = cfg_.rings;
+    job->rings = *rings;
     job->table = std::move(table).value();
     job->endpoints = std::move(endpoints);
     job->plan_channels(cfg_.slots, cfg_.slot_bytes);

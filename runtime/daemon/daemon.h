@@ -30,8 +30,13 @@ struct DaemonConfig {
   std::string data_host;         // advertised to peers; default chosen from the coordinator address
   uint32_t slots = kDefaultSlots;
   uint32_t slot_bytes = kDefaultSlotBytes;
-  uint32_t rings = 1;            // parallel rings; must match on every node of a job
+  // Parallel rings; 0: chosen at start from the cores (daemon/ring_count.h). Nodes given a
+  // count must agree; a job of nodes that chose uses the smallest choice.
+  uint32_t rings = 0;
   std::string ready_file;        // written once serving
+  // A topology file declaring this node's GPUs, links and NICs (GRADSYNC_TOPO_FILE, tests);
+  // empty: discovered (NVML, CUDA, sysfs). Sent to the coordinator at registration.
+  std::string topo_file;
   std::string transport;         // auto|tcp|verbs (GRADSYNC_TRANSPORT)
   // Over TCP, hand each rank the connected sockets of its cross-node channels (both nodes
   // must); false: the proxy pumps them (--proxy-tcp, GRADSYNC_PROXY_TCP=1).
@@ -82,6 +87,7 @@ class Daemon {
   std::string endpoint_;  // data_host:port
   std::string transport_ = "tcp";
   std::string transport_why_;
+  bool rings_chosen_ = false;  // cfg_.rings came from default_ring_count
   std::shared_ptr<VerbsNode> verbs_;  // set when transport_ is "verbs"
   std::unique_ptr<CoordinatorLink> link_;
   Fd trainer_listener_;

@@ -12,6 +12,7 @@
 #include "common/log.h"
 #include "collectives/topology.h"
 #include "daemon/daemon.h"
+#include "daemon/ring_count.h"
 
 namespace {
 
@@ -27,7 +28,8 @@ void usage(FILE* out) {
                "  --data-host HOST          address peers use to reach the proxy (default: derived)\n"
                "  --slots N                 slots per channel (default 8)\n"
                "  --slot-bytes N            bytes per slot (default 1048576)\n"
-               "  --rings N                 parallel rings per job (default 1, or $GRADSYNC_NRINGS)\n"
+               "  --rings N                 parallel rings per job, 1..16 ($GRADSYNC_NRINGS; default: the cpus / 2,\n"
+               "                            at most 8 with the default slots, 1 on 2 cpus; logged at start)\n"
                "  --transport T             auto|tcp|verbs between nodes ($GRADSYNC_TRANSPORT; default auto)\n"
                "  --proxy-tcp               over TCP, pump the channels in this daemon instead of handing\n"
                "                            the connected sockets to the ranks ($GRADSYNC_PROXY_TCP=1)\n"
@@ -35,6 +37,8 @@ void usage(FILE* out) {
                "  --ib-port N               its port (default 1)\n"
                "  --gid-index N             RoCE GID index ($GRADSYNC_IB_GID_INDEX; default: IPv4-mapped v2)\n"
                "  --ready-file PATH         written with the proxy endpoint once serving\n"
+               "  --topo-file PATH          declare this node's GPUs, links and NICs ($GRADSYNC_TOPO_FILE;\n"
+               "                            tests: default discovered through NVML, CUDA and sysfs)\n"
                "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n");
 }
 
@@ -47,10 +51,18 @@ int main(int argc, char** argv) {
   if (const char* t = std::getenv("GRADSYNC_TRANSPORT"); t && *t) cfg.transport = t;
   if (const char* p = std::getenv("GRADSYNC_PROXY_TCP"); p && *p && std::string(p) != "0") cfg.rank_sockets = false;
   if (const char* h = std::getenv("GRADSYNC_IB_HCA"); h && *h) cfg.verbs_device = h;
+  if (const char* t = std::getenv("GRADSYNC_TOPO_FILE"); t && *t) cfg.topo_file = t;
   if (const char* g = std::getenv("GRADSYNC_IB_GID_INDEX"); g && *g) cfg.gid_index = std::clamp(std::atoi(g), -1, 255);
   if (const char* b = std::getenv("GRADSYNC_SLOT_BYTES"); b && *b) cfg.slot_bytes = static_cast<uint32_t>(std::clamp(std::atol(b), 4096L, 256L << 20));
   if (const char* n = std::getenv("GRADSYNC_SLOTS"); n && *n) cfg.slots = static_cast<uint32_t>(std::clamp(std::atoi(n), 2, int(gradsync::kMaxSlots)));
-  if (const char* r = std::getenv("GRADSYNC_NRINGS"); r && *r) cfg.rings = static_cast<uint32_t>(std::clamp(std::atoi(r), 1, int(gradsync::kMaxRings)));
+  if (const char* r = std::getenv("GRADSYNC_NRINGS"); r && *r) {
+    auto rings = gradsync::parse_ring_count(r, "GRADSYNC_NRINGS");
+    if (!rings.ok()) {
+      std::fprintf(stderr, "gradsyncd: %s\n", rings.status().message().c_str());
+      return 2;
+    }
+    cfg.rings = *rings;
+  }
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -84,8 +96,16 @@ int main(int argc, char** argv) {
     else if (a == "--gid-index") cfg.gid_index = static_cast<int>(number(-1, 255));
     else if (a == "--slots") cfg.slots = static_cast<uint32_t>(number(2, gradsync::kMaxSlots));
     else if (a == "--slot-bytes") cfg.slot_bytes = static_cast<uint32_t>(number(4096, 256 << 20));
-    else if (a == "--rings") cfg.rings = static_cast<uint32_t>(number(1, gradsync::kMaxRings));
+    else if (a == "--rings") {
+      auto rings = gradsync::parse_ring_count(value(), "--rings");
+      if (!rings.ok()) {
+        std::fprintf(stderr, "gradsyncd: %s\n", rings.status().message().c_str());
+        return 2;
+      }
+      cfg.rings = *rings;
+    }
     else if (a == "--ready-file") cfg.ready_file = value();
+    else if (a == "--topo-file") cfg.topo_file = value();
     else if (a == "--log-level") gradsync::log::set_level(value());
     else if (a == "--help" || a == "-h") { usage(stdout); return 0; }
     else {

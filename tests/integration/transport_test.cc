@@ -22,9 +22,13 @@ TEST(Transport, ProxyOverIPv6Loopback) {
 }
 
 // Each rank reports its data path at join; gradsyncd logs it and `gradsyncctl describe`
-// shows it, also after the job finished.
-TEST(Transport, DescribeShowsEachRanksDataPath) {
-  Cluster c;
+// shows it, also after the job finished; and each node's GPU topology (from topology files
+// here: this machine has no GPU), as `nvidia-smi topo -m` lays it out, with the rails.
+TEST(Transport, DescribeShowsEachRanksDataPathAndEachNodesGpus) {
+  const std::string topo = std::string(GRADSYNC_TEST_DATA_DIR) + "/topo/";
+  ClusterOptions opts;
+  opts.per_daemon_args = {{0, {"--topo-file", topo + "2x4-node.topo"}}, {1, {"--topo-file", topo + "pcie-box.topo"}}};
+  Cluster c(opts);
   ASSERT_TRUE(c.ok()) << c.error() << c.report();
   auto ranks = c.spawn_ranks("paths", 3, std::vector<int>{2, 1}, {"check", "0,1,1000"});
   ASSERT_EQ(all_succeeded(ranks, Millis(60'000)), "") << c.report(ranks);
@@ -41,6 +45,15 @@ TEST(Transport, DescribeShowsEachRanksDataPath) {
   EXPECT_NE(out.find("rank 2 data path: host-channels (shared-memory channels; 2 rank(s) on other nodes"),
             std::string::npos)
       << out;
+  for (const std::string& want : std::vector<std::string>{
+           "  GPUs (file " + topo + "2x4-node.topo): 4\n",
+        "    GPU0   X      NV6    NV6    NV6    PIX    SYS    SYS    SYS    mlx5_0\n",
+        "    GPU3   NV6    NV6    NV6    X      SYS    SYS    SYS    PIX    mlx5_3\n",
+        "    NV6 = 150 GB/s per direction\n", "  GPUs (file " + topo + "pcie-box.topo): 4\n",
+        "    GPU1   PIX    X      SYS    SYS    PXB    SYS    mlx5_0\n", "    NIC1 mlx5_1 100 Gb/s\n"}) {
+    EXPECT_NE(out.find(want), std::string::npos) << "wanted: " << want << "\n" << out;
+  }
+  EXPECT_TRUE(c.daemon(0).wait_for_output("GPU topology file ", Millis(1'000))) << c.report();
 }
 
 // gradsyncd --proxy-tcp keeps the daemons' proxy in the data path (design §2 as first built):
@@ -108,6 +121,26 @@ TEST(Transport, ChoiceIsLoggedAndForcedVerbsFailsClearly) {
   ASSERT_TRUE(st.has_value()) << "gradsyncd with GRADSYNC_TRANSPORT=verbs did not exit" << forced.output();
   EXPECT_NE(st->code, 0);
   EXPECT_NE(forced.output().find("GRADSYNC_TRANSPORT=verbs"), std::string::npos) << forced.output();
+}
+
+// The ring count: chosen at start and logged when none is given; above the tag space's 16 an
+// error at start naming the limit (it was clamped to 8 without a word before).
+TEST(Transport, RingCountIsLoggedAndOneAboveTheLimitFailsAtStart) {
+  Cluster c;
+  ASSERT_TRUE(c.ok()) << c.error() << c.report();
+  EXPECT_TRUE(c.daemon(0).wait_for_output("ring(s) by default: ", Millis(5'000))) << c.report();
+  const std::vector<std::pair<std::vector<std::string>, Env>> bad = {
+      {{"--rings", "17"}, {}}, {{}, {{"GRADSYNC_NRINGS", "32"}}}};
+  for (const auto& [args, env] : bad) {
+    std::vector<std::string> argv = {binary("gradsyncd"), "--coordinator", c.coordinator_address(), "--socket",
+                                     c.dir() + "/bad-rings.sock"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    Process p = c.spawn("bad-rings", argv, env);
+    auto st = p.wait_for_exit(Millis(10'000));
+    ASSERT_TRUE(st.has_value()) << "gradsyncd with too many rings did not exit" << p.output();
+    EXPECT_EQ(st->code, 2) << p.output();
+    EXPECT_NE(p.output().find("above the limit of 16 rings"), std::string::npos) << p.output();
+  }
 }
 
 }  // namespace

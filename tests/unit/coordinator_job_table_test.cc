@@ -57,6 +57,26 @@ TEST(CompressRanks, RangesOfThreeOrMore) {
   EXPECT_EQ(compress_ranks({0, 1, 2, 4, 5, 9}), "0-2,4,5,9");
 }
 
+// The GPU topology a daemon sends is kept for operators: one that breaks its bounds is refused
+// with the node named, and nothing is registered.
+TEST_F(JobTableTest, RegisterRefusesAGpuTopologyOutOfBounds) {
+  v1::NodeInfo info;
+  info.set_hostname("gpu-a");
+  info.set_pid(42);
+  info.mutable_gpu_topology()->add_gpus()->set_bus_id("0000:19:00.0");
+  info.mutable_gpu_topology()->add_gpus()->set_bus_id("0000:1a:00.0");
+  info.mutable_gpu_topology()->add_links("X");  // 1 of the 4 labels of 2 GPUs
+  auto id = table.register_node(info, t0);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(id.status().message().find("registration of node gpu-a (host gpu-a, pid 42) refused: gpu_topology: 1 link "
+                                       "labels and 0 bandwidths for 2 GPUs"),
+            std::string::npos)
+      << id.status().message();
+  info.clear_gpu_topology();
+  EXPECT_TRUE(table.register_node(info, t0).ok());
+}
+
 TEST_F(JobTableTest, RegisterGivesFreshIdsAndHeartbeatNeedsOne) {
   std::string a = add_node("hostA");
   std::string b = add_node("hostB");

@@ -6,6 +6,8 @@
 #include <mutex>
 #include <string>
 
+#include "common/dlsym.h"
+
 namespace gradsync::verbs {
 namespace {
 
@@ -44,13 +46,6 @@ int real_poll_cq(ibv_cq* cq, int num_entries, ibv_wc* wc) {
   return cq->context->ops.poll_cq(cq, num_entries, wc);
 }
 
-template <typename Fn>
-bool resolve(void* handle, const char* symbol, Fn& out, std::string& missing) {
-  out = reinterpret_cast<Fn>(dlsym(handle, symbol));
-  if (out == nullptr) missing += missing.empty() ? symbol : std::string(", ") + symbol;
-  return out != nullptr;
-}
-
 Result<const IbvApi*> load_once() {
   void* handle = dlopen(kLibName, RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
@@ -62,24 +57,24 @@ Result<const IbvApi*> load_once() {
   static IbvApi api{};
   api.name = kLibName;
   std::string missing;
-  resolve(handle, "ibv_get_device_list", api.get_device_list, missing);
-  resolve(handle, "ibv_free_device_list", api.free_device_list, missing);
-  resolve(handle, "ibv_get_device_name", api.get_device_name, missing);
-  resolve(handle, "ibv_open_device", api.open_device, missing);
-  resolve(handle, "ibv_close_device", api.close_device, missing);
-  resolve(handle, "ibv_query_device", api.query_device, missing);
-  resolve(handle, "ibv_query_port", g_compat_query_port, missing);
-  resolve(handle, "ibv_query_gid", api.query_gid, missing);
-  resolve(handle, "ibv_alloc_pd", api.alloc_pd, missing);
-  resolve(handle, "ibv_dealloc_pd", api.dealloc_pd, missing);
-  resolve(handle, "ibv_reg_mr", api.reg_mr, missing);
-  resolve(handle, "ibv_dereg_mr", api.dereg_mr, missing);
-  resolve(handle, "ibv_create_cq", api.create_cq, missing);
-  resolve(handle, "ibv_destroy_cq", api.destroy_cq, missing);
-  resolve(handle, "ibv_create_qp", api.create_qp, missing);
-  resolve(handle, "ibv_destroy_qp", api.destroy_qp, missing);
-  resolve(handle, "ibv_modify_qp", api.modify_qp, missing);
-  resolve(handle, "ibv_wc_status_str", api.wc_status_str, missing);
+  resolve_symbol(handle, "ibv_get_device_list", api.get_device_list, missing);
+  resolve_symbol(handle, "ibv_free_device_list", api.free_device_list, missing);
+  resolve_symbol(handle, "ibv_get_device_name", api.get_device_name, missing);
+  resolve_symbol(handle, "ibv_open_device", api.open_device, missing);
+  resolve_symbol(handle, "ibv_close_device", api.close_device, missing);
+  resolve_symbol(handle, "ibv_query_device", api.query_device, missing);
+  resolve_symbol(handle, "ibv_query_port", g_compat_query_port, missing);
+  resolve_symbol(handle, "ibv_query_gid", api.query_gid, missing);
+  resolve_symbol(handle, "ibv_alloc_pd", api.alloc_pd, missing);
+  resolve_symbol(handle, "ibv_dealloc_pd", api.dealloc_pd, missing);
+  resolve_symbol(handle, "ibv_reg_mr", api.reg_mr, missing);
+  resolve_symbol(handle, "ibv_dereg_mr", api.dereg_mr, missing);
+  resolve_symbol(handle, "ibv_create_cq", api.create_cq, missing);
+  resolve_symbol(handle, "ibv_destroy_cq", api.destroy_cq, missing);
+  resolve_symbol(handle, "ibv_create_qp", api.create_qp, missing);
+  resolve_symbol(handle, "ibv_destroy_qp", api.destroy_qp, missing);
+  resolve_symbol(handle, "ibv_modify_qp", api.modify_qp, missing);
+  resolve_symbol(handle, "ibv_wc_status_str", api.wc_status_str, missing);
   if (!missing.empty()) {
     dlclose(handle);
     return Status(Code::kUnavailable, std::string(kLibName) + " lacks " + missing +
