@@ -326,6 +326,7 @@ TEST(GpuPlanSchedule, EveryShapeCollectiveAndAlgorithmIsExact) {
     const bool big = n > 16;
     std::vector<Algo> algos = {Algo::kRing, Algo::kTree};
     if (sc.nodes == 1) algos.insert(algos.end(), {Algo::kOneShot, Algo::kTwoShot});
+    else algos.push_back(Algo::kHierarchical);
     for (Kind kind : {Kind::kAllreduce, Kind::kReduceScatter, Kind::kAllGather, Kind::kBroadcast}) {
       for (Algo algo : algos) {
         for (size_t count : big ? std::vector<size_t>{1, 301} : std::vector<size_t>{1, 7, 333, 1001}) {
@@ -415,6 +416,7 @@ TEST(GpuPlanSchedule, RandomFloatsAreBitIdenticalOnEveryRank) {
     const JobShape shape = uniform_shape(sc.nodes, sc.gpus, sc.nics);
     std::vector<Algo> algos = {Algo::kRing, Algo::kTree};
     if (sc.nodes == 1) algos.insert(algos.end(), {Algo::kOneShot, Algo::kTwoShot});
+    else algos.push_back(Algo::kHierarchical);
     for (Algo algo : algos) {
       PlanRequest req;
       req.algo = algo;
@@ -476,8 +478,9 @@ TEST(GpuPlanSchedule, NoDeadlockWithTwoSlots) {
   }
   for (const auto& sc : {ShapeCase{1, 8, 8}, ShapeCase{2, 4, 4}, ShapeCase{5, 3, 2}}) {
     const JobShape shape = uniform_shape(sc.nodes, sc.gpus, sc.nics);
-    for (Algo algo : {Algo::kRing, Algo::kTree, Algo::kOneShot, Algo::kTwoShot}) {
+    for (Algo algo : {Algo::kRing, Algo::kTree, Algo::kOneShot, Algo::kTwoShot, Algo::kHierarchical}) {
       if (sc.nodes > 1 && (algo == Algo::kOneShot || algo == Algo::kTwoShot)) continue;
+      if (sc.nodes == 1 && algo == Algo::kHierarchical) continue;
       for (Kind kind : {Kind::kAllreduce, Kind::kReduceScatter, Kind::kAllGather, Kind::kBroadcast}) {
         PlanRequest req;
         req.kind = kind;
@@ -576,6 +579,35 @@ TEST(GpuPlanBytes, RingAcrossNodesIsNcclsFormulaOnEveryRail) {
     // Inside the node every rank but the exits sends 2(n-1)/n of its channels' shares.
     EXPECT_LE(double(b.max_intra_sent()), 2.0 * (n - 1) / n * double(S) * 1.05);
   }
+}
+
+// Hierarchical: reduce-scatter and all-gather inside the node, one ring per rail across the k
+// nodes on the node's segment: 2(k-1)/k·S per node per direction, S/g of it on each rail, and
+// 2(g-1)/g·S per GPU inside the node (each node's rails run the ring allreduce of its share).
+TEST(GpuPlanBytes, HierarchicalMovesTwoKMinusOneOverKPerNode) {
+  for (const auto& sc : {ShapeCase{2, 1, 1}, ShapeCase{2, 8, 8}, ShapeCase{3, 2, 2}, ShapeCase{16, 8, 8}}) {
+    const JobShape shape = uniform_shape(sc.nodes, sc.gpus, sc.nics);
+    const uint64_t k = uint64_t(sc.nodes), g = uint64_t(sc.gpus);
+    // Splits evenly into channels, chunks, node segments and ring segments.
+    const size_t count = size_t(sc.nics) * size_t(g * k) * 256;
+    const uint64_t S = count * 4;
+    PlanRequest req;
+    req.algo = Algo::kHierarchical;
+    req.count = count;
+    ASSERT_EQ(check_request(shape, req), "");
+    LinkBytes b = count_all(shape, req);
+    SCOPED_TRACE(shape_name(sc));
+    for (int x = 0; x < sc.nodes; ++x) {
+      EXPECT_EQ(b.node_nic_sent(x), 2 * (k - 1) * S / k) << "node " << x;
+      EXPECT_EQ(b.node_nic_recv(x), 2 * (k - 1) * S / k) << "node " << x;
+      for (int l = 0; l < sc.nics; ++l) EXPECT_EQ(b.nic_sent[size_t(x)][size_t(l)], 2 * (k - 1) * S / k / uint64_t(sc.nics));
+    }
+    for (int r = 0; r < shape.world_size(); ++r) EXPECT_EQ(b.intra_sent[size_t(r)], 2 * (g - 1) * S / g) << "rank " << r;
+  }
+  PlanRequest req;
+  req.algo = Algo::kHierarchical;
+  EXPECT_NE(check_request(uniform_shape(1, 8, 8), req), "");   // one node: two-shot
+  EXPECT_NE(check_request(uniform_shape(2, 9, 1), req), "");   // more than 8 per node
 }
 
 TEST(GpuPlanBytes, TreeAcrossNodesCarriesHalfPerTreeOnEachEdge) {

@@ -28,6 +28,7 @@ char letter(plan::Algo a) {
     case plan::Algo::kTree: return 't';
     case plan::Algo::kOneShot: return 'o';
     case plan::Algo::kTwoShot: return 's';
+    case plan::Algo::kHierarchical: return 'h';
   }
   return '?';
 }
@@ -84,8 +85,9 @@ int run_simulate(const Options& opt) {
     const int n = shape.world_size();
     std::printf("#\n# %dx%d: %d ranks, %d ring channel(s), %d tree channel(s)\n", nodes, opt.sim.gpus, n,
                 plan::default_ring_channels(shape), plan::default_tree_channels(shape));
-    std::printf("# %10s  %11s  %-8s  %-4s  %9s  %7s  %7s  %9s  %9s  %9s  %9s  %11s  %11s\n", "size", "count", "algo",
-                "prot", "time(us)", "algbw", "busbw", "ring", "tree", "one-shot", "two-shot", "GPU bytes", "NIC bytes");
+    std::printf("# %10s  %11s  %-12s  %-4s  %9s  %7s  %7s  %9s  %9s  %9s  %9s  %9s  %11s  %11s\n", "size", "count",
+                "algo", "prot", "time(us)", "algbw", "busbw", "ring", "tree", "one-shot", "two-shot", "hier", "GPU bytes",
+                "NIC bytes");
     std::vector<Row> rows;
     for (size_t bytes : all_sizes) {
       const Geometry g = geometry(opt.collective, bytes, esize, n);
@@ -101,7 +103,7 @@ int run_simulate(const Options& opt) {
       row.algo = c.best.algo;
       row.valid = true;
       rows.push_back(row);
-      double per_algo[plan::kNumAlgos] = {0, 0, 0, 0};
+      double per_algo[plan::kNumAlgos] = {};
       for (const auto& e : c.all) {
         double& t = per_algo[int(e.algo)];
         if (t == 0 || e.us < t) t = e.us;
@@ -111,16 +113,16 @@ int run_simulate(const Options& opt) {
         if (per_algo[a] == 0) std::snprintf(cells[a], 16, "%9s", "-");
         else std::snprintf(cells[a], 16, "%9.1f", per_algo[a]);
       }
-      std::printf("  %10zu  %11zu  %-8s  %-4s  %9.1f  %7.2f  %7.2f  %s  %s  %s  %s  %11s  %11s\n", g.bytes, g.count,
-                  plan::to_string(c.best.algo), plan::to_string(c.best.proto), c.best.us, algbw, row.busbw, cells[0],
-                  cells[1], cells[2], cells[3], human(double(c.best.fig.max_intra_bytes)).c_str(),
+      std::printf("  %10zu  %11zu  %-12s  %-4s  %9.1f  %7.2f  %7.2f  %s  %s  %s  %s  %s  %11s  %11s\n", g.bytes,
+                  g.count, plan::to_string(c.best.algo), plan::to_string(c.best.proto), c.best.us, algbw, row.busbw,
+                  cells[0], cells[1], cells[2], cells[3], cells[4], human(double(c.best.fig.max_intra_bytes)).c_str(),
                   human(double(c.best.fig.max_nic_bytes)).c_str());
       std::fflush(stdout);
     }
     table.push_back(std::move(rows));
   }
   // The summary: busbw by size (rows) and shape (columns), the chosen algorithm's letter.
-  std::printf("#\n# predicted busbw (GB/s) and algorithm (r ring, t tree, o one-shot, s two-shot)\n# %10s", "size");
+  std::printf("#\n# predicted busbw (GB/s) and algorithm (r ring, t tree, o one-shot, s two-shot, h hierarchical)\n# %10s", "size");
   for (int nodes : opt.sim.nodes) std::printf("  %9s", (std::to_string(nodes) + "x" + std::to_string(opt.sim.gpus)).c_str());
   std::printf("\n");
   for (size_t i = 0; i < all_sizes.size(); ++i) {
@@ -140,13 +142,13 @@ void print_gpu_choices(const Options& opt, int nodes, int gpus, const std::vecto
   const size_t esize = esize_of(type.type);
   const auto force = forced(opt);
   std::printf("#\n# GPU plan for this job's shape (%d node(s) x %d GPUs, declared links: gradsync-bench --help, "
-              "--simulate): the choice of the GPU cost model\n# %10s  %-8s  %-4s  %9s\n",
+              "--simulate): the choice of the GPU cost model\n# %10s  %-12s  %-4s  %9s\n",
               nodes, gpus, "size", "algo", "prot", "pred(us)");
   for (size_t bytes : sizes) {
     const Geometry g = geometry(opt.collective, bytes, esize, shape.world_size());
     if (g.count == 0) continue;
     const plan::Choice c = plan::choose(shape, kind_of(opt.collective), g.count, esize, 0, force);
-    std::printf("  %10zu  %-8s  %-4s  %9.1f%s%s\n", g.bytes, plan::to_string(c.best.algo), plan::to_string(c.best.proto),
+    std::printf("  %10zu  %-12s  %-4s  %9.1f%s%s\n", g.bytes, plan::to_string(c.best.algo), plan::to_string(c.best.proto),
                 c.best.us, c.forced.empty() ? "" : "  ", c.forced.c_str());
   }
 }

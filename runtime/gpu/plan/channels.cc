@@ -70,6 +70,17 @@ Hop make_hop(const JobShape& shape, const Where& w, int src, int dst) {
   return h;
 }
 
+// Every ordered pair of ranks inside each node, as hops of `ch` (direct pushes).
+void add_node_pairs(const JobShape& shape, const Where& w, Channel* ch) {
+  for (const NodeShape& node : shape.nodes) {
+    for (int a : node.ranks) {
+      ch->order.push_back(a);
+      for (int b : node.ranks)
+        if (a != b) ch->hops.push_back(make_hop(shape, w, a, b));
+    }
+  }
+}
+
 uint64_t key(int c, int src, int dst) {
   return (uint64_t(uint32_t(c)) << 42) | (uint64_t(uint32_t(src)) << 21) | uint64_t(uint32_t(dst));
 }
@@ -91,6 +102,7 @@ const char* to_string(ChannelKind k) {
     case ChannelKind::kRing: return "ring";
     case ChannelKind::kTree: return "tree";
     case ChannelKind::kDirect: return "direct";
+    case ChannelKind::kHierarchical: return "hierarchical";
   }
   return "?";
 }
@@ -208,13 +220,26 @@ ChannelSet direct_channels(const JobShape& shape, int count) {
     Channel ch;
     ch.kind = ChannelKind::kDirect;
     ch.rail = c;
-    for (const NodeShape& node : shape.nodes) {
-      for (int a : node.ranks) {
-        ch.order.push_back(a);
-        for (int b : node.ranks)
-          if (a != b) ch.hops.push_back(make_hop(shape, w, a, b));
-      }
-    }
+    add_node_pairs(shape, w, &ch);
+    out.push_back(std::move(ch));
+  }
+  return ChannelSet(std::move(out));
+}
+
+ChannelSet hierarchical_channels(const JobShape& shape, int count) {
+  const Where w(shape);
+  std::vector<Channel> out;
+  const size_t k = shape.nodes.size();
+  for (int c = 0; c < count; ++c) {
+    Channel ch;
+    ch.kind = ChannelKind::kHierarchical;
+    ch.rail = c;
+    add_node_pairs(shape, w, &ch);
+    size_t g = shape.nodes.empty() ? 0 : shape.nodes[0].ranks.size();
+    for (const NodeShape& node : shape.nodes) g = std::min(g, node.ranks.size());
+    for (size_t l = 0; k > 1 && l < g; ++l)
+      for (size_t x = 0; x < k; ++x)
+        ch.hops.push_back(make_hop(shape, w, shape.nodes[x].ranks[l], shape.nodes[(x + 1) % k].ranks[l]));
     out.push_back(std::move(ch));
   }
   return ChannelSet(std::move(out));

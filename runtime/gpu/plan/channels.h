@@ -18,7 +18,8 @@
 // ncclGetDtree, trees.cc; nccl.md §1). Each tree carries half of the data.
 //
 // Direct channels (one node only): every rank reaches every other rank in one hop (one-shot
-// and two-shot).
+// and two-shot). Hierarchical channels: direct inside every node, and one ring per local
+// index across the nodes, each on the rail of the ranks it joins.
 //
 // Each hop's transport follows docs/gpudirect.md: inside a node, CUDA IPC where the node
 // allows it (at most 8 ranks, peer access), else host staging through gradsyncd; between
@@ -47,7 +48,7 @@ const char* to_string(Transport t);
 // The transport of a hop from `src` to `dst` (ranks of `shape`), by the rules above.
 Transport hop_transport(const JobShape& shape, int src, int dst);
 
-enum class ChannelKind : uint8_t { kRing = 0, kTree = 1, kDirect = 2 };
+enum class ChannelKind : uint8_t { kRing = 0, kTree = 1, kDirect = 2, kHierarchical = 3 };
 const char* to_string(ChannelKind k);
 
 struct Hop {
@@ -102,6 +103,9 @@ ChannelSet ring_channels(const JobShape& shape, int count);
 ChannelSet tree_channels(const JobShape& shape, int count, int root = -1);
 // One node: every ordered pair of its ranks, in `count` channels.
 ChannelSet direct_channels(const JobShape& shape, int count);
+// Every ordered pair inside each node, and per local index l a ring over the nodes' l-th
+// ranks (node order), leaving each node through that rank's NIC; `count` channels.
+ChannelSet hierarchical_channels(const JobShape& shape, int count);
 
 // The binary tree over positions 0..n-1 used for both trees: the parent of position p (-1 for
 // 0). Position p whose lowest set bit is b hangs below p + b or p - b, whichever has bit 2b

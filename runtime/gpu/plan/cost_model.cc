@@ -69,6 +69,10 @@ ScheduleFigures schedule_figures(const JobShape& shape, const PlanRequest& req) 
     case Algo::kTwoShot:
       f.intra_hops = allreduce || req.kind == Kind::kBroadcast ? 2 : 1;
       break;
+    case Algo::kHierarchical:
+      f.intra_hops = shape.nodes[0].ranks.size() > 1 ? 2 : 0;
+      f.inter_hops = 2 * (k - 1);
+      break;
   }
   LinkBytes bytes(shape);
   std::vector<int> ranks;
@@ -106,6 +110,9 @@ std::vector<Algo> candidates(const JobShape& shape, CollectiveKind kind) {
     out.push_back(Algo::kOneShot);
     if (kind == Kind::kAllreduce || kind == Kind::kBroadcast) out.push_back(Algo::kTwoShot);
   }
+  PlanRequest hier;
+  hier.algo = Algo::kHierarchical;
+  if (kind == Kind::kAllreduce && check_request(shape, hier).empty()) out.push_back(Algo::kHierarchical);
   return out;
 }
 
@@ -150,7 +157,8 @@ std::optional<Algo> algo_from_env(const char* value, std::string* error) {
   if (v == "tree") return Algo::kTree;
   if (v == "oneshot" || v == "one-shot") return Algo::kOneShot;
   if (v == "twoshot" || v == "two-shot") return Algo::kTwoShot;
-  if (error) *error = "GRADSYNC_ALGO=" + std::string(v) + " is not ring, tree, oneshot, twoshot or auto";
+  if (v == "hierarchical") return Algo::kHierarchical;
+  if (error) *error = "GRADSYNC_ALGO=" + std::string(v) + " is not ring, tree, oneshot, twoshot, hierarchical or auto";
   return std::nullopt;
 }
 

@@ -10,11 +10,11 @@
 // between nodes, reduce_scatter, all_gather and broadcast n-1 of which nodes-1 (NCCL's
 // nsteps and nInterSteps); tree: the chain and tree depth of the channels, up and down for
 // allreduce (NCCL: 2·((ppn-1)·intraLat + log2(nodes)·interLat)); one-shot one hop, two-shot
-// two. Bytes come from counting the schedule's steps (executor.h count_bytes) of the ranks
+// two; hierarchical two inside the node and 2(nodes-1) between. Bytes come from counting the schedule's steps (executor.h count_bytes) of the ranks
 // that carry the most, so the model sees what the schedule really moves. eff: 0.5 for the
 // low-latency protocol (a flag beside every 4 bytes of data, NCCL's LL), 1 for bulk, and
 // NCCL's 0.92 on tree allreduce. Base latencies: NCCL's ring 6.6/8.4 us and tree 6.8/8.4 us
-// (LL/Simple); one-shot and two-shot take the ring's.
+// (LL/Simple); one-shot, two-shot and hierarchical take the ring's.
 #pragma once
 
 #include <cstddef>
@@ -32,7 +32,7 @@ enum class Protocol : uint8_t { kLowLatency = 0, kBulk = 1 };
 const char* to_string(Protocol p);
 
 struct CostParams {
-  double base_us[kNumAlgos][2] = {{6.6, 8.4}, {6.8, 8.4}, {6.6, 8.4}, {6.6, 8.4}};  // [algo][proto]
+  double base_us[kNumAlgos][2] = {{6.6, 8.4}, {6.8, 8.4}, {6.6, 8.4}, {6.6, 8.4}, {6.6, 8.4}};  // [algo][proto]
   double ll_efficiency = 0.5;
   double tree_efficiency = 0.92;
 };
@@ -60,7 +60,8 @@ double predict_us(const LinkFigures& links, const ScheduleFigures& fig, Algo alg
                   const CostParams& params = {});
 
 // The algorithms a collective can run on a shape: ring and tree (tree only for allreduce and
-// broadcast), and on one node of at most 8 ranks also one-shot and two-shot.
+// broadcast), on one node of at most 8 ranks also one-shot and two-shot, across nodes of the
+// same size (at most 8 ranks) also hierarchical for allreduce.
 std::vector<Algo> candidates(const JobShape& shape, CollectiveKind kind);
 
 struct Choice {
@@ -74,7 +75,8 @@ struct Choice {
 Choice choose(const JobShape& shape, CollectiveKind kind, size_t count, size_t esize, int root,
               std::optional<Algo> forced = std::nullopt, const CostParams& params = {});
 
-// GRADSYNC_ALGO for GPU calls: ring, tree, oneshot, twoshot or auto (nullopt: auto). Another
+// GRADSYNC_ALGO for GPU calls: ring, tree, oneshot, twoshot, hierarchical or auto (nullopt:
+// auto). Another
 // value is an error (`error` says which values are known).
 std::optional<Algo> algo_from_env(const char* value, std::string* error);
 // The override of a call: CallOptions::algorithm when not kAuto, else GRADSYNC_ALGO's.

@@ -104,8 +104,10 @@ class Runner {
     const Step& s = steps_[size_t(me)][index];
     RankBuffers& b = bufs_[size_t(me)];
     if (s.count == 0) return {Code::kInternal, where(me, s, index) + " has no elements"};
-    if (reads_input(s.prim) && (s.in + s.count) * esize_ > b.in.size())
-      return {Code::kInternal, where(me, s, index) + " reads past the input (offset " + std::to_string(s.in) + ")"};
+    const std::vector<unsigned char>& src = s.from_output ? b.out : b.in;
+    if (reads_input(s.prim) && (s.in + s.count) * esize_ > src.size())
+      return {Code::kInternal, where(me, s, index) + " reads past the " + (s.from_output ? "output" : "input") +
+                                   " (offset " + std::to_string(s.in) + ")"};
     if (writes_output(s.prim) && (s.out + s.count) * esize_ > b.out.size())
       return {Code::kInternal, where(me, s, index) + " writes past the output (offset " + std::to_string(s.out) + ")"};
     std::vector<std::deque<Message>*> in_q, out_q;
@@ -135,15 +137,15 @@ class Runner {
       out_q.push_back(&q);
     }
     const size_t bytes = s.count * esize_;
-    const unsigned char* input = b.in.data() + s.in * esize_;
+    const unsigned char* input = src.data() + s.in * esize_;
     unsigned char* output = b.out.data() + s.out * esize_;
     std::vector<unsigned char> val;
     switch (s.prim) {
       case Prim::kSend: val.assign(input, input + bytes); break;
       case Prim::kCopySend:
       case Prim::kCopy:
-        std::memmove(output, input, bytes);
         val.assign(input, input + bytes);
+        std::memmove(output, input, bytes);
         break;
       case Prim::kRecv:
       case Prim::kRecvCopySend:
@@ -155,7 +157,7 @@ class Runner {
         for (auto* q : in_q) items.push_back(q->front().data.data());
         items.insert(items.begin() + std::min<size_t>(s.self_pos, items.size()), input);
         val.assign(items[0], items[0] + bytes);
-        const bool fin = final_fold(s.prim);
+        const bool fin = final_fold(s.prim) && !s.partial;
         for (size_t j = 1; j < items.size(); ++j) {
           if (fin && j + 1 == items.size())
             kernels::reduce_final(type_, op_, val.data(), nullptr, val.data(), items[j], s.count, world_);
@@ -163,7 +165,7 @@ class Runner {
             kernels::reduce(type_, op_, val.data(), val.data(), items[j], s.count);
         }
         if (fin && items.size() == 1) kernels::finish_avg(type_, val.data(), s.count, world_);
-        if (fin) std::memcpy(output, val.data(), bytes);
+        if (writes_output(s.prim)) std::memcpy(output, val.data(), bytes);
       }
     }
     for (auto* q : in_q) q->pop_front();

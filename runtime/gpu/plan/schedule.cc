@@ -44,6 +44,7 @@ class Builder {
         case Algo::kTree: tree(c); break;
         case Algo::kOneShot: one_shot(c); break;
         case Algo::kTwoShot: two_shot(c); break;
+        case Algo::kHierarchical: hierarchical(c); break;
       }
     }
     return std::move(steps_);
@@ -58,6 +59,7 @@ class Builder {
              size_t in, size_t out, size_t count, int self_pos = 0) {
     if (count == 0) return;  // both ends compute the same empty piece and skip it
     if (recv.size() > size_t(kMaxPeers) || send.size() > size_t(kMaxPeers)) return;  // check_request refuses these
+    added_ = true;
     Step s;
     s.prim = prim;
     s.channel = c;
@@ -69,6 +71,7 @@ class Builder {
     s.in = in;
     s.out = out;
     s.count = count;
+    s.from_output = from_output_;
     steps_.push_back(s);
   }
 
@@ -82,20 +85,7 @@ class Builder {
       const Range share = channel_share(req_.count, c, channels_.size());
       for (size_t base = share.lo; base < share.hi;) {
         const size_t round = std::min(size_t(n_) * chunk_, share.hi - base);
-        const size_t seg = ceil_div(round, size_t(n_));
-        auto piece = [&](int i) {  // segment i of this round, i taken mod n
-          const size_t k = size_t(((i % n_) + n_) % n_);
-          return Range{std::min(base + k * seg, base + round), std::min(base + (k + 1) * seg, base + round)};
-        };
-        auto emit = [&](Prim prim, std::initializer_list<int> rv, std::initializer_list<int> sd, int i) {
-          const Range r = piece(i);
-          add(prim, c, rv, sd, r.lo, r.lo, r.size());
-        };
-        emit(Prim::kSend, {}, {next}, p);
-        for (int s = 1; s <= n_ - 2; ++s) emit(Prim::kRecvReduceSend, {prev}, {next}, p - s);
-        emit(Prim::kRecvReduceCopySend, {prev}, {next}, p + 1);
-        for (int t = 1; t <= n_ - 2; ++t) emit(Prim::kRecvCopySend, {prev}, {next}, p + 1 - t);
-        emit(Prim::kRecv, {prev}, {}, p + 2);
+        ring_allreduce(c, prev, next, p, n_, {base, base + round});
         base += round;
       }
     } else if (req_.kind == Kind::kReduceScatter || req_.kind == Kind::kAllGather) {
@@ -130,6 +120,25 @@ class Builder {
         else add(Prim::kRecv, c, {prev}, {}, 0, lo, len);
       }
     }
+  }
+
+  // One round of ring allreduce over `r` for the rank at position p of an n-rank ring: the
+  // range cut into n segments, reduce-scatter then all-gather, 2(n-1) transfers.
+  void ring_allreduce(int c, int prev, int next, int p, int n, Range r) {
+    const size_t seg = ceil_div(r.size(), size_t(n));
+    auto emit = [&](Prim prim, std::initializer_list<int> rv, std::initializer_list<int> sd, int i) {
+      const size_t k = size_t(((i % n) + n) % n);
+      const size_t lo = std::min(r.lo + k * seg, r.hi), hi = std::min(r.lo + (k + 1) * seg, r.hi);
+      add(prim, c, rv, sd, lo, lo, hi > lo ? hi - lo : 0);
+    };
+    emit(Prim::kSend, {}, {next}, p);
+    for (int s = 1; s <= n - 2; ++s) emit(Prim::kRecvReduceSend, {prev}, {next}, p - s);
+    emit(Prim::kRecvReduceCopySend, {prev}, {next}, p + 1);
+    const bool own_from_output = from_output_;
+    from_output_ = false;  // the all-gather half only copies what it receives
+    for (int t = 1; t <= n - 2; ++t) emit(Prim::kRecvCopySend, {prev}, {next}, p + 1 - t);
+    emit(Prim::kRecv, {prev}, {}, p + 2);
+    from_output_ = own_from_output;
   }
 
   // --- tree -------------------------------------------------------------------------------
@@ -248,6 +257,44 @@ class Builder {
     }
   }
 
+  // --- hierarchical: direct pushes inside the node, a ring per local index across nodes ---
+  void hierarchical(int c) {
+    int node = 0, local = 0;
+    for (size_t x = 0; x < shape_.nodes.size(); ++x)
+      for (size_t l = 0; l < shape_.nodes[x].ranks.size(); ++l)
+        if (shape_.nodes[x].ranks[l] == me_) node = int(x), local = int(l);
+    const std::vector<int>& mine = shape_.nodes[size_t(node)].ranks;
+    const int g = int(mine.size()), k = shape_.node_count();
+    std::vector<int> locals;  // the node's other ranks, in local order
+    for (int r : mine)
+      if (r != me_) locals.push_back(r);
+    const int prev = shape_.nodes[size_t((node + k - 1) % k)].ranks[size_t(local)];
+    const int next = shape_.nodes[size_t((node + 1) % k)].ranks[size_t(local)];
+    const Range share = channel_share(req_.count, c, channels_.size());
+    for (size_t lo = share.lo; lo < share.hi; lo += chunk_) {
+      const size_t len = std::min(chunk_, share.hi - lo), seg = ceil_div(len, size_t(g));
+      auto piece = [&](int l) {  // node segment l of this chunk
+        return Range{std::min(lo + size_t(l) * seg, lo + len), std::min(lo + size_t(l + 1) * seg, lo + len)};
+      };
+      const Range own = piece(local);
+      if (g > 1) {  // reduce-scatter inside the node: segment l to local rank l, folded in local order
+        for (int l = 0; l < g; ++l)
+          if (l != local) add(Prim::kSend, c, {}, {mine[size_t(l)]}, piece(l).lo, 0, piece(l).size());
+        added_ = false;
+        add_v(Prim::kRecvReduceCopy, c, locals, {}, own.lo, own.lo, own.size(), local);
+        if (added_) steps_.back().partial = 1;
+        from_output_ = true;  // the ring works on the node's partial sum, now in the output
+      }
+      if (own.size() > 0) ring_allreduce(c, prev, next, node, k, own);
+      if (g > 1) {  // all-gather inside the node
+        add_v(Prim::kSend, c, {}, locals, own.lo, 0, own.size());
+        from_output_ = false;
+        for (int l = 0; l < g; ++l)
+          if (l != local) add(Prim::kRecv, c, {mine[size_t(l)]}, {}, 0, piece(l).lo, piece(l).size());
+      }
+    }
+  }
+
   const JobShape& shape_;
   const ChannelSet& channels_;
   const PlanRequest& req_;
@@ -255,6 +302,8 @@ class Builder {
   const int n_;
   const size_t chunk_;
   std::vector<Step> steps_;
+  bool from_output_ = false;  // steps added now read their own operand from the output
+  bool added_ = false;        // the last add() produced a step
 };
 
 }  // namespace
@@ -265,6 +314,7 @@ const char* to_string(Algo a) {
     case Algo::kTree: return "tree";
     case Algo::kOneShot: return "one-shot";
     case Algo::kTwoShot: return "two-shot";
+    case Algo::kHierarchical: return "hierarchical";
   }
   return "?";
 }
@@ -285,6 +335,7 @@ const char* to_string(Prim p) {
 
 Algo effective_algo(CollectiveKind kind, Algo algo) {
   if (algo == Algo::kTree && (kind == Kind::kReduceScatter || kind == Kind::kAllGather)) return Algo::kRing;
+  if (algo == Algo::kHierarchical && kind != Kind::kAllreduce) return Algo::kRing;
   return algo;
 }
 
@@ -301,6 +352,16 @@ std::string check_request(const JobShape& shape, const PlanRequest& req) {
   if ((req.algo == Algo::kOneShot || req.algo == Algo::kTwoShot) && n - 1 > kMaxPeers)
     return std::string(to_string(req.algo)) + " needs at most " + std::to_string(kMaxPeers + 1) +
            " ranks on the node, the shape has " + std::to_string(n);
+  if (effective_algo(req.kind, req.algo) == Algo::kHierarchical) {
+    const size_t g = shape.nodes[0].ranks.size();
+    for (const auto& node : shape.nodes)
+      if (node.ranks.size() != g)
+        return "hierarchical needs the same number of ranks on every node (" + node.name + " has " +
+               std::to_string(node.ranks.size()) + ", " + shape.nodes[0].name + " " + std::to_string(g) + ")";
+    if (shape.node_count() < 2) return "hierarchical runs across nodes: the shape has one (two-shot is its one-node form)";
+    if (g - 1 > size_t(kMaxPeers))
+      return "hierarchical needs at most " + std::to_string(kMaxPeers + 1) + " ranks per node, the shape has " + std::to_string(g);
+  }
   return {};
 }
 
@@ -317,6 +378,8 @@ ChannelSet plan_channels(const JobShape& shape, const PlanRequest& req) {
     case Algo::kTree:
       return tree_channels(shape, req.channels > 0 ? req.channels : default_tree_channels(shape),
                            req.kind == Kind::kBroadcast ? req.root : -1);
+    case Algo::kHierarchical:
+      return hierarchical_channels(shape, req.channels > 0 ? req.channels : default_ring_channels(shape));
     default:
       return direct_channels(shape, req.channels > 0 ? req.channels : default_ring_channels(shape));
   }

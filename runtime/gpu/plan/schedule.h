@@ -39,7 +39,14 @@
 //            ranks' segments are shorter or empty). broadcast: the root pushes segment s to
 //            rank s, then every rank pushes its segment to every peer. reduce_scatter and
 //            all_gather: as one-shot (they already move (n-1)/n·S).
-// This is the schedule of kernels/cuda_node.cu's one-shot and two-shot kernels.
+//   hierarchical (allreduce, several nodes of the same rank count, at most 8 each): inside
+//            each node a reduce-scatter by direct pushes (local rank l folds node segment l
+//            in local order), then one ring per local index across the nodes on that rank's
+//            rail (ring allreduce of the node segment), then an all-gather by direct pushes:
+//            2(k-1)/k·S per node per direction between k nodes, 2(g-1)/g·S per GPU inside
+//            a node of g, and 2 + 2(k-1) hops (the flat ring: 2(n-1)/n·S and 2(n-1) hops).
+//            The other collectives take the ring.
+// One-shot and two-shot are the schedules of kernels/cuda_node.cu's kernels.
 #pragma once
 
 #include <cstddef>
@@ -53,8 +60,8 @@
 
 namespace gradsync::plan {
 
-enum class Algo : uint8_t { kRing = 0, kTree = 1, kOneShot = 2, kTwoShot = 3 };
-constexpr int kNumAlgos = 4;
+enum class Algo : uint8_t { kRing = 0, kTree = 1, kOneShot = 2, kTwoShot = 3, kHierarchical = 4 };
+constexpr int kNumAlgos = 5;
 const char* to_string(Algo a);
 
 enum class Prim : uint8_t {
@@ -76,6 +83,8 @@ struct Step {
   uint8_t nrecv = 0;
   uint8_t nsend = 0;
   uint8_t self_pos = 0;  // fold position of the own input among the received payloads
+  uint8_t from_output = 0;  // the own operand is output[in..] (an earlier step's result), not the input
+  uint8_t partial = 0;      // a fold to the output that is not the last one: kAvg stays a sum
   int32_t channel = 0;
   int32_t recv[kMaxPeers] = {};
   int32_t send[kMaxPeers] = {};
@@ -95,11 +104,12 @@ struct PlanRequest {
   size_t segment_align_bytes = 256;  // two-shot segments (kernels/cuda_node.cu)
 };
 
-// The algorithm a request really runs: tree reduce_scatter and all_gather take the ring.
+// The algorithm a request really runs: tree reduce_scatter and all_gather, and hierarchical
+// anything but allreduce, take the ring.
 Algo effective_algo(CollectiveKind kind, Algo algo);
 // Empty when `req` can be planned on `shape`, else why not (one-shot and two-shot need one
-// node; the shape must validate; root within the world; at most 8 ranks per direct channel
-// peer list).
+// node of at most 8 ranks; hierarchical several nodes of the same rank count, at most 8; the
+// shape must validate; root within the world).
 std::string check_request(const JobShape& shape, const PlanRequest& req);
 
 // The channels the request's algorithm runs over.
