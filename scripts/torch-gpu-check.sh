@@ -97,8 +97,10 @@ PY
   ((rc == 0)) || return 1
   local cuda_flag=-DGRADSYNC_TORCH_CUDA cuda_libs=(-ltorch_cuda -lc10_cuda) test=tests/torch/ddp_gpu_step.py
   local rank_env=(GRADSYNC_DEVICE=0)  # both ranks' communicators on GPU 0
+  local what="2-rank DDP step with CUDA tensors on GPU 0 over gradsync"
   if [ "${CPU_ONLY:-0}" = 1 ]; then
     cuda_flag=-UGRADSYNC_TORCH_CUDA cuda_libs=() test=tests/torch/ddp_gradsync_test.py rank_env=()
+    what="2-rank collectives and DDP with CPU tensors over gradsync, against gloo (CPU_ONLY)"
   else
     echo "$info" | grep -q "available True" || { check "torch sees a CUDA device" 1 "torch.cuda.is_available() is False"; return 1; }
   fi
@@ -146,7 +148,7 @@ PY
     "$py" "$test" >"$out/ddp-gpu.log" 2>&1
   rc=$?
   grep -h "CHECK\|OK:\|FAIL" "$out/ddp-gpu.log" | sort -u
-  check "2-rank DDP step with CUDA tensors on GPU 0 over gradsync" $rc "$(grep -m1 -i "fail\|error" "$out/ddp-gpu.log")"
+  check "$what" $rc "$(grep -m1 -i "fail\|error" "$out/ddp-gpu.log")"
   return $rc
 }
 
