@@ -29,8 +29,9 @@ bundle=bundle-torch
 pack() {
   set -e
   local build=${GRADSYNC_GPU_BUILD_DIR:-build-gpu}
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADSYNC_WITH_CUDA=ON >"$build.configure.log" 2>&1 ||
-    { cat "$build.configure.log"; exit 1; }
+  mkdir -p "$build"
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADSYNC_WITH_CUDA=ON >"$build/configure.log" 2>&1 ||
+    { cat "$build/configure.log"; exit 1; }
   # train_logreg links exactly what a program using libgradsync links: its link line is ours.
   cmake --build "$build" -j "${GRADSYNC_BUILD_JOBS:-2}" --target train_logreg gradsyncrun gradsyncd gradsync-coordinator
   rm -rf "$bundle"
