@@ -89,6 +89,7 @@ int run_simulate(const Options& opt) {
                 "algo", "prot", "time(us)", "algbw", "busbw", "ring", "tree", "one-shot", "two-shot", "hier", "GPU bytes",
                 "NIC bytes");
     std::vector<Row> rows;
+    std::string note;  // an override the shape cannot honour, once per shape
     for (size_t bytes : all_sizes) {
       const Geometry g = geometry(opt.collective, bytes, esize, n);
       Row row;
@@ -98,6 +99,7 @@ int run_simulate(const Options& opt) {
         continue;
       }
       const plan::Choice c = plan::choose(shape, kind, g.count, esize, 0, force);
+      if (note.empty() && c.forced.find("cannot") != std::string::npos) note = c.forced;
       const double algbw = double(g.bytes) / c.best.us / 1e3;
       row.busbw = algbw * g.bus_factor;
       row.algo = c.best.algo;
@@ -119,6 +121,7 @@ int run_simulate(const Options& opt) {
                   human(double(c.best.fig.max_nic_bytes)).c_str());
       std::fflush(stdout);
     }
+    if (!note.empty()) std::printf("# note: %s\n", note.c_str());
     table.push_back(std::move(rows));
   }
   // The summary: busbw by size (rows) and shape (columns), the chosen algorithm's letter.
