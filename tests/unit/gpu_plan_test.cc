@@ -329,10 +329,11 @@ TEST(GpuPlanSchedule, EveryShapeCollectiveAndAlgorithmIsExact) {
     else algos.push_back(Algo::kHierarchical);
     for (Kind kind : {Kind::kAllreduce, Kind::kReduceScatter, Kind::kAllGather, Kind::kBroadcast}) {
       for (Algo algo : algos) {
+        if (effective_algo(kind, algo) != algo) continue;  // runs as the ring, which is covered
         for (size_t count : big ? std::vector<size_t>{1, 301} : std::vector<size_t>{1, 7, 333, 1001}) {
           int t = 0;
           for (const TypeOp& to : kTypeOps) {
-            if (big && t++ % 3 != 0) continue;
+            if (big && t++ != 3) continue;  // 128 ranks: float16 sum only, to keep CI short
             if (kind == Kind::kAllGather || kind == Kind::kBroadcast) {
               if (to.op != ReduceOp::kSum) continue;  // no reduction: one op is enough
             }
