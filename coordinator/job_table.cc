@@ -520,6 +520,11 @@ Result<v1::PeerTableResponse> JobTable::peer_table(const std::string& job_id,
     p->set_endpoint(claim.endpoint);
   }
   for (uint32_t r : ring_of(g)) out.add_ring(r);
+  for (const auto& [node_id, info] : g.members) {
+    v1::NodeTopology* t = out.add_topologies();
+    t->set_node_id(node_id);
+    *t->mutable_gpu_topology() = info.gpu_topology();
+  }
   return out;
 }
 

@@ -1,6 +1,7 @@
 // JobTable: the coordinator's state machine, driven with an explicit clock.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,39 @@ TEST_F(JobTableTest, RegisterRefusesAGpuTopologyOutOfBounds) {
       << id.status().message();
   info.clear_gpu_topology();
   EXPECT_TRUE(table.register_node(info, t0).ok());
+}
+
+// Each node's GPU topology reaches the job's daemons with the peer table (for planning the GPU
+// channels) and operators with DescribeJob.
+TEST_F(JobTableTest, PeerTableAndDescribeCarryEachNodesGpuTopology) {
+  v1::NodeInfo info;
+  info.set_hostname("gpu-a");
+  v1::GpuTopology* topo = info.mutable_gpu_topology();
+  topo->set_source("nvml");
+  for (const char* bus : {"0000:19:00.0", "0000:3b:00.0"}) topo->add_gpus()->set_bus_id(bus);
+  for (const char* l : {"X", "NV18", "NV18", "X"}) topo->add_links(l);
+  for (uint32_t g : {0u, 450u, 450u, 0u}) topo->add_link_gbps(g);
+  topo->add_rails(-1);
+  topo->add_rails(-1);
+  auto a = table.register_node(info, t0);
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  const std::string b = add_node("cpu-b");
+  ASSERT_TRUE(table.join(req(*a, {0, 1}, 3), t0).ok());
+  ASSERT_TRUE(table.join(req(b, {2}, 3), t0).ok());
+  auto pt = table.peer_table("train", 1);
+  ASSERT_TRUE(pt.ok()) << pt.status().to_string();
+  ASSERT_EQ(pt->topologies_size(), 2);
+  std::map<std::string, v1::GpuTopology> by_node;
+  for (const auto& t : pt->topologies()) by_node[t.node_id()] = t.gpu_topology();
+  ASSERT_EQ(by_node.count(*a), 1u);
+  EXPECT_EQ(by_node[*a].gpus_size(), 2);
+  EXPECT_EQ(by_node[*a].links(1), "NV18");
+  EXPECT_EQ(by_node[b].gpus_size(), 0);
+  auto d = table.describe("train");
+  ASSERT_TRUE(d.ok());
+  int with_gpus = 0;
+  for (const auto& n : d->nodes()) with_gpus += n.gpu_topology().gpus_size() == 2 ? 1 : 0;
+  EXPECT_EQ(with_gpus, 1);
 }
 
 TEST_F(JobTableTest, RegisterGivesFreshIdsAndHeartbeatNeedsOne) {
