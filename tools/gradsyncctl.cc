@@ -4,6 +4,7 @@
 //   gradsyncctl [--coordinator HOST:PORT] describe JOB
 //   gradsyncctl [--coordinator HOST:PORT] abort JOB [--reason TEXT]
 //   gradsyncctl doctor [--require-gdr] [--sysfs-root DIR]   (no coordinator needed)
+//   gradsyncctl topology [--topo-file PATH]                   (no coordinator needed)
 //
 // The address defaults to $GRADSYNC_COORDINATOR, else 127.0.0.1:29500.
 #include <grpcpp/grpcpp.h>
@@ -28,6 +29,7 @@ int usage(FILE* out, int rc) {
                "  jobs                      list jobs: id, generation, state, joined/world, reason\n"
                "  describe JOB              ring order, ranks with their nodes, node details (GPU topology)\n"
                "  abort JOB [--reason TEXT] abort the job's current generation\n"
+               "  topology [--topo-file F]  this node's GPUs, links, NICs and rails (no coordinator)\n"
                "%s",
                gradsync::doctor::usage_text());
   return rc;
@@ -45,6 +47,24 @@ void with_deadline(grpc::ClientContext& ctx) {
   ctx.set_deadline(std::chrono::system_clock::now() + kCallTimeout);
 }
 
+// gradsyncctl topology [--topo-file PATH]: this node's GPU topology as gradsyncd finds it at
+// start (NVML, else CUDA peer access, else PCIe paths; or the file), without a coordinator.
+int topology_command(const std::vector<std::string>& args) {
+  std::string file;
+  if (const char* env = std::getenv("GRADSYNC_TOPO_FILE"); env && *env) file = env;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--topo-file" && i + 1 < args.size()) file = args[++i];
+    else return usage(stderr, 2);
+  }
+  auto topo = gradsync::topology::node_gpu_topology(file);
+  if (!topo.ok()) {
+    std::fprintf(stderr, "gradsyncctl topology: %s\n", topo.status().message().c_str());
+    return 1;
+  }
+  std::fputs(gradsync::topology::render_summary(gradsync::topology::summarize(*topo), "").c_str(), stdout);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -55,6 +75,7 @@ int main(int argc, char** argv) {
       return gradsync::doctor::run(std::vector<std::string>(argv + i + 1, argv + argc), stdout,
                                    stderr);
     }
+    if (a == "topology") return topology_command(std::vector<std::string>(argv + i + 1, argv + argc));
     if (a == "--coordinator") ++i;  // skip its value
     else if (a.rfind("--", 0) != 0) break;
   }

@@ -1,6 +1,8 @@
 // The TCP proxy between daemons: IPv6 endpoints and several rings (several streams per peer).
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include "cluster.h"
 
 namespace gradsync::testing {
@@ -54,6 +56,20 @@ TEST(Transport, DescribeShowsEachRanksDataPathAndEachNodesGpus) {
     EXPECT_NE(out.find(want), std::string::npos) << "wanted: " << want << "\n" << out;
   }
   EXPECT_TRUE(c.daemon(0).wait_for_output("GPU topology file ", Millis(1'000))) << c.report();
+
+  // The same view of one node without a coordinator; a bad file is refused naming its line.
+  Process node = c.spawn("topology", {binary("gradsyncctl"), "topology", "--topo-file", topo + "3x2-node.topo"});
+  auto node_st = node.wait_for_exit(Millis(10'000));
+  ASSERT_TRUE(node_st.has_value() && node_st->success()) << node.output();
+  EXPECT_NE(node.output().find("GPU1   NV18   X      NODE   PXB    mlx5_1\n"), std::string::npos) << node.output();
+  const std::string bad = c.dir() + "/bad.topo";
+  std::ofstream(bad) << "gpu 0000:19:00.0\nnvlink 0 1 18\n";
+  Process refused = c.spawn("topology-bad", {binary("gradsyncctl"), "topology", "--topo-file", bad});
+  auto refused_st = refused.wait_for_exit(Millis(10'000));
+  ASSERT_TRUE(refused_st.has_value()) << refused.output();
+  EXPECT_EQ(refused_st->code, 1) << refused.output();
+  EXPECT_NE(refused.output().find(bad + " line 2: 'nvlink 0 1 18': GPU 1 is not declared"), std::string::npos)
+      << refused.output();
 }
 
 // gradsyncd --proxy-tcp keeps the daemons' proxy in the data path (design §2 as first built):
