@@ -98,6 +98,38 @@ Status check_summary(const v1::GpuTopology& s) {
   return Status::Ok();
 }
 
+Result<NodeTopology> from_summary(const v1::GpuTopology& s) {
+  GS_RETURN_IF_ERROR(check_summary(s));
+  NodeTopology t;
+  t.source = s.source();
+  t.note = s.note();
+  const size_t n = size_t(s.gpus_size()), m = size_t(s.nics_size());
+  for (const auto& g : s.gpus()) t.gpus.push_back({g.bus_id(), g.name(), -1});
+  for (const auto& nic : s.nics()) t.nics.push_back({nic.name(), "", double(nic.gbits())});
+  t.links.assign(n, std::vector<GpuLink>(n));
+  for (size_t a = 0; a < n; ++a) {
+    for (size_t b = 0; b < n; ++b) {
+      const std::string& label = s.links(int(a * n + b));
+      GpuLink& l = t.links[a][b];
+      if (label == "X") {
+        l.kind = GpuLinkKind::kSelf;
+      } else if (label.rfind("NV", 0) == 0) {
+        l.kind = s.nvswitch() ? GpuLinkKind::kNvSwitch : GpuLinkKind::kNvLink;
+        l.nvlinks = label == "NV?" ? 0 : std::stoi(label.substr(2));  // digits: check_summary
+        l.gbps = s.link_gbps(int(a * n + b));
+      } else {
+        l.pcie = parse_distance(label);  // nullopt for "?"
+      }
+    }
+  }
+  t.nic_distance.assign(n, std::vector<std::optional<PciDistance>>(m));
+  for (size_t g = 0; g < n; ++g) {
+    for (size_t j = 0; j < m; ++j) t.nic_distance[g][j] = parse_distance(s.nic_distance(int(g * m + j)));
+  }
+  t.rails.assign(s.rails().begin(), s.rails().end());
+  return t;
+}
+
 std::string render_summary(const v1::GpuTopology& s, const std::string& indent) {
   std::ostringstream o;
   const size_t n = size_t(s.gpus_size()), m = size_t(s.nics_size());

@@ -329,6 +329,38 @@ TEST(Summary, RoundTripsAndPrintsTheMatrix) {
   EXPECT_TRUE(check_summary(v1::GpuTopology{}).ok());  // an older daemon sends none
 }
 
+// Another node's topology comes back from its summary as the planner needs it.
+TEST(Summary, GivesTheTopologyBackForEveryExample) {
+  for (const char* file : {"1x8-nvswitch.topo", "2x4-node.topo", "3x2-node.topo", "pcie-box.topo"}) {
+    SCOPED_TRACE(file);
+    auto t = parse_topo_file(data(file));
+    ASSERT_TRUE(t.ok());
+    auto back = from_summary(summarize(*t));
+    ASSERT_TRUE(back.ok()) << back.status().to_string();
+    EXPECT_EQ(back->source, t->source);
+    ASSERT_EQ(back->gpus.size(), t->gpus.size());
+    for (size_t a = 0; a < t->gpus.size(); ++a) {
+      EXPECT_EQ(back->gpus[a].pci_bus_id, t->gpus[a].pci_bus_id);
+      EXPECT_EQ(back->gpus[a].device, -1);  // not carried
+      for (size_t b = 0; b < t->gpus.size(); ++b) {
+        const GpuLink& want = t->links[a][b];
+        const GpuLink& got = back->links[a][b];
+        EXPECT_EQ(got.kind, want.kind) << a << "-" << b;
+        EXPECT_EQ(got.nvlinks, want.nvlinks) << a << "-" << b;
+        EXPECT_EQ(got.gbps, want.gbps) << a << "-" << b;
+        if (want.kind == GpuLinkKind::kPcie) EXPECT_EQ(got.pcie, want.pcie) << a << "-" << b;
+      }
+    }
+    ASSERT_EQ(back->nics.size(), t->nics.size());
+    for (size_t j = 0; j < t->nics.size(); ++j) EXPECT_EQ(back->nics[j].gbits, t->nics[j].gbits);
+    EXPECT_EQ(back->nic_distance, t->nic_distance);
+    EXPECT_EQ(back->rails, t->rails);
+  }
+  v1::GpuTopology bad;
+  bad.add_gpus();
+  EXPECT_EQ(from_summary(bad).status().code(), Code::kInvalidArgument);
+}
+
 TEST(Summary, OutOfBoundsIsRefusedNamingTheField) {
   auto t = parse_topo_file(data("pcie-box.topo"));
   ASSERT_TRUE(t.ok());
