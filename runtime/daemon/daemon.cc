@@ -330,6 +330,8 @@ void Daemon::serve_trainer(Fd sock) {
         jr->set_generation(job->generation);
         *jr->mutable_ring() = job->table.ring();
         for (uint32_t r = 0; r < job->world_size; ++r) jr->add_rank_hosts(job->host_of(r));
+        for (const auto& peer : job->table.peers()) jr->add_rank_nodes(peer.node_id());
+        *jr->mutable_topologies() = job->table.topologies();
         *jr->mutable_setup() = job->setup_for(rank);
         rank_socks = job->take_rank_sockets(jr->mutable_setup());
       }
