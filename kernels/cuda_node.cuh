@@ -11,6 +11,12 @@
 // - broadcast: the root pushes, the others copy; the root consumes nothing.
 // Folds run in rank order (x0 op x1 op ... ), the last step with the final op (avg divides
 // there), so every rank gets the same bytes and they equal the host loops' rank-order fold.
+// That is the one-shot protocol: n - 1 buffers sent per rank for allreduce and broadcast.
+// From 3 ranks, large allreduces and broadcasts take the two-shot protocol instead
+// (cuda_node_two_shot.cuh, NodeLayout::two_shot_min_bytes): 2 (n-1)/n of a buffer.
+// Files: cuda_node_device.cuh (flags, waits, movers), cuda_node_chunked.cuh (one-shot),
+// cuda_node_ll.cuh (low-latency), cuda_node_two_shot.cuh, cuda_node_launch.cuh (protocol,
+// chunk and grid of a call), one translation unit per collective's kernels.
 //
 // Shape. The segment is cut into chunks; chunk j belongs to block j % blocks, on every rank
 // (the grid and the chunks depend only on the segment's bytes and the layout, so all ranks
@@ -79,6 +85,9 @@ struct NodeLayout {
   uint32_t slots = 0;        // per (block, source), >= 2
   uint64_t chunk_bytes = 0;  // largest chunk, a multiple of 256
   uint64_t ll_max_bytes = 0;  // largest message of the low-latency protocol (0: never)
+  // Allreduce and broadcast segments of at least this many bytes take the two-shot protocol
+  // when nranks >= 3 (0: never); it takes precedence over the low-latency protocol.
+  uint64_t two_shot_min_bytes = 0;
 
   uint64_t flags_bytes() const;   // ready + freed, rounded up to 4 KiB
   uint64_t ll_offset() const;     // after the slots
@@ -102,6 +111,9 @@ struct NodeArgs {
   NodeError* error = nullptr;            // mapped pinned host memory
   const uint32_t* abort = nullptr;       // mapped pinned host memory; nonzero stops waits
   uint64_t timeout_ns = 0;
+  // Device memory, or null: the payload bytes this rank stored into peers' regions (slots
+  // and low-latency lines, flags not counted), added by every launch.
+  uint64_t* sent = nullptr;
 };
 
 // The timeline (see the top of this file): layout.blocks records of
@@ -161,6 +173,13 @@ struct NodeCall {
 cudaError_t launch_node_collective(const NodeLayout& layout, const NodeArgs& args,
                                    const NodeCall& call, cudaStream_t stream,
                                    const NodeTimeline* timeline = nullptr);
+
+// The protocol a call takes (every rank computes the same): the low-latency lines, the
+// chunked one-shot push, or two-shot (cuda_node_two_shot.cuh: reduce_scatter + all_gather by
+// direct pushes, 2 (n-1)/n of the buffer sent per rank instead of n - 1 buffers).
+enum class NodeProtocol : uint8_t { kLowLatency, kOneShot, kTwoShot };
+NodeProtocol node_protocol(const NodeLayout& layout, NodeCollective kind, size_t bytes);
+const char* to_string(NodeProtocol p);
 
 // The blocks a launch on segments of `bytes` uses (the others have no chunk); all ranks agree.
 uint32_t node_blocks_used(const NodeLayout& layout, size_t bytes);

@@ -605,6 +605,10 @@ std::string Communicator::gpu_path() const {
   DeviceComm* gpu = impl_->gpu();
   return gpu ? gpu->path() : "none";
 }
+Result<uint64_t> Communicator::gpu_bytes_sent() const {
+  DeviceComm* gpu = impl_->gpu();
+  return gpu ? gpu->bytes_sent() : Result<uint64_t>(uint64_t{0});
+}
 // gpu/timeline.h: the bench's and the tests' way to the DeviceComm's timeline.
 struct CommunicatorInternals {
   static CommunicatorImpl* impl(Communicator& c) { return c.impl_.get(); }
@@ -640,6 +644,7 @@ Status Communicator::broadcast(void*, size_t, DataType, int, CUstream_st*, CallO
 Status Communicator::async_error() { return Status::Ok(); }
 int Communicator::device() const { return JoinOptions::kNoDevice; }
 std::string Communicator::gpu_path() const { return "none"; }
+Result<uint64_t> Communicator::gpu_bytes_sent() const { return uint64_t{0}; }
 Result<gpu::Timeline> gpu::last_timeline(Communicator&) {
   return Status(Code::kUnimplemented, "gradsync was built without CUDA: no GPU timeline");
 }

@@ -113,6 +113,8 @@ bool poll_until(F done, Clock::time_point deadline) {
 // Measured on the H200 host (2 nodes x 1 rank, 16 rings, 8 ring threads, GB/s at 8 / 32 /
 // 128 / 512 MiB): pieces of 2 MiB 1.8/2.0/2.1/2.4, 4 MiB 3.1/3.6/5.1/5.2, 8 MiB
 // 1.9/6.4/7.7/7.5, 16 MiB 1.8/5.9/6.7/6.6; a one-piece call is the slow case.
+// From this many bytes, allreduce and broadcast among 3 or more ranks of a node go two-shot.
+constexpr long kTwoShotMinBytes = 256 << 10;
 constexpr size_t kMinPiece = size_t(4) << 20;
 constexpr size_t kMaxPiece = size_t(8) << 20;
 
@@ -237,7 +239,16 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     }
     if (ipc) {
       m.path = Impl::Path::kIpc;
-      m.why = "every rank on this node: kernels write peers' GPU memory through CUDA IPC";
+      m.why = "every rank on this node: kernels write peers' GPU memory through CUDA IPC; "
+              "GPU memory " + std::to_string((m.layout.region_bytes() + (1 << 20) - 1) >> 20) +
+              " MiB (" + std::to_string(m.layout.blocks) + " blocks x " +
+              std::to_string(m.layout.nranks) + " sources x " + std::to_string(m.layout.slots) +
+              " slots of " + std::to_string(m.layout.chunk_bytes >> 10) +
+              " KiB, low-latency lines to " + std::to_string(m.layout.ll_max_bytes >> 10) +
+              " KiB; GRADSYNC_GPU_MEMORY_MAX); two-shot from " +
+              (m.layout.nranks >= 3 && m.layout.two_shot_min_bytes
+                   ? std::to_string(m.layout.two_shot_min_bytes >> 10) + " KiB"
+                   : std::string("never (") + (m.layout.nranks < 3 ? "2 ranks" : "off") + ")");
       if (m.timeline_asked) GS_RETURN_IF_ERROR(d->setup_timeline());
     } else {
       GS_RETURN_IF_ERROR(d->setup_staged());
@@ -294,6 +305,34 @@ Status DeviceComm::setup_ipc(bool* usable) {
   m.layout.chunk_bytes = uint64_t(env_long("GRADSYNC_GPU_CHUNK", chunk)) / 256 * 256;
   const char* ll = std::getenv("GRADSYNC_GPU_LL_MAX");
   m.layout.ll_max_bytes = ll && *ll ? uint64_t(std::strtoull(ll, nullptr, 10)) : uint64_t(1 << 20);
+  // From 3 ranks, allreduce and broadcast from this size go two-shot (kernels/
+  // cuda_node_two_shot.cuh): 2 (n-1)/n of the buffer sent per rank instead of n - 1 buffers.
+  m.layout.two_shot_min_bytes = uint64_t(std::max(0L, env_long("GRADSYNC_GPU_TWOSHOT_MIN", kTwoShotMinBytes)));
+  // The region is this path's GPU memory: at most GRADSYNC_GPU_MEMORY_MAX MiB (default 320,
+  // above the defaults at every rank count: 264 MiB at 2 ranks, 288 at 8); a smaller budget
+  // shrinks the chunk, then the low-latency lines.
+  const uint64_t budget = uint64_t(std::max(1L, env_long("GRADSYNC_GPU_MEMORY_MAX", 320))) << 20;
+  while (m.layout.region_bytes() > budget && m.layout.chunk_bytes > 4096)
+    m.layout.chunk_bytes = std::max<uint64_t>(4096, m.layout.chunk_bytes / 2 / 256 * 256);
+  while (m.layout.region_bytes() > budget && m.layout.ll_max_bytes > (64u << 10)) m.layout.ll_max_bytes /= 2;
+  // Every rank must cut chunks, slots and protocols alike (each computes where it writes in
+  // its peers' regions): the smallest of every rank's settings.
+  {
+    int64_t agreed[4] = {int64_t(m.layout.slots), int64_t(m.layout.chunk_bytes),
+                         int64_t(m.layout.ll_max_bytes), int64_t(m.layout.two_shot_min_bytes)};
+    GS_RETURN_IF_ERROR(ops_.allreduce_now(agreed, agreed, 4, DataType::kInt64, ReduceOp::kMin));
+    m.layout.slots = uint32_t(agreed[0]);
+    m.layout.chunk_bytes = uint64_t(agreed[1]);
+    m.layout.ll_max_bytes = uint64_t(agreed[2]);
+    m.layout.two_shot_min_bytes = uint64_t(agreed[3]);
+  }
+  if (m.layout.region_bytes() > budget) {
+    return {Code::kInvalidArgument,
+            who() + ": the CUDA IPC region needs " + std::to_string(m.layout.region_bytes() >> 20) +
+                " MiB with " + std::to_string(blocks) + " blocks and " + std::to_string(n) +
+                " ranks, over GRADSYNC_GPU_MEMORY_MAX = " + std::to_string(budget >> 20) +
+                " MiB: raise it, or lower GRADSYNC_GPU_BLOCKS"};
+  }
   if (!m.layout.valid()) {
     return {Code::kInvalidArgument, who() + ": GPU layout blocks=" + std::to_string(blocks) +
                                          " slots=" + std::to_string(m.layout.slots) + " chunk=" +
@@ -304,8 +343,10 @@ Status DeviceComm::setup_ipc(bool* usable) {
   GS_CUDA(cudaMemset(m.region, 0, m.layout.flags_bytes()), "cudaMemset");
   GS_CUDA(cudaMemset(static_cast<uint8_t*>(m.region) + m.layout.ll_offset(), 0,
                      m.layout.region_bytes() - m.layout.ll_offset()), "cudaMemset");
-  GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.progress), 2 * m.layout.blocks * sizeof(uint64_t)), "cudaMalloc");
-  GS_CUDA(cudaMemset(m.progress, 0, 2 * m.layout.blocks * sizeof(uint64_t)), "cudaMemset");
+  // The blocks' counts, then the bytes-sent counter (NodeArgs::sent).
+  const size_t progress_bytes = (2 * m.layout.blocks + 1) * sizeof(uint64_t);
+  GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.progress), progress_bytes), "cudaMalloc");
+  GS_CUDA(cudaMemset(m.progress, 0, progress_bytes), "cudaMemset");
   GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
   std::vector<IpcEntry> table(n);
@@ -368,6 +409,7 @@ Status DeviceComm::setup_ipc(bool* usable) {
     return Status::Ok();
   }
   m.args.progress = m.progress;
+  m.args.sent = m.progress + 2 * m.layout.blocks;
   m.args.error = &m.words_dev->error;
   m.args.abort = &m.words_dev->abort;
   m.args.timeout_ns = uint64_t(cfg_.op_timeout.count()) * 1'000'000ull;
@@ -552,6 +594,22 @@ Status DeviceComm::setup_timeline() {
 }
 
 const std::string& DeviceComm::path_why() const { return impl_->why; }
+
+Result<uint64_t> DeviceComm::bytes_sent() {
+  Impl& m = *impl_;
+  if (m.path != Impl::Path::kIpc) return uint64_t{0};
+  DeviceScope scope;
+  if (Status e = scope.enter(cfg_.device); !e.ok()) return e;
+  // A private non-blocking stream: no legacy-stream call (ranks may share the GPU).
+  cudaStream_t s = nullptr;
+  GS_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  uint64_t v = 0;
+  cudaError_t e = cudaMemcpyAsync(&v, m.args.sent, sizeof v, cudaMemcpyDeviceToHost, s);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(s);
+  (void)cudaStreamDestroy(s);
+  GS_CUDA(e, "reading the bytes-sent counter");
+  return v;
+}
 
 const char* DeviceComm::path() const {
   switch (impl_->path) {
@@ -752,10 +810,13 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       GS_CUDA(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
       const kernels::NodeTimeline tl{m.timeline, gpu::kMaxChunksPerBlock};
       const kernels::NodeTimeline* use = nullptr;
-      if (kernels::node_chunk_bytes(m.layout, bytes) == 0) {
-        last.why_not = "the last call (" + describe_gpu(c, number) +
-                       ") took the low-latency protocol (segment <= GRADSYNC_GPU_LL_MAX = " +
-                       std::to_string(m.layout.ll_max_bytes) + " bytes), which records nothing";
+      const kernels::NodeProtocol protocol = kernels::node_protocol(m.layout, nc.kind, bytes);
+      if (protocol != kernels::NodeProtocol::kOneShot) {
+        last.why_not = "the last call (" + describe_gpu(c, number) + ") took the " +
+                       kernels::to_string(protocol) +
+                       " protocol, which records nothing (the timeline is the chunked one-shot "
+                       "protocol's; GRADSYNC_GPU_LL_MAX = " + std::to_string(m.layout.ll_max_bytes) +
+                       ", GRADSYNC_GPU_TWOSHOT_MIN = " + std::to_string(m.layout.two_shot_min_bytes) + ")";
       } else if (capture != cudaStreamCaptureStatusNone) {
         last.why_not = "the last call (" + describe_gpu(c, number) +
                        ") was captured in a CUDA graph, which records nothing";

@@ -13,6 +13,11 @@
 //                     input in rank order (the host loops' rank-order fold, bit for bit);
 //     all_gather      input to every peer; copies each peer's into its segment of recv;
 //     broadcast       the root pushes its buffer, the others copy it.
+//   That one-shot push sends n - 1 buffers per rank. From 3 ranks, allreduce and broadcast of
+//   at least GRADSYNC_GPU_TWOSHOT_MIN bytes (default 256 KiB) go two-shot instead
+//   (kernels/cuda_node_two_shot.cuh): a reduce_scatter (broadcast: a scatter from the root)
+//   then an all_gather, both by direct pushes, 2 (n-1)/n of the buffer per rank, what a ring
+//   sends, in 2 rounds instead of 2 (n-1) hops. Small calls keep the low-latency lines.
 //   The per-block sequence numbers and the low-latency call counts advance the same way on
 //   every rank whatever the collective, so calls of different collectives interleave freely
 //   (cuda_node.cuh says how the flags and the line parity stay consistent).
@@ -98,6 +103,9 @@ class DeviceComm {
   const char* path() const;
   // Why path() was chosen, for logs and `gradsyncctl describe`.
   const std::string& path_why() const;
+  // Payload bytes this rank's kernels stored into peers' GPU memory so far (cuda-ipc; 0 on
+  // the other paths). Waits for nothing but the copy of the counter.
+  Result<uint64_t> bytes_sent();
   // Before the memory goes (leave, after the stream is idle): the GPUDirect ring's worker
   // sends its last credits and stops.
   void quiesce();

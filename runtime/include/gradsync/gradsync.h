@@ -162,6 +162,9 @@ class Communicator {
   // on one node: kernels write into peers' GPU memory), "host-staged" (through pinned host
   // memory and the daemons), "single-rank", or "none" on a host-only communicator.
   std::string gpu_path() const;
+  // Payload bytes this rank's GPU collectives stored into peers' GPU memory so far (cuda-ipc;
+  // 0 on the other paths): the counter behind the byte counts in docs/benchmarks.md.
+  Result<uint64_t> gpu_bytes_sent() const;
 
   // send holds world_size * recv_count elements; rank r receives block r of the reduction.
   Status reduce_scatter(const void* send, void* recv, size_t recv_count, DataType type,

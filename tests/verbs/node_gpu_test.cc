@@ -1,0 +1,185 @@
+// One node, several ranks as threads of this process on GPU 0 (one CUDA context: the ranks'
+// kernels run side by side, as on GPUs of their own): the one-node protocols — low-latency,
+// one-shot and two-shot (kernels/cuda_node_two_shot.cuh) — on the collectives matrix, and the
+// bytes each rank stores into its peers' memory, read from the kernels' counter.
+// Label gpu; skips itself without a CUDA device.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "gpu_world.h"
+
+namespace gradsync {
+namespace {
+
+using namespace std::chrono_literals;
+using testing::DaemonCluster;
+using testing::DaemonWorld;
+using testing::GpuWorld;
+using testing::gpu_count;
+
+// Every rank on GPU 0: the shape of n GPUs of one node, on the one GPU a test machine has.
+void on_gpu0(int, JoinOptions& o) { o.device = 0; }
+
+struct NodeShape {
+  int ranks;
+  const char* two_shot_min;  // GRADSYNC_GPU_TWOSHOT_MIN: "1" every allreduce/broadcast
+};
+
+class OneNode : public ::testing::TestWithParam<NodeShape> {
+ protected:
+  void SetUp() override {
+    if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+    ::setenv("GRADSYNC_GPU_TWOSHOT_MIN", GetParam().two_shot_min, 1);
+  }
+  void TearDown() override { ::unsetenv("GRADSYNC_GPU_TWOSHOT_MIN"); }
+};
+
+TEST_P(OneNode, CollectivesMatrixOnDeviceBuffers) {
+  const int n = GetParam().ranks;
+  DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 1, n, "node-matrix", 60s, on_gpu0);
+  ASSERT_EQ(world.join_error(), "");
+  for (int r = 0; r < n; ++r) ASSERT_EQ(world.comm(r).gpu_path(), "cuda-ipc") << "rank " << r;
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kAuto);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kAuto);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, OneNode,
+                         ::testing::Values(NodeShape{3, "1"}, NodeShape{4, "1"}, NodeShape{8, "1"},
+                                           NodeShape{4, "0"}, NodeShape{8, "0"}),
+                         [](const auto& info) {
+                           return "x" + std::to_string(info.param.ranks) +
+                                  (std::string(info.param.two_shot_min) == "0" ? "_OneShot" : "_TwoShot");
+                         });
+
+// Runs `iters` float32 sum allreduces of `count` elements (out of place, every rank's input
+// element i = rank + (i % 7)), checks every rank's result exactly, and returns the bytes each
+// rank's kernels stored into peers' memory and the slowest rank's microseconds per call.
+struct Measured {
+  std::vector<uint64_t> sent;
+  double us = 0;
+};
+Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters) {
+  const int n = world.size();
+  Measured m;
+  m.sent.assign(size_t(n), 0);
+  std::vector<double> us(size_t(n), 0);
+  auto st = world.run([&](int r) -> Status {
+    Communicator& comm = world.comm(r);
+    GS_RETURN_IF_ERROR(testing::cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
+    std::vector<float> host(count);
+    for (size_t i = 0; i < count; ++i) host[i] = float(r + int(i % 7));
+    float *in = nullptr, *out = nullptr;
+    cudaStream_t stream = nullptr;
+    GS_RETURN_IF_ERROR(testing::cuda_status(cudaMalloc(&in, count * 4), "cudaMalloc"));
+    GS_RETURN_IF_ERROR(testing::cuda_status(cudaMalloc(&out, count * 4), "cudaMalloc"));
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    cudaMemcpyAsync(in, host.data(), count * 4, cudaMemcpyHostToDevice, stream);
+    cudaStreamSynchronize(stream);
+    Status s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream);  // warm-up
+    cudaStreamSynchronize(stream);
+    if (s.ok()) s = comm.barrier();
+    auto before = comm.gpu_bytes_sent();
+    if (!before.ok()) s = before.status();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters && s.ok(); ++i)
+      s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream);
+    cudaStreamSynchronize(stream);
+    us[r] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+    if (s.ok()) s = comm.async_error();
+    auto after = comm.gpu_bytes_sent();
+    if (s.ok() && !after.ok()) s = after.status();
+    if (s.ok()) m.sent[r] = (*after - *before) / uint64_t(iters);
+    if (s.ok()) {
+      cudaMemcpyAsync(host.data(), out, count * 4, cudaMemcpyDeviceToHost, stream);
+      cudaStreamSynchronize(stream);
+      const float ranks_sum = float(n * (n - 1) / 2);
+      for (size_t i = 0; i < count && s.ok(); ++i) {
+        const float want = ranks_sum + float(n * int(i % 7));
+        if (host[i] != want)
+          s = {Code::kInternal, "element " + std::to_string(i) + " = " + std::to_string(host[i]) +
+                                    ", want " + std::to_string(want)};
+      }
+    }
+    if (s.ok()) s = comm.barrier();
+    cudaStreamDestroy(stream);
+    cudaFree(in);
+    cudaFree(out);
+    return s;
+  });
+  for (int r = 0; r < n; ++r) EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+  m.us = *std::max_element(us.begin(), us.end());
+  return m;
+}
+
+// The bytes argument of the one-node paths at 8 ranks: one-shot stores (n-1) S per rank,
+// two-shot 2 (n-1) ceil256(S / n): 4x fewer, to within the segments' rounding.
+TEST(OneNodeBytes, TwoShotSendsAQuarterOfOneShotAtEightRanks) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const int n = 8;
+  const size_t count = (size_t(4) << 20) / 4 + 3;  // 4 MiB + 12 bytes, odd
+  const uint64_t bytes = count * 4;
+  std::vector<uint64_t> one, two;
+  for (const char* min : {"0", "1"}) {
+    ::setenv("GRADSYNC_GPU_TWOSHOT_MIN", min, 1);
+    DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+    ASSERT_TRUE(cluster.ok()) << cluster.error();
+    DaemonWorld world(cluster, 1, n, std::string("node-bytes-") + min, 60s, on_gpu0);
+    ASSERT_EQ(world.join_error(), "");
+    (std::string(min) == "0" ? one : two) = allreduce_on_gpus(world, count, 3).sent;
+  }
+  ::unsetenv("GRADSYNC_GPU_TWOSHOT_MIN");
+  const uint64_t seg = ((bytes + n - 1) / n + 255) / 256 * 256;  // two_shot_segment_bytes
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(one[r], uint64_t(n - 1) * bytes) << "rank " << r << " one-shot";
+    // Round 1: every segment but its own (bytes - own); round 2: its own to n - 1 peers. The
+    // last segment is the short one.
+    const uint64_t own = std::min(seg, bytes - std::min(bytes, uint64_t(r) * seg));
+    EXPECT_EQ(two[r], bytes + uint64_t(n - 2) * own) << "rank " << r << " two-shot";
+    EXPECT_GE(double(one[r]) / double(two[r]), 3.99) << "rank " << r;
+  }
+  std::printf("bytes sent per rank and call, 8 ranks, %llu-byte float32 allreduce: one-shot %llu, "
+              "two-shot %llu (rank 0), ratio %.3f\n",
+              static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(one[0]),
+              static_cast<unsigned long long>(two[0]), double(one[0]) / double(two[0]));
+}
+
+// Time per call of both protocols, 8 ranks as threads sharing GPU 0 (one context: their
+// kernels run side by side; every "peer" store lands in the same HBM, so the time follows
+// the bytes moved). A measurement, not a test: --gtest_also_run_disabled_tests.
+TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const char* env = std::getenv("NODE_BENCH_RANKS");
+  const int n = env ? std::atoi(env) : 8;
+  const std::vector<size_t> sizes = {size_t(64) << 10, size_t(256) << 10, size_t(1) << 20,
+                                     size_t(4) << 20, size_t(16) << 20, size_t(64) << 20,
+                                     size_t(256) << 20};
+  std::vector<std::vector<Measured>> res(2);
+  for (int proto = 0; proto < 2; ++proto) {
+    ::setenv("GRADSYNC_GPU_TWOSHOT_MIN", proto == 0 ? "0" : "1", 1);
+    DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+    ASSERT_TRUE(cluster.ok()) << cluster.error();
+    DaemonWorld world(cluster, 1, n, "node-bench-" + std::to_string(proto), 120s, on_gpu0);
+    ASSERT_EQ(world.join_error(), "");
+    for (size_t b : sizes) res[proto].push_back(allreduce_on_gpus(world, b / 4, b >= (64u << 20) ? 5 : 20));
+  }
+  ::unsetenv("GRADSYNC_GPU_TWOSHOT_MIN");
+  std::printf("# float32 sum allreduce, 1 node x %d ranks as threads on GPU 0, out of place\n", n);
+  std::printf("# %10s %14s %14s %12s %12s %8s\n", "bytes", "sent 1-shot", "sent 2-shot", "us 1-shot",
+              "us 2-shot", "speedup");
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    std::printf("  %10zu %14llu %14llu %12.1f %12.1f %8.2f\n", sizes[i],
+                static_cast<unsigned long long>(res[0][i].sent[0]),
+                static_cast<unsigned long long>(res[1][i].sent[0]), res[0][i].us, res[1][i].us,
+                res[0][i].us / res[1][i].us);
+  }
+}
+
+}  // namespace
+}  // namespace gradsync
