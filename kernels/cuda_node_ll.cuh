@@ -55,7 +55,7 @@ __device__ inline void store_unit(S* buf, size_t u, size_t bytes, bool aligned8,
 
 // Waits for the line `line` to carry `flag` in both halves; its data goes to *v. False (error
 // recorded) on a deadline, an abort, or a failure another thread already recorded.
-__device__ bool read_line(const NodeArgs& a, const uint8_t* line, uint32_t flag, int peer,
+__device__ inline bool read_line(const NodeArgs& a, const uint8_t* line, uint32_t flag, int peer,
                           uint2* v) {
   uint32_t d0, f0, d1, f1;
   load_line(line, &d0, &f0, &d1, &f1);

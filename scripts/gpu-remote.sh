@@ -9,7 +9,7 @@
 # files come back, so more than 7 logs are packed into one gpu-logs.tar.gz).
 #
 # Environment: GPU_TEST_TIMEOUT (seconds per binary, default 150), MEMCHECK=0 (skip the
-# sanitizer), MEMCHECK_TIMEOUT (seconds per binary, default 120), MEMCHECK_FILTER (gtest filter
+# sanitizer), MEMCHECK_ONLY (the binaries to run under it, space-separated; default all), MEMCHECK_TIMEOUT (seconds per binary, default 120), MEMCHECK_FILTER (gtest filter
 # of the memcheck run; default per binary below), GTEST_FILTER (the plain run's filter).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -32,6 +32,9 @@ memcheck_filter() {
     cuda_reduce_test)
       local r=All/GpuReduce.*
       echo "$r/Float16Avg:$r/BFloat16Max:$r/Float32Sum:$r/Float64Min:$r/Int8Max:$r/UInt8Prod:$r/Int32Avg:$r/Int64Min:All/GpuFinishAvg.*/BFloat16:All/GpuFinishAvg.*/Int8:Floats/GpuArithmeticNaN.*:GpuCopy.*:GpuLaunch.*:GpuReduceLarge.*" ;;
+    node_gpu_test)
+      # Every one-node protocol and collective at 3 ranks (two-shot forced) and 4 (defaults).
+      echo 'Shapes/OneNode.*/x3_TwoShot:Shapes/OneNode.*/x4_OneShot' ;;
     *) echo '*' ;;
   esac
 }
@@ -60,7 +63,12 @@ for bin in bundle/bin/*_test; do
   rows+=("$(printf '%-22s %-9s %5s %6s %7s %4s %8s' "$name" plain "$p" "$f" "$s" "$rc" "$secs")")
   ((rc == 0)) || status=1
 
-  if [ "${MEMCHECK:-1}" != 0 ] && [ -n "$sanitizer" ]; then
+  # MEMCHECK_ONLY: a space-separated list of the binaries to run under memcheck (default all).
+  in_memcheck=1
+  [ -n "${MEMCHECK_ONLY:-}" ] && [[ " $MEMCHECK_ONLY " != *" $name "* ]] && in_memcheck=0
+  if ((in_memcheck == 0)); then
+    :
+  elif [ "${MEMCHECK:-1}" != 0 ] && [ -n "$sanitizer" ]; then
     mlog="$OUT/$name.memcheck.log"
     t0=$(date +%s%N)
     timeout -k 10 "$mc_timeout" "$sanitizer" --tool memcheck --leak-check no --error-exitcode 99 \
