@@ -106,6 +106,11 @@ bool poll_until(F done, Clock::time_point deadline) {
   }
 }
 
+// From this many bytes, allreduce and broadcast among 3 or more ranks of a node go two-shot:
+// measured with 8 ranks as threads on one H200, two-shot took 0.65x the one-shot path's speed
+// at 256 KiB and 1.56x at 1 MiB (docs/benchmarks.md).
+constexpr long kTwoShotMinBytes = 1 << 20;
+
 // The host-staged path cuts a call into pieces: the stream copies one while the worker runs
 // the host collective of another. A quarter of the call, from 4 to 8 MiB: smaller pieces
 // were slower (below, when ring threads started at 4 MiB; 2 MiB pieces with threads from
@@ -113,8 +118,6 @@ bool poll_until(F done, Clock::time_point deadline) {
 // Measured on the H200 host (2 nodes x 1 rank, 16 rings, 8 ring threads, GB/s at 8 / 32 /
 // 128 / 512 MiB): pieces of 2 MiB 1.8/2.0/2.1/2.4, 4 MiB 3.1/3.6/5.1/5.2, 8 MiB
 // 1.9/6.4/7.7/7.5, 16 MiB 1.8/5.9/6.7/6.6; a one-piece call is the slow case.
-// From this many bytes, allreduce and broadcast among 3 or more ranks of a node go two-shot.
-constexpr long kTwoShotMinBytes = 256 << 10;
 constexpr size_t kMinPiece = size_t(4) << 20;
 constexpr size_t kMaxPiece = size_t(8) << 20;
 
@@ -247,7 +250,7 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
               " KiB, low-latency lines to " + std::to_string(m.layout.ll_max_bytes >> 10) +
               " KiB; GRADSYNC_GPU_MEMORY_MAX); two-shot from " +
               (m.layout.nranks >= 3 && m.layout.two_shot_min_bytes
-                   ? std::to_string(m.layout.two_shot_min_bytes >> 10) + " KiB"
+                   ? std::to_string(m.layout.two_shot_min_bytes) + " bytes"
                    : std::string("never (") + (m.layout.nranks < 3 ? "2 ranks" : "off") + ")");
       if (m.timeline_asked) GS_RETURN_IF_ERROR(d->setup_timeline());
     } else {
@@ -307,7 +310,11 @@ Status DeviceComm::setup_ipc(bool* usable) {
   m.layout.ll_max_bytes = ll && *ll ? uint64_t(std::strtoull(ll, nullptr, 10)) : uint64_t(1 << 20);
   // From 3 ranks, allreduce and broadcast from this size go two-shot (kernels/
   // cuda_node_two_shot.cuh): 2 (n-1)/n of the buffer sent per rank instead of n - 1 buffers.
-  m.layout.two_shot_min_bytes = uint64_t(std::max(0L, env_long("GRADSYNC_GPU_TWOSHOT_MIN", kTwoShotMinBytes)));
+  // GRADSYNC_GPU_TWOSHOT_MIN=0: never.
+  const char* two_shot = std::getenv("GRADSYNC_GPU_TWOSHOT_MIN");
+  m.layout.two_shot_min_bytes = two_shot != nullptr && std::strcmp(two_shot, "0") == 0
+                                    ? 0
+                                    : uint64_t(env_long("GRADSYNC_GPU_TWOSHOT_MIN", kTwoShotMinBytes));
   // The region is this path's GPU memory: at most GRADSYNC_GPU_MEMORY_MAX MiB (default 320,
   // above the defaults at every rank count: 264 MiB at 2 ranks, 288 at 8); a smaller budget
   // shrinks the chunk, then the low-latency lines.

@@ -14,7 +14,7 @@
 //     all_gather      input to every peer; copies each peer's into its segment of recv;
 //     broadcast       the root pushes its buffer, the others copy it.
 //   That one-shot push sends n - 1 buffers per rank. From 3 ranks, allreduce and broadcast of
-//   at least GRADSYNC_GPU_TWOSHOT_MIN bytes (default 256 KiB) go two-shot instead
+//   at least GRADSYNC_GPU_TWOSHOT_MIN bytes (default 1 MiB) go two-shot instead
 //   (kernels/cuda_node_two_shot.cuh): a reduce_scatter (broadcast: a scatter from the root)
 //   then an all_gather, both by direct pushes, 2 (n-1)/n of the buffer per rank, what a ring
 //   sends, in 2 rounds instead of 2 (n-1) hops. Small calls keep the low-latency lines.

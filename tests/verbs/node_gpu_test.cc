@@ -5,11 +5,13 @@
 // Label gpu; skips itself without a CUDA device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "../unit/collective_matrix.h"
 #include "gpu_world.h"
 
 namespace gradsync {
@@ -77,8 +79,8 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters) {
     for (size_t i = 0; i < count; ++i) host[i] = float(r + int(i % 7));
     float *in = nullptr, *out = nullptr;
     cudaStream_t stream = nullptr;
-    GS_RETURN_IF_ERROR(testing::cuda_status(cudaMalloc(&in, count * 4), "cudaMalloc"));
-    GS_RETURN_IF_ERROR(testing::cuda_status(cudaMalloc(&out, count * 4), "cudaMalloc"));
+    GS_RETURN_IF_ERROR(testing::cuda_status(cudaMalloc(reinterpret_cast<void**>(&in), count * 4), "cudaMalloc"));
+    GS_RETURN_IF_ERROR(testing::cuda_status(cudaMalloc(reinterpret_cast<void**>(&out), count * 4), "cudaMalloc"));
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     cudaMemcpyAsync(in, host.data(), count * 4, cudaMemcpyHostToDevice, stream);
     cudaStreamSynchronize(stream);
