@@ -87,8 +87,14 @@ run() {
 import torch, torch.utils.cpp_extension as ce
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       "devices", torch.cuda.device_count(), "cxx11abi", torch.compiled_with_cxx11_abi())
-print("INCLUDES", " ".join(ce.include_paths(cuda=True)))
-print("LIBDIRS", " ".join(ce.library_paths(cuda=True)))
+# Older torch takes cuda=True, newer (2.11 on the H200 machine) device_type="cuda".
+def paths(f):
+    try:
+        return f(device_type="cuda")
+    except TypeError:
+        return f(cuda=True)
+print("INCLUDES", " ".join(paths(ce.include_paths)))
+print("LIBDIRS", " ".join(paths(ce.library_paths)))
 import sysconfig; print("PYINC", sysconfig.get_paths()["include"]); print("EXT", sysconfig.get_config_var("EXT_SUFFIX"))
 PY
   )

@@ -19,12 +19,24 @@ def check(name, ok, detail=""):
         sys.exit(1)
 
 
+def describe_backend():
+    """The gradsync backend's own description: torch 1.13's default group is our ProcessGroup;
+    torch 2.x wraps backends in a ProcessGroup and hands ours out per device."""
+    pg = dist.distributed_c10d._get_default_group()
+    if hasattr(pg, "describe"):
+        return pg.describe()
+    try:
+        return pg._get_backend(torch.device("cuda")).describe()
+    except (AttributeError, RuntimeError) as e:
+        return f"backend {dist.get_backend()} ({type(e).__name__}: {e})"
+
+
 def main():
     gradsync_torch.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    print(f"rank {rank}: torch {torch.__version__}, {dist.distributed_c10d._get_default_group().describe()}", flush=True)
+    print(f"rank {rank}: torch {torch.__version__}, {describe_backend()}", flush=True)
     gloo = dist.ProcessGroupGloo(dist.FileStore(f"/tmp/gradsync-gloo-{os.environ['GRADSYNC_JOB_ID']}", world), rank, world)
 
     x = torch.arange(1000, dtype=torch.float32, device=dev) * (rank + 1)
