@@ -3,28 +3,18 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/limits.h"
 #include "common/log.h"
+#include "common/secret.h"
 #include "topology/topology_summary.h"
 
 namespace gradsync::coordinator {
 namespace {
 
-// Larger worlds are almost certainly a corrupted request; the ring and peer table are O(n).
-constexpr uint32_t kMaxWorldSize = 1u << 20;
-
 Status invalid(const std::string& msg) { return {Code::kInvalidArgument, msg}; }
 
 long long to_ms(std::chrono::steady_clock::duration d) {
   return std::chrono::duration_cast<Millis>(d).count();
-}
-
-// Compares tokens in time independent of where they differ, so the error path does not
-// leak a prefix of the real token through timing.
-bool same_token(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const std::string& probe = a.size() == b.size() ? b : a;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ probe[i]);
-  return diff == 0;
 }
 
 // "rank 3" or "ranks 2,3": messages read as sentences.
@@ -205,7 +195,16 @@ void JobTable::lose_node(const std::string& node_id, const std::string& why) {
 Result<JoinTicket> JobTable::join(const JoinRequest& r, TimePoint now) {
   const std::string where = "JoinJob job=" + r.job_id + " node=" + r.node_id + ": ";
   if (r.job_id.empty()) return invalid("JoinJob node=" + r.node_id + ": job_id is empty");
+  if (Status id = check_job_id(r.job_id); !id.ok()) return invalid("JoinJob node=" + r.node_id + ": " + id.message());
   if (r.world_size == 0) return invalid(where + "world_size must be at least 1");
+  if (r.token.size() > kMaxTokenBytes) {
+    return invalid(where + "token longer than " + std::to_string(kMaxTokenBytes) + " bytes");
+  }
+  if (r.token.empty() && r.ranks.size() < r.world_size) {
+    return Status(Code::kPermissionDenied,
+                  where + "a job over several nodes needs a job token ($GRADSYNC_JOB_TOKEN or gradsyncrun "
+                          "--token-file), the same on every node: without one anyone could join it");
+  }
   if (r.world_size > kMaxWorldSize) {
     return invalid(where + "world_size " + std::to_string(r.world_size) + " exceeds the limit of " +
                    std::to_string(kMaxWorldSize));
@@ -239,7 +238,7 @@ Result<JoinTicket> JobTable::join(const JoinRequest& r, TimePoint now) {
     bool open = g.state == GenState::kForming || g.state == GenState::kActive;
     if (open && !g.claims.empty()) {
       const Claim& first = g.claims.begin()->second;
-      if (!same_token(g.token, r.token)) {
+      if (!same_secret(g.token, r.token)) {
         return Status(Code::kPermissionDenied,
                       "wrong token for job " + job.id + " (gen " + std::to_string(g.number) +
                           "): " + node_label(first.node_id, first.hostname) +

@@ -17,6 +17,9 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 bin=$PWD/bundle/bin
+# Multi-node jobs need a job token (gradsyncrun refuses one without): a random one per run,
+# passed to every node through the environment, never on a command line.
+export GRADSYNC_JOB_TOKEN=${GRADSYNC_JOB_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 export LD_LIBRARY_PATH=$PWD/bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export NCCL_NVLS_ENABLE=0
 what=${1:-all}

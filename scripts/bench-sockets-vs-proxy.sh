@@ -12,6 +12,9 @@ if [ "${SKIP_GPU:-0}" = 1 ]; then bin=$PWD/${GRADSYNC_BUILD_DIR:-build}/bin
 else export LD_LIBRARY_PATH=$PWD/bundle/lib; bin=$PWD/bundle/bin; fi
 # GRADSYNC_BIN_DIR: the binaries to run instead (SKIP_GPU=1 over bundle/bin on the GPU machine).
 bin=${GRADSYNC_BIN_DIR:-$bin}
+# Multi-node jobs need a job token (gradsyncrun refuses one without): a random one per run,
+# passed to every node through the environment, never on a command line.
+export GRADSYNC_JOB_TOKEN=${GRADSYNC_JOB_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 OUT=${OUT:-$PWD/bench-out/sockets-vs-proxy}; mkdir -p "$OUT"
 two() {  # label, env, bench args
   local label=$1 envs=$2; shift 2

@@ -149,9 +149,12 @@ void abort_job(void* base, const ShmLayout& layout, int failed_rank, const std::
 
 Status aborted_status(const WaitContext& ctx) {
   if (ctx.control && ctx.control->aborted.load(std::memory_order_acquire)) {
-    return {Code::kAborted, std::string(ctx.control->reason)};
+    // The reason lives in memory every rank can write: never read past its array.
+    return {Code::kAborted, std::string(ctx.control->reason, ::strnlen(ctx.control->reason, kAbortReasonBytes))};
   }
-  return {Code::kAborted, ctx.local_abort_reason ? *ctx.local_abort_reason : "aborted"};
+  // The reason is written before the flag is raised, and only read after it was seen.
+  const bool local = ctx.local_abort && ctx.local_abort->load(std::memory_order_acquire);
+  return {Code::kAborted, local && ctx.local_abort_reason ? *ctx.local_abort_reason : "aborted"};
 }
 
 Channel::Channel(void* base, const ShmLayout& layout, uint32_t index)

@@ -1,5 +1,6 @@
 #include "channel/shared_memory.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 
@@ -27,10 +28,15 @@ SharedMemory& SharedMemory::operator=(SharedMemory&& other) noexcept {
 }
 
 Result<SharedMemory> SharedMemory::create(const std::string& name, size_t bytes) {
-  Fd fd(::memfd_create(name.c_str(), MFD_CLOEXEC));
+  Fd fd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return Status(Code::kInternal, errno_string("memfd_create"));
   if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
     return Status(Code::kInternal, errno_string("ftruncate of shared memory"));
+  }
+  // Whoever receives the descriptor can write the region but not resize it: a shrink would
+  // make every access of the creator past the new end fault (SIGBUS).
+  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    return Status(Code::kInternal, errno_string("sealing the shared memory (F_ADD_SEALS)"));
   }
   return map(std::move(fd), bytes);
 }

@@ -18,7 +18,8 @@ class SharedMemory {
   SharedMemory(const SharedMemory&) = delete;
   SharedMemory& operator=(const SharedMemory&) = delete;
 
-  // A new zero-filled region of `bytes`.
+  // A new zero-filled region of `bytes`, sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW):
+  // a process it is passed to cannot pull memory out from under the creator.
   static Result<SharedMemory> create(const std::string& name, size_t bytes);
   // Maps a region received from another process; checks its size first. `populate` faults
   // every page in now (MAP_POPULATE), so the first collectives do not pay page faults on

@@ -221,9 +221,7 @@ class CommunicatorImpl {
       if (left_) return already_left();
     }
     // Our own waits stop at once through the local flag; the daemon spreads it to the others.
-    lost_daemon_reason_ = "job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
-                          " aborted the job: " + reason;
-    lost_daemon_.store(true, std::memory_order_release);
+    stop_local_waits("job=" + opts_.job + " rank " + std::to_string(opts_.rank) + " aborted the job: " + reason);
     v1::ClientMessage req;
     req.mutable_abort()->set_reason(reason);
     std::lock_guard lock(send_mu_);
@@ -443,12 +441,20 @@ class CommunicatorImpl {
       if (fds[1].revents) return;
       if (rc < 0 || fds[0].revents) break;
     }
-    if (lost_daemon_.load(std::memory_order_acquire)) return;  // this rank aborted first
-    lost_daemon_reason_ = "job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
-                          ": lost the connection to gradsyncd at " + daemon_.socket_path() +
-                          " (the daemon died or was stopped)";
-    lost_daemon_.store(true, std::memory_order_release);
+    stop_local_waits("job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
+                     ": lost the connection to gradsyncd at " + daemon_.socket_path() +
+                     " (the daemon died or was stopped)");
     // Sleeping waiters notice the flag within one wait slice (channel.cc).
+  }
+
+  // The first caller (abort() or the monitor thread) writes the reason, then raises the flag
+  // that waiters test before they read it; later callers change nothing. So the string is
+  // written once, before anyone can read it.
+  void stop_local_waits(std::string reason) {
+    bool expected = false;
+    if (!lost_daemon_claimed_.compare_exchange_strong(expected, true, std::memory_order_acq_rel)) return;
+    lost_daemon_reason_ = std::move(reason);
+    lost_daemon_.store(true, std::memory_order_release);
   }
 
   JoinOptions opts_;
@@ -462,7 +468,8 @@ class CommunicatorImpl {
   Algorithm forced_ = Algorithm::kAuto;
   WaitContext wait_;
   std::atomic<bool> lost_daemon_{false};  // or aborted by this rank: waits stop
-  std::string lost_daemon_reason_;
+  std::string lost_daemon_reason_;  // written once, by stop_local_waits, before lost_daemon_
+  std::atomic<bool> lost_daemon_claimed_{false};
   std::mutex send_mu_;  // one writer at a time on the daemon connection
   Fd wake_;
   Status failed_;  // worker thread only

@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -116,14 +117,16 @@ Status send_frame(int sock, const google::protobuf::MessageLite& msg, const std:
   return write_all(sock, frame.data() + n, frame.size() - static_cast<size_t>(n));
 }
 
-Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, Fd* passed) {
+Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, Fd* passed,
+                  uint32_t max_bytes) {
   std::vector<Fd> fds;
-  Status s = recv_frame(sock, msg, deadline, &fds);
+  Status s = recv_frame(sock, msg, deadline, &fds, max_bytes);
   if (passed && !fds.empty()) *passed = std::move(fds.front());
   return s;
 }
 
-Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, std::vector<Fd>* passed) {
+Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, std::vector<Fd>* passed,
+                  uint32_t max_bytes) {
   GS_RETURN_IF_ERROR(wait_readable(sock, deadline));
   uint32_t len = 0;
   iovec iov{&len, sizeof(len)};
@@ -153,8 +156,9 @@ Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadlin
   if (static_cast<size_t>(n) < sizeof(len)) {
     GS_RETURN_IF_ERROR(read_all(sock, reinterpret_cast<char*>(&len) + n, sizeof(len) - n, deadline));
   }
-  if (len > kMaxFrameBytes) {
-    return {Code::kInternal, "frame of " + std::to_string(len) + " bytes exceeds the limit"};
+  if (len > std::min(max_bytes, kMaxFrameBytes)) {
+    return {Code::kInternal, "frame of " + std::to_string(len) + " bytes exceeds the limit of " +
+                                 std::to_string(std::min(max_bytes, kMaxFrameBytes))};
   }
   std::string body(len, '\0');
   GS_RETURN_IF_ERROR(read_all(sock, body.data(), len, deadline));

@@ -22,10 +22,12 @@ Status send_frame(int sock, const google::protobuf::MessageLite& msg, const std:
 
 // Reads one frame; fills `*passed` when the sender attached a descriptor. kUnavailable on EOF,
 // kDeadlineExceeded when `deadline` passes first.
+// A frame longer than `max_bytes` is refused before anything is allocated for it.
 Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline,
-                  Fd* passed = nullptr);
+                  Fd* passed = nullptr, uint32_t max_bytes = kMaxFrameBytes);
 // The same, keeping every attached descriptor in order.
-Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, std::vector<Fd>* passed);
+Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, std::vector<Fd>* passed,
+                  uint32_t max_bytes = kMaxFrameBytes);
 
 // Writes/reads exactly `len` bytes (retrying on EINTR and short transfers).
 Status write_all(int sock, const void* data, size_t len);

@@ -41,4 +41,18 @@ void set_level(const std::string& level) {
   spdlog::apply_all([](const std::shared_ptr<spdlog::logger>& l) { l->set_level(g_level); });
 }
 
+bool RateLimit::allow(uint64_t* held_back) {
+  std::lock_guard lock(mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (any_ && now - last_ < period_) {
+    ++held_;
+    return false;
+  }
+  any_ = true;
+  last_ = now;
+  *held_back = held_;
+  held_ = 0;
+  return true;
+}
+
 }  // namespace gradsync::log

@@ -14,7 +14,9 @@
 #include "common/framing.h"
 #include "collectives/topology.h"
 #include "common/log.h"
+#include "common/secret.h"
 #include "daemon/ring_count.h"
+#include "daemon/trainer_request.h"
 #include "daemon/transport_choice.h"
 #include "topology/node_info.h"
 #include "topology/topology_summary.h"
@@ -34,6 +36,10 @@ constexpr std::chrono::milliseconds kMinCoordinatorJoin{1'000};
 constexpr std::chrono::milliseconds kLeaderSlack{3'000};
 // How long a finished job may take to flush its last slots to peers before it is cut.
 constexpr std::chrono::milliseconds kDrainTimeout{30'000};
+// How long a connection on the trainer socket may stay silent before it joined a job, and how
+// long a peer daemon may take to send its Hello.
+constexpr std::chrono::milliseconds kIdleBeforeJoin{10'000};
+constexpr std::chrono::milliseconds kHelloTimeout{10'000};
 // How long ~Daemon waits for its connection threads to see their peers hang up.
 constexpr std::chrono::milliseconds kThreadExitWait{10'000};
 
@@ -172,9 +178,16 @@ Status Daemon::start() {
 
   // Proxy listener first: its port goes into the registration. The default listens on every
   // IPv6 and IPv4 address ("::" is dual-stack on Linux), falling back to IPv4 only.
+  // A coordinator on loopback means every node is this machine (standalone, tests): then the
+  // data port is not reachable from other machines at all.
   uint16_t port = 0;
-  auto listener = tcp_listen(cfg_.data_listen.empty() ? "::" : cfg_.data_listen, cfg_.data_port, &port);
-  if (!listener.ok() && cfg_.data_listen.empty()) listener = tcp_listen("0.0.0.0", cfg_.data_port, &port);
+  std::string listen_on = cfg_.data_listen;
+  if (listen_on.empty() && is_loopback(cfg_.coordinator) && cfg_.data_host.empty() && cfg_.ifname.empty()) {
+    listen_on = "127.0.0.1";
+    log->info("data port on loopback only: the coordinator is on loopback, so every node is this machine");
+  }
+  auto listener = tcp_listen(listen_on.empty() ? "::" : listen_on, cfg_.data_port, &port);
+  if (!listener.ok() && listen_on.empty()) listener = tcp_listen("0.0.0.0", cfg_.data_port, &port);
   if (!listener.ok()) return listener.status();
   peer_listener_ = std::move(listener).value();
   std::string why;
@@ -220,8 +233,12 @@ Status Daemon::start() {
                                             [this](const v1::Event& ev) { on_event(ev); });
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
 
-  trainer_acceptor_ = std::thread([this] { accept_loop(trainer_listener_.get(), &Daemon::serve_trainer); });
-  peer_acceptor_ = std::thread([this] { accept_loop(peer_listener_.get(), &Daemon::serve_peer); });
+  trainer_acceptor_ = std::thread([this] {
+    accept_loop(trainer_listener_.get(), &Daemon::serve_trainer, &trainer_threads_, "trainer-socket");
+  });
+  peer_acceptor_ = std::thread([this] {
+    accept_loop(peer_listener_.get(), &Daemon::serve_peer, &peer_threads_, "data-port");
+  });
   log->info("gradsyncd node={} serving trainers on {} proxy on {} topology: {}",
             cfg_.node_name, cfg_.socket_path, endpoint_, topology::describe(topo));
   if (!cfg_.ready_file.empty()) GS_RETURN_IF_ERROR(write_file_atomically(cfg_.ready_file, endpoint_));
@@ -259,20 +276,24 @@ void Daemon::stop() {
   ::unlink(cfg_.socket_path.c_str());
 }
 
-void Daemon::spawn(std::function<void()> fn) {
+bool Daemon::spawn(std::function<void()> fn, int* running) {
   {
     std::lock_guard lock(mu_);
+    if (*running >= static_cast<int>(cfg_.max_connections)) return false;
+    ++*running;
     ++threads_;
   }
-  std::thread([this, fn = std::move(fn)] {
+  std::thread([this, running, fn = std::move(fn)] {
     fn();
     std::lock_guard lock(mu_);
+    --*running;
     --threads_;
     cv_.notify_all();
   }).detach();
+  return true;
 }
 
-void Daemon::accept_loop(int listener, void (Daemon::*serve)(Fd)) {
+void Daemon::accept_loop(int listener, void (Daemon::*serve)(Fd), int* running, const char* what) {
   pollfd fds[2] = {{listener, POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
   for (;;) {
     if (::poll(fds, 2, -1) < 0 && errno != EINTR) return;
@@ -280,8 +301,19 @@ void Daemon::accept_loop(int listener, void (Daemon::*serve)(Fd)) {
     if (!(fds[0].revents & POLLIN)) continue;
     Fd sock(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
     if (!sock.valid()) continue;
-    spawn([this, serve, s = std::make_shared<Fd>(std::move(sock))]() mutable { (this->*serve)(std::move(*s)); });
+    auto shared = std::make_shared<Fd>(std::move(sock));
+    if (spawn([this, serve, shared]() mutable { (this->*serve)(std::move(*shared)); }, running)) continue;
+    // At the cap: the connection is closed at once (when `shared` goes).
+    warn_limited(running == &trainer_threads_ ? trainer_cap_log_ : peer_cap_log_, std::string("refused a ") + what + " connection: " + std::to_string(cfg_.max_connections) +
+                               " are open, the limit (--max-connections): a flood of connections, or raise the limit");
   }
+}
+
+void Daemon::warn_limited(log::RateLimit& limit, const std::string& message) {
+  uint64_t held = 0;
+  if (!limit.allow(&held)) return;
+  if (held == 0) dlog()->warn("{}", message);
+  else dlog()->warn("{} (and {} more like it since the last such warning)", message, held);
 }
 
 void Daemon::serve_trainer(Fd sock) {
@@ -290,7 +322,8 @@ void Daemon::serve_trainer(Fd sock) {
   socklen_t len = sizeof(cred);
   if (::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return;
   if (cred.uid != 0 && cred.uid != ::geteuid() && cred.gid != ::getegid()) {
-    log->warn("refused trainer pid={} uid={}: neither this daemon's user nor group", cred.pid, cred.uid);
+    warn_limited(trainer_log_, "refused trainer pid=" + std::to_string(cred.pid) + " uid=" + std::to_string(cred.uid) +
+                                   ": neither this daemon's user nor group");
     (void)send_frame(sock.get(), error_message({Code::kPermissionDenied,
         "gradsyncd on " + hostname_ + " serves only uid " + std::to_string(::geteuid()) +
         " or gid " + std::to_string(::getegid())}));
@@ -301,9 +334,20 @@ void Daemon::serve_trainer(Fd sock) {
   uint32_t rank = 0;
   for (;;) {
     v1::ClientMessage msg;
-    Fd ignored;
-    Status s = recv_frame(sock.get(), &msg, Deadline::max(), &ignored);
-    if (!s.ok()) break;  // EOF: the trainer is gone
+    // Until it joined, a connection holds one of the limited connection threads for nothing:
+    // it must say something every kIdleBeforeJoin. A member of a job may stay quiet.
+    Status s = read_trainer_request(sock.get(), &msg, job ? Deadline::max() : deadline_after(kIdleBeforeJoin));
+    if (!s.ok()) {
+      if (!job && s.code() == Code::kDeadlineExceeded) {
+        warn_limited(trainer_log_, "closed the trainer-socket connection of pid " + std::to_string(cred.pid) +
+                                       ": nothing sent for " + std::to_string(kIdleBeforeJoin.count() / 1000) +
+                                       " s before a join");
+      } else if (!job && s.code() != Code::kUnavailable) {
+        warn_limited(trainer_log_, "closed the trainer-socket connection of pid " + std::to_string(cred.pid) +
+                                       ": " + s.message());
+      }
+      break;  // EOF: the trainer is gone
+    }
     v1::DaemonMessage reply;
     if (msg.has_attach()) {
       reply.mutable_attach()->set_node_name(cfg_.node_name);
@@ -387,15 +431,7 @@ void Daemon::serve_trainer(Fd sock) {
 Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint32_t pid) {
   const std::string who = "job=" + req.job_id() + " rank " + std::to_string(req.rank()) +
                           " (pid " + std::to_string(pid) + ") on " + hostname_ + ": ";
-  if (req.job_id().empty()) return Status(Code::kInvalidArgument, who + "empty job id");
-  if (req.world_size() == 0) return Status(Code::kInvalidArgument, who + "world size 0");
-  if (req.rank() >= req.world_size()) {
-    return Status(Code::kInvalidArgument, who + "rank >= world size " + std::to_string(req.world_size()));
-  }
-  if (req.local_world_size() == 0 || req.local_world_size() > req.world_size()) {
-    return Status(Code::kInvalidArgument, who + "local world size " +
-                                              std::to_string(req.local_world_size()) + " out of range");
-  }
+  GS_RETURN_IF_ERROR(check_join_request(req, pid, hostname_));
   auto timeout = std::chrono::milliseconds(req.timeout_ms() ? req.timeout_ms() : 60'000);
 
   std::unique_lock lock(mu_);
@@ -418,7 +454,7 @@ Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint3
                                             std::to_string(job->local_world_size) +
                                             " local ranks on this node and is running");
   }
-  if (job->token != req.token()) return Status(Code::kPermissionDenied, who + "wrong token for job " + req.job_id());
+  if (!same_secret(job->token, req.token())) return Status(Code::kPermissionDenied, who + "wrong token for job " + req.job_id());
   if (job->world_size != req.world_size() || job->local_world_size != req.local_world_size()) {
     return Status(Code::kInvalidArgument,
                   who + "world size " + std::to_string(req.world_size()) + " / local world size " +
@@ -578,7 +614,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
                                                     : no_rdma + "; that node's proxy pumps them");
     }
     ProxyHello hello{job->id, via, job->generation, tag, src, dst};
-    auto sock = proxy_connect(job->endpoints[dst].proxy(), hello, deadline_after(kPeerAcceptTimeout));
+    auto sock = proxy_connect(job->endpoints[dst].proxy(), hello, job->token, deadline_after(kPeerAcceptTimeout));
     if (!sock.ok()) {
       return {sock.status().code(), job->ids() + " rank " + std::to_string(src) + " -> " +
                                         job->peer_name(dst) + ": " + sock.status().message()};
@@ -588,8 +624,13 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
       job->rank_sockets[index] = std::move(sock).value();
       continue;
     }
+    std::string local;
+    {
+      std::lock_guard lock(mu_);
+      local = job->member_name(src, hostname_);
+    }
     PumpContext ctx{job->shm, job->layout, index, &job->stop, &job->drain, job->peer_name(dst),
-                    job->ids() + " ch=" + std::to_string(index)};
+                    job->ids() + " ch=" + std::to_string(index), static_cast<int>(src), local};
     std::unique_ptr<ChannelPump> pump;
 #if GRADSYNC_HAVE_VERBS
     if (via == ChannelTransport::kVerbs) {
@@ -639,12 +680,28 @@ Status Daemon::await_rank_sockets(const std::shared_ptr<LocalJob>& job) {
 }
 
 void Daemon::serve_peer(Fd sock) {
-  auto log = dlog();
-  auto hello = proxy_read_hello(sock.get(), deadline_after(kPeerAcceptTimeout));
+  // Nothing of the job is touched before the connector proved its token: read the Hello,
+  // challenge it with a fresh nonce, read its proof, and only then look at the job.
+  auto hello = proxy_read_hello(sock.get(), deadline_after(kHelloTimeout));
   if (!hello.ok()) {
-    log->warn("rejected proxy connection: {}", hello.status().message());
+    warn_limited(peer_log_, "rejected a data-port connection: " + hello.status().message());
     return;
   }
+  const std::string channel = "job=" + hello->job + " gen=" + std::to_string(hello->generation) + " channel " +
+                              std::to_string(hello->src_rank) + " -> " + std::to_string(hello->dst_rank) +
+                              " (tag " + std::to_string(hello->tag) + ")";
+  auto challenge = hello_challenge(sock.get());
+  if (!challenge.ok()) return;
+  auto proof = hello_read_proof(sock.get(), deadline_after(kHelloTimeout));
+  if (!proof.ok()) {
+    warn_limited(peer_log_, "rejected a data-port connection for " + channel + ": no proof of the job token (" +
+                                proof.status().message() + ")");
+    return;
+  }
+  auto refuse = [&](const Status& why) {
+    warn_limited(peer_log_, "rejected a data-port connection for " + channel + ": " + why.message());
+    (void)proxy_reply(sock.get(), why);
+  };
   std::unique_lock lock(mu_);
   std::shared_ptr<LocalJob> job;
   bool found = cv_.wait_until(lock, deadline_after(kPeerAcceptTimeout), [&] {
@@ -653,28 +710,46 @@ void Daemon::serve_peer(Fd sock) {
     job = it->second;
     return job->generation == hello->generation && job->shm != nullptr;
   });
-  int idx = -1;
-  if (found) {
-    auto it = job->incoming.find({hello->tag, hello->src_rank, hello->dst_rank});
-    if (it != job->incoming.end()) idx = static_cast<int>(it->second);
+  if (!found) {
+    lock.unlock();
+    return refuse({Code::kNotFound, "no generation " + std::to_string(hello->generation) + " of job " + hello->job +
+                                        " is running on " + hostname_});
   }
+  if (!same_mac(*proof, hello_proof(job->token, *hello, *challenge, HelloRole::kConnector))) {
+    lock.unlock();
+    return refuse({Code::kPermissionDenied, "the proof of the job token is wrong (a wrong token, or a forged or "
+                                            "replayed Hello)"});
+  }
+  int idx = -1;
+  auto it = job->incoming.find({hello->tag, hello->src_rank, hello->dst_rank});
+  if (it != job->incoming.end() && !job->is_local(hello->src_rank)) idx = static_cast<int>(it->second);
   if (idx < 0) {
     lock.unlock();
-    std::string why = "no generation " + std::to_string(hello->generation) + " of job " + hello->job +
-                      " with a channel " + std::to_string(hello->src_rank) + " -> " +
-                      std::to_string(hello->dst_rank) + " (tag " + std::to_string(hello->tag) + ") on " + hostname_;
-    log->warn("rejected proxy connection: {}", why);
-    (void)proxy_reply(sock.get(), {Code::kNotFound, why});
-    return;
+    return refuse({Code::kNotFound, "no such cross-node channel into " + hostname_});
   }
+  // The transport is the one both daemons derive from the peer table, nothing else.
+  const ChannelTransport agreed = channel_transport(job->endpoints[hello->src_rank], job->endpoints[hello->dst_rank]);
+  if (hello->transport != agreed) {
+    lock.unlock();
+    return refuse({Code::kFailedPrecondition, std::string("asked for a channel over ") + to_string(hello->transport) +
+                                                  ", but the two nodes agreed on " + to_string(agreed)});
+  }
+  // One connection per channel: a second one (a replay, or a confused peer) is refused and the
+  // first keeps the channel.
+  if (!job->connected.insert(static_cast<uint32_t>(idx)).second) {
+    lock.unlock();
+    return refuse({Code::kAlreadyExists, "the channel is already connected; this second connection is refused "
+                                         "and the first one keeps it"});
+  }
+  const Mac accept = hello_proof(job->token, *hello, *challenge, HelloRole::kAcceptor);
   PumpContext ctx{job->shm, job->layout, static_cast<uint32_t>(idx), &job->stop, &job->drain,
-                  job->peer_name(hello->src_rank), job->ids() + " ch=" + std::to_string(idx)};
-  if (hello->transport == ChannelTransport::kVerbs) {
+                  job->peer_name(hello->src_rank), job->ids() + " ch=" + std::to_string(idx), -1, ""};
+  if (agreed == ChannelTransport::kVerbs) {
 #if GRADSYNC_HAVE_VERBS
     if (verbs_ && job->verbs_mr) {
       auto vmr = job->verbs_mr;
       lock.unlock();  // the set-up talks to the peer; pump_failure takes mu_
-      if (!proxy_reply(sock.get(), Status::Ok()).ok()) return;
+      if (!hello_accept(sock.get(), accept).ok()) return;
       auto started = VerbsPump::start_receiver(verbs_, std::move(vmr), std::move(ctx), hello->tag, std::move(sock),
                                                pump_failure(job), deadline_after(kPeerAcceptTimeout));
       if (!started.ok()) {
@@ -687,28 +762,16 @@ void Daemon::serve_peer(Fd sock) {
     }
 #endif
     lock.unlock();
-    std::string why = "rank " + std::to_string(hello->src_rank) + "'s node asked for a verbs channel but " +
-                      hostname_ + " runs tcp between nodes (" +
-                      (verbs_ ? "the job's memory is not registered" : "no usable RDMA port") + ")";
-    log->warn("rejected proxy connection: {}", why);
-    (void)proxy_reply(sock.get(), {Code::kFailedPrecondition, why});
-    return;
+    return refuse({Code::kFailedPrecondition, hostname_ + " cannot run a verbs channel (" +
+                                                  (verbs_ ? "the job's memory is not registered" : "no usable RDMA port") +
+                                                  ")"});
   }
-  if (hello->transport == ChannelTransport::kTcpRank) {
-    if (!job->endpoints[hello->src_rank].rank_sockets() || !cfg_.rank_sockets) {
-      lock.unlock();
-      std::string why = "rank " + std::to_string(hello->src_rank) + "'s node asked for a rank-owned socket but " +
-                        hostname_ + " pumps TCP channels in its proxy (--proxy-tcp)";
-      log->warn("rejected proxy connection: {}", why);
-      (void)proxy_reply(sock.get(), {Code::kFailedPrecondition, why});
-      return;
-    }
-    if (!proxy_reply(sock.get(), Status::Ok()).ok()) return;
+  if (!hello_accept(sock.get(), accept).ok()) return;
+  if (agreed == ChannelTransport::kTcpRank) {
     job->rank_sockets[static_cast<uint32_t>(idx)] = std::move(sock);
     cv_.notify_all();  // connect_job waits for every incoming one
     return;
   }
-  if (!proxy_reply(sock.get(), Status::Ok()).ok()) return;
   job->pumps.push_back(Pump::start_receiver(std::move(ctx), std::move(sock), pump_failure(job)));
 }
 

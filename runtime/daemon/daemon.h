@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "common/log.h"
 #include "daemon/coordinator_link.h"
 #include "daemon/local_job.h"
 #include "topology/node_info.h"
@@ -24,7 +25,8 @@ struct DaemonConfig {
   std::string coordinator = "127.0.0.1:29500";
   std::string socket_path = "/run/gradsync/gradsyncd.sock";
   std::string node_name;         // default: hostname
-  std::string data_listen;       // proxy listen host; default "::" (dual stack), else 0.0.0.0
+  std::string data_listen;       // proxy listen host; default 127.0.0.1 when the coordinator is on
+                                 // loopback (one machine), else "::" (dual stack), else 0.0.0.0
   std::string ifname;            // interface whose address peers use (GRADSYNC_SOCKET_IFNAME)
   uint16_t data_port = 0;        // 0: any free port
   std::string data_host;         // advertised to peers; default chosen from the coordinator address
@@ -47,6 +49,9 @@ struct DaemonConfig {
   // The verbs function table; null loads libibverbs.so.1. Tests pass verbs::emulated_ibv().
   const verbs::IbvApi* ibv = nullptr;
   std::chrono::milliseconds register_timeout{30'000};
+  // Connections served at once on each of the trainer socket and the data port; more are
+  // closed at once and logged (--max-connections, GRADSYNC_MAX_CONNECTIONS).
+  uint32_t max_connections = 512;
 };
 
 class Daemon {
@@ -65,11 +70,15 @@ class Daemon {
 
  private:
   Result<std::string> choose_data_host(const topology::NodeInfo& topo, std::string* why) const;
-  // Accepts on `listener` until stop(), serving each connection on its own thread.
-  void accept_loop(int listener, void (Daemon::*serve)(Fd));
+  // Accepts on `listener` until stop(), serving each connection on its own thread, at most
+  // cfg_.max_connections at once (counted in *running); `what` names the listener in logs.
+  void accept_loop(int listener, void (Daemon::*serve)(Fd), int* running, const char* what);
   void serve_trainer(Fd sock);
   void serve_peer(Fd sock);
-  void spawn(std::function<void()> fn);
+  // Warnings a stranger can trigger at will: at most one a second per kind.
+  void warn_limited(log::RateLimit& limit, const std::string& message);
+  // Runs `fn` on a detached thread unless *running is at the cap (then false).
+  bool spawn(std::function<void()> fn, int* running);
 
   Result<std::shared_ptr<LocalJob>> join(const v1::JoinRequest& req, uint32_t pid);
   Status connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::milliseconds timeout);
@@ -99,6 +108,9 @@ class Daemon {
   std::map<std::string, std::shared_ptr<LocalJob>> jobs_;
   bool stopping_ = false;
   int threads_ = 0;  // connection threads running (spawn)
+  int trainer_threads_ = 0;  // of those, serving the trainer socket
+  int peer_threads_ = 0;     // and the data port
+  log::RateLimit trainer_cap_log_, peer_cap_log_, trainer_log_, peer_log_;
 
   std::thread trainer_acceptor_;
   std::thread peer_acceptor_;

@@ -71,6 +71,12 @@ std::string LocalJob::peer_name(uint32_t rank) const {
   return "rank " + std::to_string(rank) + " (host " + host_of(rank) + ", gradsyncd " + ep + ")";
 }
 
+std::string LocalJob::member_name(uint32_t rank, const std::string& host) const {
+  auto it = members.find(rank);
+  std::string pid = it == members.end() ? "?" : std::to_string(it->second.pid);
+  return "rank " + std::to_string(rank) + " (pid " + pid + ", host " + host + ")";
+}
+
 bool LocalJob::all_left() const {
   return std::all_of(members.begin(), members.end(), [](auto& m) { return m.second.left; });
 }

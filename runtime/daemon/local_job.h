@@ -6,6 +6,7 @@
 #include <atomic>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -58,6 +59,8 @@ struct LocalJob {
   // Connected sockets of rank-owned TCP channels (ChannelTransport::kTcpRank), by channel
   // index, until the local rank that owns the channel end takes them with its join reply.
   std::map<uint32_t, Fd> rank_sockets;
+  // Incoming channels a peer daemon connected (by index): each accepts exactly one connection.
+  std::set<uint32_t> connected;
   std::atomic<bool> stop{false};        // aborted or torn down: pumps exit
   std::atomic<bool> drain{false};       // every local rank left: senders flush, then Bye
   bool aborted = false;
@@ -77,6 +80,8 @@ struct LocalJob {
   std::vector<Fd> take_rank_sockets(v1::ChannelSetup* setup);
   std::string host_of(uint32_t rank) const;
   std::string peer_name(uint32_t rank) const;  // "rank 3 (host h, gradsyncd h:p)"
+  // A local rank as the errors that blame it name it: "rank 0 (pid 123, host h)".
+  std::string member_name(uint32_t rank, const std::string& host) const;
   bool all_left() const;
   // While collecting: the local ranks that have not come, assuming this node's ranks are
   // contiguous (rank - local_rank is the same for all), as launchers place them.

@@ -36,6 +36,8 @@ void usage(FILE* out) {
                "  --ib-hca NAME             RDMA device for verbs channels ($GRADSYNC_IB_HCA; default the first)\n"
                "  --ib-port N               its port (default 1)\n"
                "  --gid-index N             RoCE GID index ($GRADSYNC_IB_GID_INDEX; default: IPv4-mapped v2)\n"
+               "  --max-connections N       connections served at once per listener (default 512,\n"
+               "                            $GRADSYNC_MAX_CONNECTIONS); more are closed and logged\n"
                "  --ready-file PATH         written with the proxy endpoint once serving\n"
                "  --topo-file PATH          declare this node's GPUs, links and NICs ($GRADSYNC_TOPO_FILE;\n"
                "                            tests: default discovered through NVML, CUDA and sysfs)\n"
@@ -63,6 +65,7 @@ int main(int argc, char** argv) {
     }
     cfg.rings = *rings;
   }
+  if (const char* m = std::getenv("GRADSYNC_MAX_CONNECTIONS"); m && *m) cfg.max_connections = static_cast<uint32_t>(std::clamp(std::atol(m), 4L, 65536L));
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -106,6 +109,7 @@ int main(int argc, char** argv) {
     }
     else if (a == "--ready-file") cfg.ready_file = value();
     else if (a == "--topo-file") cfg.topo_file = value();
+    else if (a == "--max-connections") cfg.max_connections = static_cast<uint32_t>(number(4, 65536));
     else if (a == "--log-level") gradsync::log::set_level(value());
     else if (a == "--help" || a == "-h") { usage(stdout); return 0; }
     else {

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common/framing.h"
+#include "common/limits.h"
 #include "common/log.h"
 
 namespace gradsync {
@@ -32,6 +33,21 @@ struct HelloWire {
   uint32_t src_rank;
   uint32_t dst_rank;
   uint32_t job_len;
+  uint8_t nonce[16];
+};
+
+// What a proof covers, before the job id's bytes. Fixed layout, so both sides hash the same.
+struct ProofHead {
+  char label[16];  // "gradsync hello4"
+  uint32_t role;
+  uint32_t transport;
+  uint64_t generation;
+  uint32_t tag;
+  uint32_t src_rank;
+  uint32_t dst_rank;
+  uint32_t job_len;
+  uint8_t connector_nonce[16];
+  uint8_t acceptor_nonce[16];
 };
 
 void tune(int fd) {
@@ -93,7 +109,24 @@ Result<Fd> tcp_listen(const std::string& host, uint16_t port, uint16_t* bound_po
   return fd;
 }
 
-Result<Fd> proxy_connect(const std::string& endpoint, const ProxyHello& hello, Deadline deadline) {
+Mac hello_proof(const std::string& token, const ProxyHello& hello, const HelloNonce& acceptor_nonce, HelloRole role) {
+  ProofHead head{};
+  std::memcpy(head.label, "gradsync hello4", 16);
+  head.role = static_cast<uint32_t>(role);
+  head.transport = static_cast<uint32_t>(hello.transport);
+  head.generation = hello.generation;
+  head.tag = hello.tag;
+  head.src_rank = hello.src_rank;
+  head.dst_rank = hello.dst_rank;
+  head.job_len = static_cast<uint32_t>(hello.job.size());
+  std::memcpy(head.connector_nonce, hello.nonce.data(), 16);
+  std::memcpy(head.acceptor_nonce, acceptor_nonce.data(), 16);
+  std::string message(reinterpret_cast<const char*>(&head), sizeof(head));
+  message += hello.job;
+  return hmac_sha256(token, message.data(), message.size());
+}
+
+Result<Fd> proxy_dial(const std::string& endpoint) {
   std::string host, port;
   if (!split_endpoint(endpoint, &host, &port)) {
     return Status(Code::kInvalidArgument, "malformed peer endpoint '" + endpoint + "'");
@@ -113,25 +146,76 @@ Result<Fd> proxy_connect(const std::string& endpoint, const ProxyHello& hello, D
     return Status(Code::kUnavailable, "cannot connect to gradsyncd at " + endpoint + ": " +
                                           errno_string("connect") + " (peer daemon down?)");
   }
-  HelloWire w{kProxyMagic, kProxyVersion, static_cast<uint32_t>(hello.transport), 0, hello.generation,
-              hello.tag, hello.src_rank, hello.dst_rank, static_cast<uint32_t>(hello.job.size())};
-  GS_RETURN_IF_ERROR(write_all(fd.get(), &w, sizeof(w)));
-  GS_RETURN_IF_ERROR(write_all(fd.get(), hello.job.data(), hello.job.size()));
-  Status s = proxy_read_reply(fd.get(), deadline);
-  if (!s.ok()) return Status(s.code(), "gradsyncd at " + endpoint + ": " + s.message());
   return fd;
+}
+
+Status hello_send(int sock, const ProxyHello& hello, uint32_t version) {
+  HelloWire w{kProxyMagic, version, static_cast<uint32_t>(hello.transport), 0, hello.generation,
+              hello.tag, hello.src_rank, hello.dst_rank, static_cast<uint32_t>(hello.job.size()), {}};
+  std::memcpy(w.nonce, hello.nonce.data(), sizeof(w.nonce));
+  return write_two(sock, &w, sizeof(w), hello.job.data(), hello.job.size());
+}
+
+Result<HelloNonce> hello_read_challenge(int sock, Deadline deadline) {
+  HelloNonce n{};
+  GS_RETURN_IF_ERROR(read_all(sock, n.data(), n.size(), deadline));
+  return n;
+}
+
+Status hello_send_proof(int sock, const Mac& proof) { return write_all(sock, proof.data(), proof.size()); }
+
+Result<Fd> proxy_connect(const std::string& endpoint, ProxyHello hello, const std::string& token, Deadline deadline) {
+  auto fd = proxy_dial(endpoint);
+  if (!fd.ok()) return fd.status();
+  auto peer = [&](const Status& s) { return Status(s.code(), "gradsyncd at " + endpoint + ": " + s.message()); };
+  GS_RETURN_IF_ERROR(random_bytes(hello.nonce.data(), hello.nonce.size()));
+  if (Status s = hello_send(fd->get(), hello); !s.ok()) return peer(s);
+  auto challenge = hello_read_challenge(fd->get(), deadline);
+  if (!challenge.ok()) return peer({challenge.status().code(), "no challenge for the Hello (" +
+                                                                   challenge.status().message() + "; not a gradsyncd of this version?)"});
+  if (Status s = hello_send_proof(fd->get(), hello_proof(token, hello, *challenge, HelloRole::kConnector)); !s.ok()) {
+    return peer(s);
+  }
+  if (Status s = proxy_read_reply(fd->get(), deadline); !s.ok()) return peer(s);
+  Mac theirs{};
+  if (Status s = read_all(fd->get(), theirs.data(), theirs.size(), deadline); !s.ok()) return peer(s);
+  if (!same_mac(theirs, hello_proof(token, hello, *challenge, HelloRole::kAcceptor))) {
+    return peer({Code::kPermissionDenied, "accepted the channel without proving the job token "
+                                          "(not the job's gradsyncd: a wrong peer table, or an impostor at that address)"});
+  }
+  return fd;
+}
+
+Result<HelloNonce> hello_challenge(int sock) {
+  HelloNonce n{};
+  GS_RETURN_IF_ERROR(random_bytes(n.data(), n.size()));
+  GS_RETURN_IF_ERROR(write_all(sock, n.data(), n.size()));
+  return n;
+}
+
+Result<Mac> hello_read_proof(int sock, Deadline deadline) {
+  Mac m{};
+  GS_RETURN_IF_ERROR(read_all(sock, m.data(), m.size(), deadline));
+  return m;
+}
+
+Status hello_accept(int sock, const Mac& acceptor_proof) {
+  GS_RETURN_IF_ERROR(proxy_reply(sock, Status::Ok()));
+  return write_all(sock, acceptor_proof.data(), acceptor_proof.size());
 }
 
 Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline) {
   HelloWire w{};
   GS_RETURN_IF_ERROR(read_all(sock, &w, sizeof(w), deadline));
-  if (w.magic != kProxyMagic || w.version != kProxyVersion) {
-    return Status(Code::kInvalidArgument, "not a gradsync proxy connection (bad magic/version)");
+  if (w.magic != kProxyMagic) return Status(Code::kInvalidArgument, "not a gradsync data-port connection (bad magic)");
+  if (w.version != kProxyVersion) {
+    return Status(Code::kInvalidArgument, "a Hello of version " + std::to_string(w.version) + ", this gradsyncd speaks " +
+                                              std::to_string(kProxyVersion) +
+                                              " (an older gradsyncd, or a Hello without a proof of the job token)");
   }
   if (w.transport > static_cast<uint32_t>(ChannelTransport::kTcpRank)) {
     return Status(Code::kInvalidArgument, "unknown channel transport " + std::to_string(w.transport));
   }
-  constexpr uint32_t kMaxJobIdBytes = 4096;
   if (w.job_len > kMaxJobIdBytes) return Status(Code::kInvalidArgument, "job id too long");
   ProxyHello h;
   h.job.resize(w.job_len);
@@ -141,6 +225,7 @@ Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline) {
   h.tag = w.tag;
   h.src_rank = w.src_rank;
   h.dst_rank = w.dst_rank;
+  std::memcpy(h.nonce.data(), w.nonce, h.nonce.size());
   tune(sock);
   return h;
 }
@@ -166,6 +251,12 @@ Status proxy_read_reply(int sock, Deadline deadline) {
 bool proxy_readable(int sock) {
   pollfd p{sock, POLLIN, 0};
   return ::poll(&p, 1, 0) > 0;
+}
+
+std::string oversized_slot(const PumpContext& ctx, uint32_t bytes) {
+  return "protocol error: " + ctx.local + " published a slot of " + std::to_string(bytes) +
+         " bytes for " + ctx.peer + ", but slots hold " + std::to_string(ctx.layout.slot_bytes) +
+         " (its memory corrupted, or a hostile trainer); nothing of it was sent";
 }
 
 const char* to_string(ChannelTransport t) {
@@ -228,6 +319,11 @@ void Pump::send_loop(PumpFailure on_failure) {
     if (!slot.ok()) {
       if (slot.status().code() == Code::kDeadlineExceeded) continue;
       return;  // aborted or stopped: whoever stopped us reports why
+    }
+    // `meta` is our copy of what the trainer wrote: check the copy, send the copy.
+    if (meta.bytes > ch.slot_bytes()) {
+      if (!ctx_.stop->load()) on_failure(ctx_.local_rank, oversized_slot(ctx_, meta.bytes));
+      return;
     }
     Status s = write_two(sock_.get(), &meta, sizeof(meta), *slot, meta.bytes);
     if (!s.ok()) {

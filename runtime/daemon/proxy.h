@@ -2,12 +2,15 @@
 // memory and peer daemons. One TCP connection per cross-node channel, so a stalled job never
 // blocks another's.
 //
-// Wire format (docs/wire.md): the connecting (sending) daemon writes a Hello, the accepting
-// daemon answers with a HelloReply; then a stream of frames, each a SlotMeta followed by
+// Wire format (docs/wire.md): the connecting (sending) daemon writes a Hello with a nonce, the
+// accepting daemon answers with its own nonce, the connector proves the job token with an
+// HMAC over the Hello and both nonces, and the acceptor answers with a HelloReply and, when
+// it accepted, its own proof. Then a stream of frames, each a SlotMeta followed by
 // meta.bytes of payload, ends with a frame whose bytes == kByeBytes (orderly end of the job).
 // A connection that ends without Bye means the peer daemon died or the network failed.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -18,11 +21,12 @@
 #include "channel/channel.h"
 #include "channel/shared_memory.h"
 #include "common/fd.h"
+#include "common/secret.h"
 
 namespace gradsync {
 
 constexpr uint32_t kProxyMagic = 0x47535058;  // "GSPX"
-constexpr uint32_t kProxyVersion = 3;
+constexpr uint32_t kProxyVersion = 4;
 constexpr uint32_t kByeBytes = 0xFFFFFFFFu;
 
 // How a cross-node channel moves its slots once the handshake is done.
@@ -34,6 +38,8 @@ enum class ChannelTransport : uint32_t {
 };
 const char* to_string(ChannelTransport t);
 
+using HelloNonce = std::array<uint8_t, 16>;
+
 struct ProxyHello {
   std::string job;
   ChannelTransport transport = ChannelTransport::kTcp;
@@ -41,7 +47,14 @@ struct ProxyHello {
   uint32_t tag = 0;  // which channel between the two ranks (collectives/topology.h)
   uint32_t src_rank = 0;
   uint32_t dst_rank = 0;
+  HelloNonce nonce{};  // the connector's, fresh per connection
 };
+
+// Who computes a proof: the two sides' proofs differ, so one cannot be reflected as the other.
+enum class HelloRole : uint32_t { kConnector = 1, kAcceptor = 2 };
+// HMAC-SHA256 under the job token over the role, every field of the Hello (job, transport,
+// generation, tag, ranks), the connector's nonce and the acceptor's nonce.
+Mac hello_proof(const std::string& token, const ProxyHello& hello, const HelloNonce& acceptor_nonce, HelloRole role);
 
 // Reports a broken connection: (failed rank or -1, reason).
 using PumpFailure = std::function<void(int, const std::string&)>;
@@ -55,6 +68,10 @@ struct PumpContext {
   const std::atomic<bool>* drain = nullptr;  // every local rank left: send what is queued, then Bye
   std::string peer;                          // "rank 3 (host h, gradsyncd h:port)" for errors
   std::string ids;                           // "job=x gen=1 ch=2" for logs
+  // Sending side: the local rank that fills the staging channel, blamed when a slot's
+  // metadata (which that trainer writes) is out of bounds.
+  int local_rank = -1;
+  std::string local;                         // "rank 0 (pid 123, host h)"
 };
 
 // One end of a cross-node channel, on its own thread: the transport-independent face that
@@ -94,10 +111,27 @@ class Pump : public ChannelPump {
   std::thread thread_;
 };
 
-// Client side of the handshake; kUnavailable naming the address when nobody answers.
-Result<Fd> proxy_connect(const std::string& endpoint, const ProxyHello& hello, Deadline deadline);
+// The error of a sending pump whose local rank published more bytes than a slot holds.
+std::string oversized_slot(const PumpContext& ctx, uint32_t bytes);
+
+// Client side of the handshake (a fresh nonce, the proof of `token`, the acceptor's proof
+// checked); kUnavailable naming the address when nobody answers, kPermissionDenied when the
+// acceptor cannot prove the token.
+Result<Fd> proxy_connect(const std::string& endpoint, ProxyHello hello, const std::string& token, Deadline deadline);
+// The client's steps one by one, for tests that play a hostile peer: a connected socket, the
+// Hello as given (nonce included), the acceptor's nonce, a proof.
+Result<Fd> proxy_dial(const std::string& endpoint);
+Status hello_send(int sock, const ProxyHello& hello, uint32_t version = kProxyVersion);
+Result<HelloNonce> hello_read_challenge(int sock, Deadline deadline);
+Status hello_send_proof(int sock, const Mac& proof);
+
 // Server side: reads the Hello of an accepted connection.
 Result<ProxyHello> proxy_read_hello(int sock, Deadline deadline);
+// Sends this side's fresh nonce, which the connector's proof must cover.
+Result<HelloNonce> hello_challenge(int sock);
+Result<Mac> hello_read_proof(int sock, Deadline deadline);
+// Accepts the channel: an OK reply, then this side's proof.
+Status hello_accept(int sock, const Mac& acceptor_proof);
 Status proxy_reply(int sock, const Status& status);
 // Reads what proxy_reply wrote: the peer's status.
 Status proxy_read_reply(int sock, Deadline deadline);

@@ -288,14 +288,19 @@ void VerbsPump::send_loop(const PumpFailure& on_failure) {
     const uint32_t credit = __atomic_load_n(&words_[0], __ATOMIC_ACQUIRE);
     while (ch.published() != next && sent - credit < slots && sent - completed < slots) {
       SlotMeta* meta = ch.slot_meta(next);
-      if (meta->bytes > ch.slot_bytes()) return fail("corrupt staging slot for " + ctx_.peer);
+      // The trainer can rewrite its meta at any time: read `bytes` once, check and post that.
+      const uint32_t bytes = __atomic_load_n(&meta->bytes, __ATOMIC_RELAXED);
+      if (bytes > ch.slot_bytes()) {
+        if (!ctx_.stop->load()) on_failure(ctx_.local_rank, oversized_slot(ctx_, bytes));
+        return;
+      }
       const size_t meta_off = reinterpret_cast<uint8_t*>(meta) - base;
       const size_t data_off = ch.slot_data(next) - base;
       const uint32_t at = sent % slots;
       Status s = qp_.post_write(*job_mr_, meta_off, sizeof(SlotMeta), remote_meta_ + at * sizeof(SlotMeta),
                                 remote_rkey_, sent, /*signaled=*/false);
       if (s.ok()) {
-        s = qp_.post_write_with_imm(*job_mr_, data_off, meta->bytes,
+        s = qp_.post_write_with_imm(*job_mr_, data_off, bytes,
                                     remote_addr_ + uint64_t(at) * ctx_.layout.slot_bytes, remote_rkey_,
                                     make_imm(tag_, sent), sent);
       }

@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "client/daemon_client.h"  // rawjoin only: the library's internal daemon connection
+#include "raw_join.h"  // rawjoin only: the daemon protocol without the library's checks
 #include "gradsync/gradsync.h"
 
 namespace {
@@ -124,32 +124,7 @@ int bad_input(gradsync::Communicator& comm) {
 }
 
 // Joins without the library's checks (the daemon must refuse bad requests on its own).
-int raw_join() {
-  gradsync::JoinOptions o = gradsync::JoinOptions::from_env();
-  auto deadline = gradsync::deadline_after(o.join_timeout + std::chrono::seconds(5));
-  auto client = gradsync::DaemonClient::connect(gradsync::default_daemon_socket(), deadline);
-  if (!client.ok()) {
-    std::fprintf(stderr, "connect: %s\n", client.status().to_string().c_str());
-    return 1;
-  }
-  gradsync::v1::ClientMessage req;
-  auto* j = req.mutable_join();
-  j->set_job_id(o.job);
-  j->set_token(o.token);
-  j->set_rank(static_cast<uint32_t>(o.rank));
-  j->set_world_size(static_cast<uint32_t>(o.world_size));
-  j->set_local_rank(static_cast<uint32_t>(o.local_rank));
-  j->set_local_world_size(static_cast<uint32_t>(o.local_world_size));
-  j->set_timeout_ms(static_cast<uint32_t>(o.join_timeout.count()));
-  gradsync::Fd shm;
-  auto reply = client->call(req, deadline, &shm);
-  if (!reply.ok()) {
-    std::fprintf(stderr, "join: %s\n", reply.status().to_string().c_str());
-    return 1;
-  }
-  std::printf("JOINED raw\n");
-  return 0;
-}
+int raw_join() { return gradsync::testing::raw_join() ? 0 : 1; }
 
 }  // namespace
 

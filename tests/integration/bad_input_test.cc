@@ -90,6 +90,30 @@ TEST_F(BadJoin, RankOutOfRange) {
   EXPECT_TRUE(c_.daemon(0).alive()) << c_.report();
 }
 
+// Sizes and names a trainer could use to make its daemon allocate without bound, or to put
+// odd bytes into names of memfds and logs, are refused by the daemon before anything else.
+TEST_F(BadJoin, SizesAndNamesOverTheLimits) {
+  struct Case {
+    const char* job;
+    Env env;
+    const char* needle;
+  };
+  const std::vector<Case> cases = {
+      {"huge-world", {{"WORLD_SIZE", "2000000000"}, {"LOCAL_WORLD_SIZE", "1"}}, "exceeds the limit of 1048576"},
+      {"huge-local", {{"WORLD_SIZE", "100000"}, {"LOCAL_WORLD_SIZE", "100000"}}, "exceeds the limit of 1024"},
+      {"bad/id", {}, "job id has character code 47"},
+      {"no-token", {{"GRADSYNC_JOB_TOKEN", ""}}, "a job over several nodes needs a job token"},
+  };
+  for (const auto& k : cases) {
+    SCOPED_TRACE(k.job);
+    Process raw = start(k.job, {"rawjoin"}, k.env);
+    std::string line = expect_join_error(raw, k.job == std::string("no-token") ? "PERMISSION_DENIED" : "INVALID_ARGUMENT");
+    EXPECT_TRUE(has(line, k.needle)) << line;
+  }
+  EXPECT_FALSE(has(c_.coordinator().output(), "huge-")) << c_.report();
+  EXPECT_TRUE(c_.daemon(0).alive()) << c_.report();
+}
+
 // Two trainers on one daemon both claim rank 0 of a 2-rank job.
 TEST_F(BadJoin, TwoTrainersClaimOneRank) {
   JobSpec spec;

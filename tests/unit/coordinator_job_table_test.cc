@@ -137,6 +137,10 @@ TEST_F(JobTableTest, JoinValidatesRequest) {
       {req(a, {1, 1}), "rank 1 appears twice"},
       {bad_eps, "2 ranks but 1 endpoints"},
       {req(a, {0}, 4, "tok", ""), "job_id is empty"},
+      {req(a, {0}, 4, "tok", "a/b"), "job id has character code 47 at 1"},
+      {req(a, {0}, 4, "tok", std::string(129, 'j')), "job id of 129 bytes (at most 128)"},
+      {req(a, {0}, 1u << 21), "exceeds the limit"},
+      {req(a, {0}, 4, std::string(1025, 't')), "token longer than 1024 bytes"},
   };
   for (const auto& c : cases) {
     auto t = table.join(c.r, t0);
@@ -145,7 +149,13 @@ TEST_F(JobTableTest, JoinValidatesRequest) {
     EXPECT_NE(t.status().message().find(c.needle), std::string::npos) << t.status().message();
   }
   EXPECT_EQ(table.join(req("ghost-1", {0}), t0).status().code(), Code::kNotFound);
+  // Without a token anyone could join a job over several nodes; one node alone may go without.
+  auto open = table.join(req(a, {0, 1}, 4, ""), t0);
+  EXPECT_EQ(open.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(open.status().message().find("a job over several nodes needs a job token"), std::string::npos)
+      << open.status().message();
   EXPECT_TRUE(table.list_jobs().empty()) << "a refused join must not create a job";
+  EXPECT_TRUE(table.join(req(a, {0, 1}, 2, ""), t0).ok()) << "a one-node job needs no token";
 }
 
 TEST_F(JobTableTest, GenerationBecomesActiveWhenAllRanksJoin) {

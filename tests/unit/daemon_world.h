@@ -98,6 +98,7 @@ class DaemonWorld {
         o.world_size = n_;
         o.local_rank = r % per_node;
         o.local_world_size = per_node;
+        o.token = "daemon-world-token";  // a job over several nodes needs one
         o.join_timeout = 30s;
         o.op_timeout = op_timeout;
         if (tweak) tweak(r, o);

@@ -65,6 +65,7 @@ class Launcher {
       dup2(open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600), STDOUT_FILENO);
       dup2(open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600), STDERR_FILENO);
       setenv("MARK_DIR", dir_.c_str(), 1);
+      setenv("GRADSYNC_JOB_TOKEN", "launcher-test-token", 1);  // `env` may override or clear it
       for (const auto& kv : env) putenv(const_cast<char*>(kv.c_str()));
       execv(exe.c_str(), cargv.data());
       _exit(127);
@@ -123,6 +124,13 @@ std::vector<std::string> multinode(int nnodes, int node_rank, int nproc,
           "sh",
           "-c",
           script};
+}
+
+// multinode(1, 0, 1, script) with `flags` before the program.
+std::vector<std::string> multinode_with(const std::vector<std::string>& flags, const std::string& script) {
+  std::vector<std::string> args = multinode(1, 0, 1, script);
+  args.insert(args.end() - 3, flags.begin(), flags.end());
+  return args;
 }
 
 Outcome run(const std::vector<std::string>& args) { return Launcher(args).wait(); }
@@ -307,6 +315,39 @@ TEST(LauncherTest, RejectsBadCommandLines) {
   o = run({"--coordinator", "127.0.0.1:1", "true"});
   EXPECT_EQ(o.exit_code(), 2);
   EXPECT_TRUE(contains(o.err, "--job-id")) << o.err;
+}
+
+// The token never comes from argv (ps shows it to every user); a multi-node job must have one.
+TEST(LauncherTest, TokenComesFromAFileOrTheEnvironmentNeverArgv) {
+  Outcome o = run({"--daemon", "/tmp/x.sock", "--coordinator", "127.0.0.1:1", "--job-id", "t", "--token",
+                   "visible", "true"});
+  EXPECT_EQ(o.exit_code(), 2);
+  EXPECT_TRUE(contains(o.err, "--token is gone")) << o.err;
+  EXPECT_TRUE(contains(o.err, "--token-file")) << o.err;
+
+  o = Launcher({"--daemon", "/tmp/x.sock", "--coordinator", "127.0.0.1:1", "--job-id", "t", "true"},
+               {"GRADSYNC_JOB_TOKEN="})
+          .wait();
+  EXPECT_EQ(o.exit_code(), 2);
+  EXPECT_TRUE(contains(o.err, "a multi-node job needs a job token")) << o.err;
+
+  const fs::path file = fs::temp_directory_path() / ("gradsync-token-" + std::to_string(getpid()));
+  {
+    std::ofstream f(file);
+    f << "from-the-file\n";
+  }
+  fs::permissions(file, fs::perms::owner_read | fs::perms::owner_write);
+  o = Launcher(multinode_with({"--token-file", file.string()}, "echo \"token=$GRADSYNC_JOB_TOKEN\""),
+               {"GRADSYNC_JOB_TOKEN="})
+          .wait();
+  EXPECT_EQ(o.exit_code(), 0) << o.err;
+  EXPECT_TRUE(contains(o.out, "token=from-the-file\n")) << o.out;
+
+  fs::permissions(file, fs::perms::others_read, fs::perm_options::add);
+  o = run(multinode_with({"--token-file", file.string()}, "true"));
+  EXPECT_EQ(o.exit_code(), 2);
+  EXPECT_TRUE(contains(o.err, "readable by every user")) << o.err;
+  fs::remove(file);
 }
 
 TEST(LauncherTest, NamesThePathsTriedForAMissingProgram) {

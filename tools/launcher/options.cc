@@ -1,6 +1,7 @@
 #include "launcher/options.h"
 
 #include "common/fd.h"
+#include "common/secret.h"
 
 #include <unistd.h>
 
@@ -8,7 +9,6 @@
 #include <charconv>
 #include <climits>
 #include <cstdlib>
-#include <random>
 
 namespace gradsync::launcher {
 namespace {
@@ -19,18 +19,6 @@ constexpr double kMaxTimeoutS = 365.0 * 24 * 3600;  // keeps the deadline arithm
 std::string env_or(const char* name, const std::string& fallback) {
   const char* value = std::getenv(name);
   return value != nullptr ? value : fallback;
-}
-
-std::string random_hex(int bytes) {
-  std::random_device rd;  // getrandom(2) on Linux: fine for a job token
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out;
-  for (int i = 0; i < bytes; ++i) {
-    const unsigned byte = rd() & 0xffu;
-    out += kDigits[byte >> 4];
-    out += kDigits[byte & 0xfu];
-  }
-  return out;
 }
 
 bool parse_int(const std::string& text, int min, int* out) {
@@ -55,9 +43,18 @@ ParseOutcome finish(Options o) {
     if (o.nnodes != 1 || o.node_rank != 0)
       return fail("--standalone runs one node: --nnodes 1 --node-rank 0");
     if (o.job_id.empty()) o.job_id = env_or("GRADSYNC_JOB_ID", "");
-    if (o.job_id.empty()) o.job_id = "job-" + std::to_string(getpid()) + "-" + random_hex(4);
-    if (o.token.empty()) o.token = env_or("GRADSYNC_JOB_TOKEN", "");
-    if (o.token.empty()) o.token = random_hex(16);
+    if (o.job_id.empty()) {
+      auto suffix = random_token();
+      o.job_id = "job-" + std::to_string(getpid()) + "-" + (suffix.ok() ? suffix->substr(0, 8) : "0");
+    }
+    auto token = token_from(o.token_file);
+    if (!token.ok()) return fail(token.status().message());
+    o.token = *token;
+    if (o.token.empty()) {
+      auto random = random_token();
+      if (!random.ok()) return {std::nullopt, "gradsyncrun: " + random.status().message() + "\n", 1};
+      o.token = *random;
+    }
   } else {
     if (o.coordinator.empty())
       return fail("give --standalone, or --coordinator HOST:PORT for a multi-node job");
@@ -65,7 +62,13 @@ ParseOutcome finish(Options o) {
     if (o.job_id.empty()) o.job_id = env_or("GRADSYNC_JOB_ID", "");
     if (o.job_id.empty())
       return fail("a multi-node job needs --job-id (or $GRADSYNC_JOB_ID), the same on every node");
-    if (o.token.empty()) o.token = env_or("GRADSYNC_JOB_TOKEN", "");
+    auto token = token_from(o.token_file);
+    if (!token.ok()) return fail(token.status().message());
+    o.token = *token;
+    if (o.token.empty()) {
+      return fail("a multi-node job needs a job token, the same on every node: --token-file PATH "
+                  "or $GRADSYNC_JOB_TOKEN (without one anyone could join the job)");
+    }
   }
   if (o.node_name.empty()) o.node_name = gradsync::hostname();
   return {std::move(o), "", 0};
@@ -86,7 +89,9 @@ GRADSYNC_DAEMON, GRADSYNC_JOB_ID, GRADSYNC_JOB_TOKEN and GRADSYNC_COORDINATOR se
   --node-rank I             this node's index, 0..M-1 (default 0)
   --daemon SOCKET           use a running gradsyncd instead of starting one
   --job-id ID               job name (default $GRADSYNC_JOB_ID; generated in standalone)
-  --token T                 job token (default $GRADSYNC_JOB_TOKEN; generated in standalone)
+  --token-file PATH         job token: the file's first line (default $GRADSYNC_JOB_TOKEN;
+                            random in standalone; a multi-node job must have one). Never
+                            on the command line, where every user's `ps` shows it
   --node-name NAME          name of this node (default: hostname)
   --log-level L             trace|debug|info|warn|error|off, for the launcher and children
   --timeout-s S             stop everything after S seconds and exit 124
@@ -125,9 +130,13 @@ ParseOutcome parse_options(int argc, char** argv) {
     }
 
     const std::string flag = arg.substr(0, arg.find('='));
+    if (flag == "--token") {
+      return fail("--token is gone: a token in argv is visible to every user through ps; "
+                  "use --token-file PATH or $GRADSYNC_JOB_TOKEN");
+    }
     static const char* kValueFlags[] = {
         "-n",       "--nproc-per-node", "--coordinator", "--nnodes",    "--node-rank", "--daemon",
-        "--job-id", "--token",          "--node-name",   "--log-level", "--timeout-s"};
+        "--job-id", "--token-file",     "--node-name",   "--log-level", "--timeout-s"};
     bool known = false;
     for (const char* f : kValueFlags) known = known || flag == f;
     if (!known) return fail("unknown option " + arg);
@@ -151,8 +160,8 @@ ParseOutcome parse_options(int argc, char** argv) {
       o.daemon_socket = *value;
     } else if (flag == "--job-id") {
       o.job_id = *value;
-    } else if (flag == "--token") {
-      o.token = *value;
+    } else if (flag == "--token-file") {
+      o.token_file = *value;
     } else if (flag == "--node-name") {
       o.node_name = *value;
     } else if (flag == "--log-level") {
