@@ -24,7 +24,8 @@ constexpr const char* kUsage =
     "  --join-timeout-ms N     JoinJob wait when the request gives none (default 60000)\n"
     "  --log-level LEVEL       trace|debug|info|warn|error|off (default info, or\n"
     "                          $GRADSYNC_LOG_LEVEL)\n"
-    "  --help                  print this and exit\n";
+    "  --help                  print this and exit\n"
+    "TLS (plaintext is refused off loopback unless --insecure):\n";
 
 constexpr uint64_t kMaxMs = 0xffffffffu;  // the protocol carries milliseconds as uint32
 
@@ -34,6 +35,7 @@ struct Flags {
   uint64_t lease_ms = 5000;
   uint64_t join_timeout_ms = 60000;
   std::string log_level;
+  gradsync::TlsOptions tls;
 };
 
 int usage_error(const std::string& msg) {
@@ -60,7 +62,13 @@ int parse_flags(int argc, char** argv, Flags& f) {
     }
     if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
+      std::fputs(gradsync::TlsOptions::usage(), stdout);
       return 0;
+    }
+    std::string tls_error;
+    if (!has_value && f.tls.take_flag(argc, argv, &i, &tls_error)) {
+      if (!tls_error.empty()) return usage_error(tls_error);
+      continue;
     }
     const bool known = arg == "--listen" || arg == "--port-file" || arg == "--lease-ms" ||
                        arg == "--join-timeout-ms" || arg == "--log-level";
@@ -129,6 +137,8 @@ int main(int argc, char** argv) {
   gradsync::coordinator::CoordinatorOptions options;
   options.lease = gradsync::coordinator::Millis(flags.lease_ms);
   options.default_join_timeout = gradsync::coordinator::Millis(flags.join_timeout_ms);
+  options.tls = flags.tls;
+  options.tls.add_env();
   gradsync::coordinator::CoordinatorServer server(options);
   if (gradsync::Status s = server.start(flags.listen); !s.ok()) {
     log->error("{}", s.to_string());

@@ -326,7 +326,12 @@ Status CoordinatorServer::start(const std::string& listen_addr) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              kMinClientPingIntervalMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.AddListeningPort(listen_addr, grpc::InsecureServerCredentials(), &port_);
+  auto credentials = server_credentials(options_.tls, listen_addr);
+  if (!credentials.ok()) {
+    service_.reset();
+    return credentials.status();
+  }
+  builder.AddListeningPort(listen_addr, *credentials, &port_);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/grpc_security.h"
 #include "coordinator/job_table.h"
 #include "gradsync/status.h"
 
@@ -25,6 +26,7 @@ struct CoordinatorOptions {
   Millis lease{5000};                  // a node with no heartbeat for this long is lost
   Millis default_join_timeout{60000};  // for JoinJob requests with timeout_ms = 0
   Millis tick{100};                    // lease/deadline check period; bounds detection delay
+  TlsOptions tls;                      // plaintext only on loopback or with tls.insecure
 };
 
 class CoordinatorService;  // the gRPC handlers, in service.cc

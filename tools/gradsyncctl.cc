@@ -1,6 +1,6 @@
 // gradsyncctl: an operator's view into the coordinator.
 //
-//   gradsyncctl [--coordinator HOST:PORT] jobs
+//   gradsyncctl [--coordinator HOST:PORT] [TLS flags: --tls-ca F --tls-cert F --tls-key F] jobs
 //   gradsyncctl [--coordinator HOST:PORT] describe JOB
 //   gradsyncctl [--coordinator HOST:PORT] abort JOB [--reason TEXT]
 //   gradsyncctl doctor [--require-gdr] [--sysfs-root DIR]   (no coordinator needed)
@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/grpc_security.h"
 #include "coordinator.grpc.pb.h"
 #include "doctor/doctor.h"
 #include "topology/topology_summary.h"
@@ -30,8 +31,8 @@ int usage(FILE* out, int rc) {
                "  describe JOB              ring order, ranks with their nodes, node details (GPU topology)\n"
                "  abort JOB [--reason TEXT] abort the job's current generation\n"
                "  topology [--topo-file F]  this node's GPUs, links, NICs and rails (no coordinator)\n"
-               "%s",
-               gradsync::doctor::usage_text());
+               "%s%s",
+               gradsync::TlsOptions::usage(), gradsync::doctor::usage_text());
   return rc;
 }
 
@@ -83,8 +84,17 @@ int main(int argc, char** argv) {
   if (const char* env = std::getenv("GRADSYNC_COORDINATOR"); env && *env) address = env;
   std::vector<std::string> args;
   std::string reason = "aborted by an operator (gradsyncctl)";
+  gradsync::TlsOptions tls;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    std::string tls_error;
+    if (tls.take_flag(argc, argv, &i, &tls_error)) {
+      if (!tls_error.empty()) {
+        std::fprintf(stderr, "gradsyncctl: %s\n", tls_error.c_str());
+        return 2;
+      }
+      continue;
+    }
     if (a == "--coordinator" && i + 1 < argc) address = argv[++i];
     else if (a == "--reason" && i + 1 < argc) reason = argv[++i];
     else if (a == "--help" || a == "-h") return usage(stdout, 0);
@@ -92,8 +102,13 @@ int main(int argc, char** argv) {
     else args.push_back(a);
   }
   if (args.empty()) return usage(stderr, 2);
-  auto stub = gradsync::v1::Coordinator::NewStub(
-      grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  tls.add_env();
+  auto credentials = gradsync::channel_credentials(tls, address);
+  if (!credentials.ok()) {
+    std::fprintf(stderr, "gradsyncctl: %s\n", credentials.status().message().c_str());
+    return 2;
+  }
+  auto stub = gradsync::v1::Coordinator::NewStub(grpc::CreateChannel(address, *credentials));
 
   if (args[0] == "jobs" && args.size() == 1) {
     grpc::ClientContext ctx;

@@ -100,6 +100,11 @@ class Launcher {
     return Command{path, std::move(argv), environment_with({}), true};
   }
 
+  std::vector<std::string> with_tls(std::vector<std::string> argv) const {
+    argv.insert(argv.end(), o_.daemon_tls_flags.begin(), o_.daemon_tls_flags.end());
+    return argv;
+  }
+
   int start_coordinator() {
     auto path = find("gradsync-coordinator");
     if (!path.ok()) return fail(path.status().message());
@@ -131,8 +136,8 @@ class Launcher {
     daemon_socket_ = tmpdir_ + "/gradsyncd.sock";
     auto idx = sup_.start(
         "gradsyncd",
-        server_command(*path, {"--coordinator", coordinator_addr_, "--socket", daemon_socket_,
-                               "--node-name", o_.node_name, "--ready-file", ready_file}),
+        server_command(*path, with_tls({"--coordinator", coordinator_addr_, "--socket", daemon_socket_,
+                                         "--node-name", o_.node_name, "--ready-file", ready_file})),
         "[gradsyncd] ", STDERR_FILENO, STDERR_FILENO);
     if (!idx.ok()) return fail("cannot start " + *path + ": " + idx.status().message());
     daemon_ = *idx;

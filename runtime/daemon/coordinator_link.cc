@@ -32,13 +32,14 @@ Code to_code(grpc::StatusCode c) {
 
 }  // namespace
 
-CoordinatorLink::CoordinatorLink(std::string address, v1::NodeInfo node, EventHandler on_event)
+CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::ChannelCredentials> credentials,
+                                 v1::NodeInfo node, EventHandler on_event)
     : address_(std::move(address)), node_(std::move(node)), on_event_(std::move(on_event)) {
   grpc::ChannelArguments args;
   // Reconnect quickly after a coordinator restart instead of gRPC's default backoff (up to 2 min).
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  channel_ = grpc::CreateCustomChannel(address_, grpc::InsecureChannelCredentials(), args);
+  channel_ = grpc::CreateCustomChannel(address_, credentials, args);
   stub_ = v1::Coordinator::NewStub(channel_);
 }
 

@@ -22,7 +22,9 @@ class CoordinatorLink {
  public:
   using EventHandler = std::function<void(const v1::Event&)>;
 
-  CoordinatorLink(std::string address, v1::NodeInfo node, EventHandler on_event);
+  // `credentials`: how to reach the coordinator (common/grpc_security.h).
+  CoordinatorLink(std::string address, std::shared_ptr<grpc::ChannelCredentials> credentials, v1::NodeInfo node,
+                  EventHandler on_event);
   ~CoordinatorLink();
 
   // Registers (retrying until `timeout`), then keeps the lease and the event stream alive in

@@ -52,11 +52,6 @@ v1::DaemonMessage error_message(const Status& s) {
   return m;
 }
 
-bool is_loopback(const std::string& hostport) {
-  return hostport.rfind("127.", 0) == 0 || hostport.rfind("localhost", 0) == 0 ||
-         hostport.rfind("[::1]", 0) == 0;
-}
-
 Status write_file_atomically(const std::string& path, const std::string& text) {
   std::string tmp = path + ".tmp";
   {
@@ -105,7 +100,7 @@ Result<std::string> Daemon::choose_data_host(const topology::NodeInfo& topo, std
     *why = "address of interface " + cfg_.ifname;
     return ip;
   }
-  if (is_loopback(cfg_.coordinator)) {
+  if (is_loopback_address(cfg_.coordinator)) {
     *why = "the coordinator is on loopback, so every node is this machine";
     return std::string("127.0.0.1");
   }
@@ -182,7 +177,7 @@ Status Daemon::start() {
   // data port is not reachable from other machines at all.
   uint16_t port = 0;
   std::string listen_on = cfg_.data_listen;
-  if (listen_on.empty() && is_loopback(cfg_.coordinator) && cfg_.data_host.empty() && cfg_.ifname.empty()) {
+  if (listen_on.empty() && is_loopback_address(cfg_.coordinator) && cfg_.data_host.empty() && cfg_.ifname.empty()) {
     listen_on = "127.0.0.1";
     log->info("data port on loopback only: the coordinator is on loopback, so every node is this machine");
   }
@@ -229,7 +224,9 @@ Status Daemon::start() {
   node.set_pid(static_cast<uint32_t>(::getpid()));
   node.set_transport(transport_);
   node.set_transport_why(transport_why_);
-  link_ = std::make_unique<CoordinatorLink>(cfg_.coordinator, node,
+  auto credentials = channel_credentials(cfg_.tls, cfg_.coordinator);
+  if (!credentials.ok()) return credentials.status();
+  link_ = std::make_unique<CoordinatorLink>(cfg_.coordinator, *credentials, node,
                                             [this](const v1::Event& ev) { on_event(ev); });
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
 
@@ -665,7 +662,10 @@ Status Daemon::await_rank_sockets(const std::shared_ptr<LocalJob>& job) {
     return out;
   };
   if (cv_.wait_until(lock, deadline_after(kPeerAcceptTimeout), [&] { return missing().empty() || job->stop; })) {
-    if (job->stop) return {Code::kAborted, job->ids() + " on " + hostname_ + ": aborted while connecting channels"};
+    if (job->stop) {
+      return {Code::kAborted, job->ids() + " on " + hostname_ + ": aborted while connecting channels" +
+                                  (job->abort_reason.empty() ? "" : ": " + job->abort_reason)};
+    }
     return Status::Ok();
   }
   std::string which;
@@ -789,6 +789,7 @@ void Daemon::abort(const std::shared_ptr<LocalJob>& job, int failed_rank, const 
     std::lock_guard lock(mu_);
     if (job->aborted) return;
     job->aborted = true;
+    job->abort_reason = reason;
     generation = job->generation;
     if (job->shm) abort_job(job->shm->data(), job->layout, failed_rank, reason);
     job->stop.store(true);

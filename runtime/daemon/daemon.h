@@ -10,6 +10,7 @@
 #include <string>
 #include <thread>
 
+#include "common/grpc_security.h"
 #include "common/log.h"
 #include "daemon/coordinator_link.h"
 #include "daemon/local_job.h"
@@ -52,6 +53,7 @@ struct DaemonConfig {
   // Connections served at once on each of the trainer socket and the data port; more are
   // closed at once and logged (--max-connections, GRADSYNC_MAX_CONNECTIONS).
   uint32_t max_connections = 512;
+  TlsOptions tls;  // how to reach the coordinator (--tls-ca, --tls-cert, --tls-key, --insecure)
 };
 
 class Daemon {

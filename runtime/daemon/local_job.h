@@ -64,6 +64,7 @@ struct LocalJob {
   std::atomic<bool> stop{false};        // aborted or torn down: pumps exit
   std::atomic<bool> drain{false};       // every local rank left: senders flush, then Bye
   bool aborted = false;
+  std::string abort_reason;  // the first abort's
   std::vector<std::unique_ptr<ChannelPump>> pumps;
   // The job's shared memory registered with the daemon's RDMA device (verbs channels only).
   // Declared after `shm`'s users; released after the pumps that post from it.

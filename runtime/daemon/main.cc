@@ -41,7 +41,9 @@ void usage(FILE* out) {
                "  --ready-file PATH         written with the proxy endpoint once serving\n"
                "  --topo-file PATH          declare this node's GPUs, links and NICs ($GRADSYNC_TOPO_FILE;\n"
                "                            tests: default discovered through NVML, CUDA and sysfs)\n"
-               "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n");
+               "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n"
+               "TLS to the coordinator (plaintext is refused off loopback unless --insecure):\n%s",
+               gradsync::TlsOptions::usage());
 }
 
 }  // namespace
@@ -85,6 +87,14 @@ int main(int argc, char** argv) {
       }
       return x;
     };
+    std::string tls_error;
+    if (cfg.tls.take_flag(argc, argv, &i, &tls_error)) {
+      if (!tls_error.empty()) {
+        std::fprintf(stderr, "gradsyncd: %s\n", tls_error.c_str());
+        return 2;
+      }
+      continue;
+    }
     if (a == "--coordinator") cfg.coordinator = value();
     else if (a == "--socket") cfg.socket_path = value();
     else if (a == "--node-name") cfg.node_name = value();
@@ -118,6 +128,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  cfg.tls.add_env();
   if (cfg.slot_bytes % 64 != 0) {
     std::fprintf(stderr, "gradsyncd: --slot-bytes must be a multiple of 64\n");
     return 2;

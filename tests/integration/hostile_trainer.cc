@@ -4,9 +4,10 @@
 //   shrink    ftruncate()s the region to half its size: prints "SHRINK-REFUSED: why" when the
 //             kernel refuses (the region is sealed), "SHRINK-DONE" otherwise
 //   grow      the same with twice the size ("GROW-REFUSED" / "GROW-DONE")
-//   bigslot   publishes a slot claiming 2 GiB of payload on a channel the daemon pumps to
-//             another node, then waits up to 20 s for the job's abort flag and prints
-//             "ABORTED: reason" (or "NOT-ABORTED")
+//   bigslot   once stdin closes (the test's word that the other ranks joined), publishes a
+//             slot claiming 2 GiB of payload on a channel the daemon pumps to another node,
+//             then waits up to 20 s for the job's abort flag and prints "ABORTED: reason" (or
+//             "NOT-ABORTED")
 // Then it holds the connection until stdin closes, so the test decides when it goes.
 #include <unistd.h>
 
@@ -52,6 +53,8 @@ int big_slot(Fd shm_fd, const gradsync::v1::ChannelSetup& setup) {
     std::fprintf(stderr, "no channel of this rank is pumped by gradsyncd (start it with --proxy-tcp)\n");
     return 1;
   }
+  char c;
+  while (std::fread(&c, 1, 1, stdin) == 1) {}
   gradsync::Channel ch(shm->data(), layout, static_cast<uint32_t>(pumped));
   gradsync::WaitContext wait;
   wait.deadline = gradsync::deadline_after(std::chrono::seconds(5));

@@ -69,6 +69,8 @@ TEST(SlotAttack, OversizedSlotFailsOnlyItsJobNamingTheRank) {
   env["GRADSYNC_TUNE"] = "0";  // its first collective is the checked one
   Process honest = c.spawn("honest rank 1", {binary("allreduce_worker"), "check", "1000"}, env);
   std::vector<const Process*> both = {&hostile, &honest};
+  ASSERT_TRUE(honest.wait_for_output("JOINED", 30s)) << c.report(both);
+  hostile.close_stdin();  // now it publishes
   ASSERT_TRUE(hostile.wait_for_output("ABORTED: ", 30s)) << c.report(both);
   const std::string reason = line_with(hostile.output(), "ABORTED: ");
   EXPECT_NE(reason.find("rank 0 (pid " + std::to_string(hostile.pid())), std::string::npos) << reason;
@@ -84,7 +86,6 @@ TEST(SlotAttack, OversizedSlotFailsOnlyItsJobNamingTheRank) {
   EXPECT_NE(failed.find("ABORTED"), std::string::npos) << failed << c.report(both);
   EXPECT_NE(failed.find("rank 0 (pid"), std::string::npos) << failed << c.report(both);
   EXPECT_NE(failed.find("published a slot"), std::string::npos) << failed << c.report(both);
-  hostile.close_stdin();
   hostile.wait_for_exit(10s);
 
   EXPECT_TRUE(c.daemon(0).alive()) << c.report(both);

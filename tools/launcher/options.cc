@@ -93,6 +93,9 @@ GRADSYNC_DAEMON, GRADSYNC_JOB_ID, GRADSYNC_JOB_TOKEN and GRADSYNC_COORDINATOR se
                             random in standalone; a multi-node job must have one). Never
                             on the command line, where every user's `ps` shows it
   --node-name NAME          name of this node (default: hostname)
+  --tls-ca F, --tls-cert F, --tls-key F, --insecure
+                            the started gradsyncd's TLS to the coordinator (also
+                            $GRADSYNC_TLS_CA, _CERT, _KEY, $GRADSYNC_INSECURE=1)
   --log-level L             trace|debug|info|warn|error|off, for the launcher and children
   --timeout-s S             stop everything after S seconds and exit 124
   --no-prefix               do not prefix rank output with "[rank R] "
@@ -128,6 +131,10 @@ ParseOutcome parse_options(int argc, char** argv) {
       o.no_prefix = true;
       continue;
     }
+    if (arg == "--insecure") {
+      o.daemon_tls_flags.push_back(arg);
+      continue;
+    }
 
     const std::string flag = arg.substr(0, arg.find('='));
     if (flag == "--token") {
@@ -136,7 +143,8 @@ ParseOutcome parse_options(int argc, char** argv) {
     }
     static const char* kValueFlags[] = {
         "-n",       "--nproc-per-node", "--coordinator", "--nnodes",    "--node-rank", "--daemon",
-        "--job-id", "--token-file",     "--node-name",   "--log-level", "--timeout-s"};
+        "--job-id", "--token-file",     "--node-name",   "--log-level", "--timeout-s",
+        "--tls-cert", "--tls-key",      "--tls-ca"};
     bool known = false;
     for (const char* f : kValueFlags) known = known || flag == f;
     if (!known) return fail("unknown option " + arg);
@@ -162,6 +170,8 @@ ParseOutcome parse_options(int argc, char** argv) {
       o.job_id = *value;
     } else if (flag == "--token-file") {
       o.token_file = *value;
+    } else if (flag == "--tls-cert" || flag == "--tls-key" || flag == "--tls-ca") {
+      o.daemon_tls_flags.insert(o.daemon_tls_flags.end(), {flag, *value});
     } else if (flag == "--node-name") {
       o.node_name = *value;
     } else if (flag == "--log-level") {
