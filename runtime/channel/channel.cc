@@ -62,12 +62,12 @@ Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, con
   while (Clock::now() < yield_until) {
     if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
     if (stopped(ctx)) return aborted_status(ctx);
-    if (driver) GS_RETURN_IF_ERROR(driver->poke());
+    if (driver) GS_RETURN_IF_ERROR(driver->poke(ctx));
     sched_yield();
   }
   for (;;) {
     if (stopped(ctx)) return aborted_status(ctx);
-    if (driver) GS_RETURN_IF_ERROR(driver->poke());
+    if (driver) GS_RETURN_IF_ERROR(driver->poke(ctx));
     int timeout = poll_timeout_ms(ctx.deadline, kWaitSliceMs);
     if (timeout == 0 && Clock::now() >= ctx.deadline) {
       return {Code::kDeadlineExceeded, "deadline passed"};

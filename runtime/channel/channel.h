@@ -114,7 +114,7 @@ class ChannelDriver {
   // `channel`: the index of the channel waited on (its socket closing is then an error), or -1.
   virtual Status progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) = 0;
   // One pass over the sockets without blocking (a sleep slice ended).
-  virtual Status poke() = 0;
+  virtual Status poke(const WaitContext& ctx) = 0;
   // A slot was published on driven channel `channel`: start sending it without blocking.
   virtual void published(uint32_t channel) = 0;
   // The next slot published on driven send channel `channel` carries the bytes at `data`

@@ -313,7 +313,7 @@ TEST(SocketDriver, PeerThatClosedAfterItsLastSlotIsNoError) {
   auto got = p.recv.acquire_recv(p.wait, nullptr);
   ASSERT_TRUE(got.ok()) << got.status().to_string();
   p.recv.release();
-  EXPECT_TRUE(p.receiver->poke().ok());
+  EXPECT_TRUE(p.receiver->poke(WaitContext{}).ok());
   EXPECT_TRUE(p.receiver->flush(p.wait).ok());
   // Only waiting for more from it fails.
   EXPECT_EQ(p.recv.acquire_recv(p.wait, nullptr).status().code(), Code::kUnavailable);

@@ -225,9 +225,9 @@ Status SocketDriver::pump(bool* moved, int focus) {
   return Status::Ok();
 }
 
-Status SocketDriver::poke() {
+Status SocketDriver::poke(const WaitContext& ctx) {
   bool moved = false;
-  return pump(&moved);
+  return after_break(pump(&moved), ctx);
 }
 
 void SocketDriver::send_from(uint32_t channel, uint32_t seq, const void* data) {
@@ -311,7 +311,10 @@ Status SocketDriver::wait_sockets(int timeout_ms) {
 }
 
 Status SocketDriver::progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) {
-  Status s = progress(ready, ctx, channel);
+  return after_break(progress(ready, ctx, channel), ctx);
+}
+
+Status SocketDriver::after_break(Status s, const WaitContext& ctx) {
   if (s.code() != Code::kUnavailable) return s;
   // A socket broke. When the job was aborted (a rank gave up, a node was lost), the peer's
   // process usually closed it on the way out, and the abort's reason, which gradsyncd brings

@@ -40,7 +40,7 @@ class SocketDriver : public ChannelDriver {
   size_t size() const { return ports_.size(); }
 
   Status progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) override;
-  Status poke() override;
+  Status poke(const WaitContext& ctx) override;
   void published(uint32_t channel) override;
   void send_from(uint32_t channel, uint32_t seq, const void* data) override;
   void recv_into(uint32_t channel, uint32_t seq, const SlotMeta& expect, void* dst) override;
@@ -74,6 +74,9 @@ class SocketDriver : public ChannelDriver {
 
   void add(Channel ch, Fd sock, bool send, std::string peer);
   Status progress(const std::function<bool()>& ready, const WaitContext& ctx, int channel);
+  // A broken socket's error (kUnavailable), or the job's abort when it arrives within
+  // kAbortGrace: the abort names the cause; other statuses pass through.
+  Status after_break(Status s, const WaitContext& ctx);
   // Moves what each socket takes or has right now (`focus` >= 0: of the receive sockets, only
   // that channel's). Sets *moved when anything did.
   Status pump(bool* moved, int focus = -1);
