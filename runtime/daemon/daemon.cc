@@ -42,6 +42,9 @@ constexpr std::chrono::milliseconds kIdleBeforeJoin{10'000};
 constexpr std::chrono::milliseconds kHelloTimeout{10'000};
 // How long ~Daemon waits for its connection threads to see their peers hang up.
 constexpr std::chrono::milliseconds kThreadExitWait{10'000};
+// How long a channel that lost its peer waits for the reason the peer's daemon may have given
+// the coordinator, before it reports the lost connection as the job's failure.
+constexpr std::chrono::milliseconds kPeerAbortGrace{500};
 
 std::shared_ptr<spdlog::logger> dlog() { return log::get("daemon"); }
 
@@ -778,7 +781,16 @@ void Daemon::serve_peer(Fd sock) {
 PumpFailure Daemon::pump_failure(const std::shared_ptr<LocalJob>& job) {
   std::weak_ptr<LocalJob> weak = job;
   return [this, weak](int rank, const std::string& why) {
-    if (auto j = weak.lock()) abort(j, rank, j->ids() + " on " + hostname_ + ": " + why, true);
+    auto j = weak.lock();
+    if (!j) return;
+    if (rank < 0) {
+      // A connection the peer closed is most often the echo of an abort its daemon has just told
+      // the coordinator (a hostile slot, a crashed rank there): give that named reason time to
+      // arrive, so the job's error names the culprit, not the channel that only saw it go.
+      std::unique_lock lock(mu_);
+      if (cv_.wait_for(lock, kPeerAbortGrace, [&] { return j->aborted; })) return;
+    }
+    abort(j, rank, j->ids() + " on " + hostname_ + ": " + why, true);
   };
 }
 
