@@ -9,7 +9,9 @@ packages=(build-essential cmake pkg-config libgrpc++-dev protobuf-compiler-grpc 
           # LibTorch (examples/train_mlp_libtorch.cc) and torch for /usr/bin/python3 with the
           # headers its extensions build with (integrations/torch): about 1 min 45 s to install
           # on the 2-core VM (178 packages), docs/training-loop.md.
-          libtorch-dev python3-torch python3-dev pybind11-dev)
+          libtorch-dev python3-torch python3-dev pybind11-dev
+          # libFuzzer and its sanitizers for the fuzz targets (scripts/fuzz.sh, CTest fuzz_short)
+          clang)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -27,3 +29,5 @@ build=${GRADSYNC_BUILD_DIR:-build}
 jobs=${GRADSYNC_JOBS:-$(nproc)}
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo ${GRADSYNC_CMAKE_ARGS:-} >/dev/null
 cmake --build "$build" -j "$jobs"
+# The libFuzzer targets (clang, ASan+UBSan) for CTest's fuzz_short: a dozen runtime files.
+GRADSYNC_JOBS=$jobs GRADSYNC_FUZZ_BUILD_DIR="$build/fuzz-clang" ./scripts/fuzz.sh --build

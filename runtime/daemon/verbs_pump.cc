@@ -8,29 +8,12 @@
 
 #include "common/framing.h"
 #include "common/log.h"
+#include "daemon/verbs_wire.h"
 
 namespace gradsync {
 
-// What each side tells the other, after the Hello, on the bootstrap connection.
-struct VerbsBlob {
-  uint32_t magic;
-  uint32_t qpn;
-  uint32_t psn;         // 24 bits
-  uint32_t mtu;         // ibv_mtu
-  uint16_t lid;         // InfiniBand; 0 on RoCE
-  uint8_t link_layer;   // IBV_LINK_LAYER_*
-  uint8_t reserved;
-  uint32_t rkey;        // of the region holding addr (and meta_addr)
-  uint8_t gid[16];
-  uint64_t addr;        // sender: its credit word; receiver: slot 0 of its incoming channel
-  uint64_t meta_addr;   // receiver: meta[0] of its incoming channel; sender: 0
-  uint32_t slots;
-  uint32_t slot_bytes;
-};
-
 namespace {
 
-constexpr uint32_t kBlobMagic = 0x47535642;  // "GSVB"
 // Credit writes in flight at once from a receiver (each has its own word in words_).
 constexpr uint32_t kCreditRing = 16;
 // Completions taken per poll.
@@ -56,8 +39,6 @@ uint32_t random_psn() {
   return rng() & 0xffffff;
 }
 
-uint32_t make_imm(uint32_t tag, uint32_t seq) { return (tag & 0xff) << 24 | (seq & 0xffffff); }
-
 // Sends our status, then (if OK) our blob.
 Status send_blob(int sock, const Status& status, const VerbsBlob& blob) {
   GS_RETURN_IF_ERROR(proxy_reply(sock, status));
@@ -65,11 +46,11 @@ Status send_blob(int sock, const Status& status, const VerbsBlob& blob) {
   return write_all(sock, &blob, sizeof(blob));
 }
 
-Result<VerbsBlob> read_blob(int sock, Deadline deadline) {
+Result<VerbsBlob> read_blob(int sock, const ShmLayout& layout, bool from_receiver, Deadline deadline) {
   GS_RETURN_IF_ERROR(proxy_read_reply(sock, deadline));
   VerbsBlob b{};
   GS_RETURN_IF_ERROR(read_all(sock, &b, sizeof(b), deadline));
-  if (b.magic != kBlobMagic) return Status(Code::kInternal, "malformed verbs endpoint blob");
+  GS_RETURN_IF_ERROR(check_blob(b, layout, from_receiver));
   return b;
 }
 
@@ -110,8 +91,7 @@ class Backoff {
 }  // namespace
 
 Result<std::shared_ptr<verbs::MemoryRegion>> register_job_memory(const VerbsNode& node, SharedMemory& shm) {
-  auto mr = verbs::MemoryRegion::create(node.pd(), shm.data(), shm.size(),
-                                        IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  auto mr = verbs::MemoryRegion::create(node.pd(), shm.data(), shm.size(), IBV_ACCESS_LOCAL_WRITE);
   if (!mr.ok()) return mr.status();
   return std::make_shared<verbs::MemoryRegion>(std::move(mr).value());
 }
@@ -155,11 +135,34 @@ Status VerbsPump::register_words(size_t n, int access) {
   return Status::Ok();
 }
 
-VerbsBlob VerbsPump::blob(uint32_t psn, uint32_t rkey, uint64_t addr, uint64_t meta_addr) const {
+Status VerbsPump::register_windows(const Channel& ch) {
+  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  auto slots = verbs::MemoryRegion::create(node_->pd(), ch.slot_data(0),
+                                           size_t{ctx_.layout.slots} * ctx_.layout.slot_bytes, access);
+  if (!slots.ok()) return slots.status();
+  auto metas = verbs::MemoryRegion::create(node_->pd(), ch.slot_meta(0), ctx_.layout.slots * sizeof(SlotMeta), access);
+  if (!metas.ok()) return metas.status();
+  slots_mr_ = std::move(slots).value();
+  metas_mr_ = std::move(metas).value();
+  return Status::Ok();
+}
+
+VerbsBlob VerbsPump::blob(uint32_t psn, uint32_t rkey, uint64_t addr, uint64_t meta_addr, uint32_t meta_rkey) const {
   const verbs::PortInfo& port = node_->port_info();
-  VerbsBlob b{kBlobMagic, qp_.qpn(), psn, uint32_t(port.active_mtu), port.lid, port.link_layer, 0, rkey,
-              {}, addr, meta_addr, ctx_.layout.slots, ctx_.layout.slot_bytes};
+  VerbsBlob b{};
+  b.magic = kBlobMagic;
+  b.qpn = qp_.qpn();
+  b.psn = psn;
+  b.mtu = uint32_t(port.active_mtu);
+  b.lid = port.lid;
+  b.link_layer = port.link_layer;
+  b.rkey = rkey;
   std::memcpy(b.gid, node_->gid().raw, sizeof(b.gid));
+  b.addr = addr;
+  b.meta_addr = meta_addr;
+  b.meta_rkey = meta_rkey;
+  b.slots = ctx_.layout.slots;
+  b.slot_bytes = ctx_.layout.slot_bytes;
   return b;
 }
 
@@ -178,16 +181,13 @@ Result<std::unique_ptr<VerbsPump>> VerbsPump::start_sender(std::shared_ptr<Verbs
   if (Status st = p->register_words(16, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE); !st.ok()) return fail(st);
   if (Status s = p->create_qp(0); !s.ok()) return fail(s);
   const uint32_t psn = random_psn();
-  const VerbsBlob mine = p->blob(psn, p->words_mr_.rkey(), p->words_mr_.addr(), 0);
+  const VerbsBlob mine = p->blob(psn, p->words_mr_.rkey(), p->words_mr_.addr(), 0, 0);
   GS_RETURN_IF_ERROR(send_blob(fd, Status::Ok(), mine));
 
-  auto theirs = read_blob(fd, deadline);
+  auto theirs = read_blob(fd, p->ctx_.layout, /*from_receiver=*/true, deadline);
   if (!theirs.ok()) {
     return Status(theirs.status().code(), "verbs set-up towards " + p->ctx_.peer + ": its gradsyncd: " +
                                               theirs.status().message());
-  }
-  if (theirs->slots != p->ctx_.layout.slots || theirs->slot_bytes != p->ctx_.layout.slot_bytes) {
-    return fail({Code::kInvalidArgument, "channel geometry differs (slots/slot_bytes)"});
   }
   if (Status s = p->qp_.to_rtr(peer_address(*theirs), p->node_->port_info().active_mtu, p->node_->sgid_index());
       !s.ok()) {
@@ -197,6 +197,7 @@ Result<std::unique_ptr<VerbsPump>> VerbsPump::start_sender(std::shared_ptr<Verbs
   p->remote_addr_ = theirs->addr;
   p->remote_meta_ = theirs->meta_addr;
   p->remote_rkey_ = theirs->rkey;
+  p->remote_meta_rkey_ = theirs->meta_rkey;
   p->start_thread(std::move(on_failure));
   return p;
 }
@@ -207,7 +208,7 @@ Result<std::unique_ptr<VerbsPump>> VerbsPump::start_receiver(std::shared_ptr<Ver
                                                              PumpFailure on_failure, Deadline deadline) {
   auto p = make(std::move(node), std::move(job_mr), std::move(ctx), tag, std::move(sock), false);
   const int fd = p->sock_.get();
-  auto theirs = read_blob(fd, deadline);
+  auto theirs = read_blob(fd, p->ctx_.layout, /*from_receiver=*/false, deadline);
   if (!theirs.ok()) {
     return Status(theirs.status().code(), "verbs set-up from " + p->ctx_.peer + ": its gradsyncd: " +
                                               theirs.status().message());
@@ -230,11 +231,11 @@ Result<std::unique_ptr<VerbsPump>> VerbsPump::start_receiver(std::shared_ptr<Ver
     return fail(s);
   }
   if (Status s = p->qp_.to_rts(psn); !s.ok()) return fail(s);
-  Channel ch(p->ctx_.shm->data(), p->ctx_.layout, p->ctx_.channel);
-  auto* base = static_cast<uint8_t*>(p->ctx_.shm->data());
+  if (Status s = p->register_windows(Channel(p->ctx_.shm->data(), p->ctx_.layout, p->ctx_.channel)); !s.ok()) {
+    return fail(s);
+  }
   const VerbsBlob mine =
-      p->blob(psn, p->job_mr_->rkey(), p->job_mr_->addr() + uint64_t(ch.slot_data(0) - base),
-              p->job_mr_->addr() + uint64_t(reinterpret_cast<uint8_t*>(ch.slot_meta(0)) - base));
+      p->blob(psn, p->slots_mr_.rkey(), p->slots_mr_.addr(), p->metas_mr_.addr(), p->metas_mr_.rkey());
   GS_RETURN_IF_ERROR(send_blob(fd, Status::Ok(), mine));
   p->remote_addr_ = theirs->addr;
   p->remote_rkey_ = theirs->rkey;
@@ -298,11 +299,11 @@ void VerbsPump::send_loop(const PumpFailure& on_failure) {
       const size_t data_off = ch.slot_data(next) - base;
       const uint32_t at = sent % slots;
       Status s = qp_.post_write(*job_mr_, meta_off, sizeof(SlotMeta), remote_meta_ + at * sizeof(SlotMeta),
-                                remote_rkey_, sent, /*signaled=*/false);
+                                remote_meta_rkey_, sent, /*signaled=*/false);
       if (s.ok()) {
         s = qp_.post_write_with_imm(*job_mr_, data_off, bytes,
                                     remote_addr_ + uint64_t(at) * ctx_.layout.slot_bytes, remote_rkey_,
-                                    make_imm(tag_, sent), sent);
+                                    slot_imm(tag_, sent), sent);
       }
       if (!s.ok()) return fail("posting a slot to " + ctx_.peer + ": " + s.message());
       ++next;
@@ -373,13 +374,9 @@ void VerbsPump::recv_loop(const PumpFailure& on_failure) {
                     ctx_.peer);
       }
       const uint32_t imm = ntohl(wc.imm_data);
-      if (imm != make_imm(tag_, arrived)) {
-        return fail("protocol error from " + ctx_.peer + ": immediate " + std::to_string(imm >> 24) + "/" +
-                    std::to_string(imm & 0xffffff) + " where tag " + std::to_string(tag_ & 0xff) + " slot " +
-                    std::to_string(arrived & 0xffffff) + " was due");
-      }
-      if (ch.slot_meta(arrived)->bytes > ch.slot_bytes()) {
-        return fail("protocol error: oversized slot from " + ctx_.peer);
+      const SlotMeta meta = *ch.slot_meta(arrived);
+      if (Status s = check_landed_slot(imm, tag_, arrived, meta, ch.slot_bytes()); !s.ok()) {
+        return fail("protocol error from " + ctx_.peer + ": " + s.message());
       }
       ch.publish_landed();
       ++arrived;

@@ -33,14 +33,15 @@
 #include <thread>
 
 #include "daemon/proxy.h"
+#include "daemon/verbs_wire.h"
 #include "transport/verbs/node.h"
 
 namespace gradsync {
 
-struct VerbsBlob;  // the set-up exchange (verbs_pump.cc, docs/wire.md)
 
 // Registers a job's shared memory (every channel's counters, metas and slots) for local use
-// and remote writes.
+// only: the source of the sending pumps' writes. What a peer may write is registered per
+// channel by its receiving pump (VerbsPump::register_windows).
 Result<std::shared_ptr<verbs::MemoryRegion>> register_job_memory(const VerbsNode& node,
                                                                   SharedMemory& shm);
 
@@ -73,8 +74,13 @@ class VerbsPump : public ChannelPump {
                                          std::shared_ptr<verbs::MemoryRegion> job_mr, PumpContext ctx,
                                          uint32_t tag, Fd sock, bool sender);
   Status register_words(size_t n, int access);
-  // This end's set-up blob: its QP, `rkey` over `addr` (and `meta_addr`), the geometry.
-  VerbsBlob blob(uint32_t psn, uint32_t rkey, uint64_t addr, uint64_t meta_addr) const;
+  // Receiver: the only memory a peer may write, this channel's receive slots and their
+  // metadata, each its own region with keys made for this pump (so for this generation of the
+  // job; deregistered with it) and sent to the peer after the authenticated Hello.
+  Status register_windows(const Channel& ch);
+  // This end's set-up blob: its QP, `rkey` over `addr` (and `meta_rkey` over `meta_addr`),
+  // the geometry.
+  VerbsBlob blob(uint32_t psn, uint32_t rkey, uint64_t addr, uint64_t meta_addr, uint32_t meta_rkey) const;
   Status create_qp(uint32_t recv_depth);
   void start_thread(PumpFailure on_failure);
   void send_loop(const PumpFailure& on_failure);
@@ -90,10 +96,13 @@ class VerbsPump : public ChannelPump {
   // ring of credit values being written (each must stay put until its write completes).
   std::unique_ptr<uint32_t[]> words_;
   verbs::MemoryRegion words_mr_;
+  verbs::MemoryRegion slots_mr_;  // receiver: its channel's slots, remote-writable
+  verbs::MemoryRegion metas_mr_;  // receiver: their SlotMetas, remote-writable
   // The peer's side: sender -> the receiver's slot 0 and meta 0; receiver -> the credit word.
   uint64_t remote_addr_ = 0;
   uint64_t remote_meta_ = 0;
   uint32_t remote_rkey_ = 0;
+  uint32_t remote_meta_rkey_ = 0;  // sender: the key of the receiver's metadata window
   verbs::CompletionQueue cq_;
   verbs::QueuePair qp_;  // declared after cq_: destroyed before it
   std::atomic<bool> finished_{false};

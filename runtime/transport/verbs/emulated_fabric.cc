@@ -561,10 +561,12 @@ int emu_post_send(ibv_qp* qp, ibv_send_wr* wr, ibv_send_wr** bad_wr) {
     }
     const bool is_write = wr->opcode == IBV_WR_RDMA_WRITE || wr->opcode == IBV_WR_RDMA_WRITE_WITH_IMM;
     ibv_wc_status st = q->qp.state == IBV_QPS_ERR ? IBV_WC_WR_FLUSH_ERR : execute(*q, *wr);
-    if (st != IBV_WC_SUCCESS && st != IBV_WC_WR_FLUSH_ERR) enter_error(*q);
+    // The failed WR completes first, then the QP's receives are flushed (as a NIC reports it:
+    // with one CQ for both, the cause comes before its consequences).
     if (st != IBV_WC_SUCCESS || q->sig_all || (wr->send_flags & IBV_SEND_SIGNALED))
       push_wc(q->qp.send_cq, make_wc(wr->wr_id, st, is_write ? IBV_WC_RDMA_WRITE : IBV_WC_SEND,
                                      q->qp.qp_num));
+    if (st != IBV_WC_SUCCESS && st != IBV_WC_WR_FLUSH_ERR) enter_error(*q);
   }
   return 0;
 }
@@ -667,6 +669,28 @@ int EmulatedFabric::force_device_qp_errors(const std::string& device) {
     ++n;
   }
   return n;
+}
+
+std::vector<EmulatedFabric::RemoteWindow> EmulatedFabric::remote_windows(const std::string& device) {
+  std::lock_guard lock(fab().mu);
+  std::vector<RemoteWindow> out;
+  for (auto& [raw, m] : fab().mrs) {
+    ibv_pd* pd = m->mr.pd;
+    Context* c = pd ? find(fab().contexts, pd->context) : nullptr;
+    if (c == nullptr || c->device->name != device || !(m->access & IBV_ACCESS_REMOTE_WRITE)) continue;
+    out.push_back({m->base, m->mr.length, m->mr.rkey});
+  }
+  return out;
+}
+
+std::vector<ibv_qp*> EmulatedFabric::sending_qps(const std::string& device) {
+  std::lock_guard lock(fab().mu);
+  std::vector<ibv_qp*> out;
+  for (auto& [raw, q] : fab().qps) {
+    Context* c = find(fab().contexts, raw->context);
+    if (c != nullptr && c->device->name == device && q->qp.state == IBV_QPS_RTS) out.push_back(raw);
+  }
+  return out;
 }
 
 ibv_qp_state EmulatedFabric::qp_state(ibv_qp* qp) {

@@ -42,6 +42,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "transport/verbs/ibv_api.h"
 
@@ -83,6 +84,18 @@ class EmulatedFabric {
   void set_copier(Copier copier);
   // True for an MR made by reg_dmabuf_mr ("device memory"), false for reg_mr or unknown.
   bool is_device_memory(ibv_mr* mr);
+
+  // For tests of what a process exposes (docs/security.md, attack 3): every MR on `device`
+  // that a peer may write (IBV_ACCESS_REMOTE_WRITE), with the address range its rkey reaches.
+  struct RemoteWindow {
+    uint64_t addr = 0;
+    size_t length = 0;
+    uint32_t rkey = 0;
+  };
+  std::vector<RemoteWindow> remote_windows(const std::string& device);
+  // Every QP opened on `device` that is connected and can send (RTS): a test playing a peer
+  // that went bad posts on one.
+  std::vector<ibv_qp*> sending_qps(const std::string& device);
 
  private:
   EmulatedFabric() = default;
