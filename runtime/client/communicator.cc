@@ -117,7 +117,9 @@ class CommunicatorImpl {
     if (const char* a = std::getenv("GRADSYNC_ALGO"); a && *a) {
       std::string v = a;
       forced_ = v == "ring" ? Algorithm::kRing : v == "tree" ? Algorithm::kTree : Algorithm::kAuto;
-      if (forced_ == Algorithm::kAuto && v != "auto") {
+      // oneshot, twoshot and hierarchical name GPU algorithms (gpu/device_comm.cc).
+      const bool gpu_only = v == "oneshot" || v == "one-shot" || v == "twoshot" || v == "two-shot" || v == "hierarchical";
+      if (forced_ == Algorithm::kAuto && v != "auto" && !gpu_only) {
         log_->warn("GRADSYNC_ALGO={} is not ring, tree or auto; using auto", v);
       }
     }
@@ -246,8 +248,7 @@ class CommunicatorImpl {
       return run(c);
     };
     ops.run_on_worker = [this](const CollectiveCall& call) {
-      CollectiveCall c = call;
-      c.algorithm = Algorithm::kAuto;
+      CollectiveCall c = call;  // its algorithm: kAuto, or what the GPU call forced
       c.algorithm = resolve(c);
       {
         std::lock_guard lock(mu_);
@@ -273,6 +274,7 @@ class CommunicatorImpl {
     cfg.device = opts_.device;
     cfg.op_timeout = opts_.op_timeout;
     cfg.hosts = links_.hosts;
+    cfg.rank_nodes.assign(join_.rank_nodes().begin(), join_.rank_nodes().end());
     if (join_.has_verbs()) {
       cfg.verbs_device = join_.verbs().device();
       cfg.verbs_port = int(join_.verbs().port());

@@ -1,175 +1,17 @@
 #include "gpu/device_comm.h"
 
-#include <cuda_runtime_api.h>
-#include <sched.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <mutex>
 
 #include "common/log.h"
-#include "kernels/cuda_node.cuh"
+#include "gpu/device_comm_impl.h"
 #include "kernels/cuda_reduce.cuh"
 #if GRADSYNC_HAVE_GDR
-#include "gpu/gdr_ring.h"
 #include "topology/gpudirect.h"
 #endif
 
 namespace gradsync {
-namespace {
 
-using Clock = std::chrono::steady_clock;
-
-long env_long(const char* name, long fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  return (end && *end == '\0' && x > 0) ? x : fallback;
-}
-
-// Words the kernels and the host share, in mapped pinned host memory.
-struct HostWords {
-  kernels::NodeError error;
-  uint32_t abort;
-  uint32_t pad;
-  // host-staged, counted in pieces since set-up (monotonic):
-  uint64_t landed;   // the stream copied this many pieces to the staging slots
-  uint64_t reduced;  // the worker ran the host collective on this many pieces, in place
-  uint64_t done;     // calls whose results the stream copied back
-  // GPU clock per call (for the overlap figure), in a ring indexed by the call's sequence
-  // number, so that a call's stamps survive while the stream runs the next ones.
-  static constexpr size_t kStampRing = 64;
-  struct Stamps {
-    uint64_t start_ns, done_ns, waited_ns;  // the call's span on the stream and its waits
-  } stamps[kStampRing];
-};
-
-// Makes `device` current for a scope and restores the caller's device after it.
-class DeviceScope {
- public:
-  Status enter(int device) {
-    (void)cudaGetDevice(&prev_);
-    mine_ = device;
-    if (prev_ != device) {
-      if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
-        return {Code::kInternal, std::string("cudaSetDevice: ") + cudaGetErrorString(e)};
-      }
-    }
-    return Status::Ok();
-  }
-  ~DeviceScope() {
-    if (prev_ >= 0 && prev_ != mine_) (void)cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = -1;
-  int mine_ = -1;
-};
-
-// One row of the set-up exchange: summed (uint8) over ranks, every other row is zero.
-struct IpcEntry {
-  int32_t pid;
-  int32_t device;
-  int32_t ok;
-  int32_t pad;
-  uint64_t addr;
-  cudaIpcMemHandle_t handle;
-  char bus_id[32];
-};
-
-// Polls until `done()` or the deadline (every wait has one): spins for 50 us (a small
-// piece's copy to pinned memory lands within that), polls with sched_yield until
-// GRADSYNC_YIELD_US (default 1 ms) has passed, then sleeps 20 us between looks. A 20 us sleep
-// lasts about 70 us with the kernel's default timer slack: with a sleep after 100 looks, as
-// before, a small staged call took 94-99 us (8 B) on the H200 host; with this, 42-45 us
-// (StagedRdmaBench.DISABLED_SmallCallsInOneProcess, docs/benchmarks.md).
-template <class F>
-bool poll_until(F done, Clock::time_point deadline) {
-  static const auto yield = std::chrono::microseconds(std::max(0L, env_long("GRADSYNC_YIELD_US", 1000)));
-  const auto spin_until = Clock::now() + std::chrono::microseconds(50), yield_until = spin_until + yield;
-  for (;;) {
-    if (done()) return true;
-    const auto now = Clock::now();
-    if (now > deadline) return false;
-    if (now < spin_until) {
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
-    } else if (now < yield_until) {
-      sched_yield();
-    } else {
-      ::usleep(20);
-    }
-  }
-}
-
-// From this many bytes, allreduce and broadcast among 3 or more ranks of a node go two-shot:
-// measured with 8 ranks as threads on one H200, two-shot took 0.65x the one-shot path's speed
-// at 256 KiB and 1.56x at 1 MiB (docs/benchmarks.md).
-constexpr long kTwoShotMinBytes = 1 << 20;
-
-// The host-staged path cuts a call into pieces: the stream copies one while the worker runs
-// the host collective of another. A quarter of the call, from 4 to 8 MiB: smaller pieces
-// were slower (below, when ring threads started at 4 MiB; 2 MiB pieces with threads from
-// 1 MiB: no better at 8 MiB), and at most 8 MiB so that a large call still pipelines.
-// Measured on the H200 host (2 nodes x 1 rank, 16 rings, 8 ring threads, GB/s at 8 / 32 /
-// 128 / 512 MiB): pieces of 2 MiB 1.8/2.0/2.1/2.4, 4 MiB 3.1/3.6/5.1/5.2, 8 MiB
-// 1.9/6.4/7.7/7.5, 16 MiB 1.8/5.9/6.7/6.6; a one-piece call is the slow case.
-constexpr size_t kMinPiece = size_t(4) << 20;
-constexpr size_t kMaxPiece = size_t(8) << 20;
-
-size_t piece_for(size_t call_bytes) { return std::clamp(call_bytes / 4 / 64 * 64, kMinPiece, kMaxPiece); }
-
-}  // namespace
-
-struct DeviceComm::Impl {
-  enum class Path { kSingle, kIpc, kStaged } path = Path::kSingle;
-  std::string why = "one rank";  // why this path (path_why())
-  kernels::NodeLayout layout;
-  kernels::NodeArgs args;
-  void* region = nullptr;
-  std::vector<void*> opened;  // peers' regions opened through IPC
-  uint64_t* progress = nullptr;
-  HostWords* words = nullptr;      // host view
-  HostWords* words_dev = nullptr;  // device view of the same memory
-
-  // host-staged
-  static constexpr size_t kStagingSlots = 4;
-  uint8_t* staging = nullptr;  // kStagingSlots slots of pinned host memory
-  // A piece's bytes (all ranks' rows of it: reduce_scatter, all_gather): GRADSYNC_STAGE_PIECE,
-  // or 0: a quarter of the call, from kMinPiece to kMaxPiece (piece_for).
-  size_t piece_bytes = 0;
-  size_t slot_bytes = 4u << 20;  // one staging slot: >= piece_bytes and >= one element per rank
-  size_t max_pitch = 0;          // cudaDevAttrMaxPitch: the largest pitch of a 2D copy
-  uint64_t staged_seq = 0;
-  uint64_t pieces_queued = 0;  // pieces of every staged call so far (the stream's count)
-  std::mutex mu;             // staged_error and timing: the worker writes, the caller reads
-  Status staged_error;
-  StagedTiming timing;
-  bool log_timing = false;
-
-#if GRADSYNC_HAVE_GDR
-  // GPUDirect RDMA (gpu/gdr_ring.h): calls of at least gdr_min_bytes per segment; smaller
-  // ones stay host-staged.
-  std::unique_ptr<GdrRing> gdr;
-  size_t gdr_min_bytes = 0;
-#endif
-
-  // GRADSYNC_GPU_TIMELINE (gpu/timeline.h), cuda-ipc only.
-  bool timeline_asked = false;
-  uint64_t* timeline = nullptr;  // layout.blocks records (kernels/cuda_node.cuh), device memory
-  cudaEvent_t timeline_event = nullptr;    // recorded after the last recorded launch
-  cudaStream_t timeline_stream = nullptr;  // the copies back
-  struct LastCall {
-    bool recorded = false;
-    std::string why_not = "no GPU collective was called yet";
-    CollectiveKind kind = CollectiveKind::kAllreduce;
-    uint64_t bytes = 0;  // of one segment
-  } last;
-};
+using namespace device_comm_detail;
 
 DeviceComm::DeviceComm(DeviceCommConfig cfg, HostOps ops)
     : cfg_(std::move(cfg)), ops_(std::move(ops)), impl_(std::make_unique<Impl>()) {}
@@ -179,13 +21,6 @@ std::string DeviceComm::who() const {
          ", GPU " + std::to_string(cfg_.device) + ")";
 }
 
-#define GS_CUDA(expr, what)                                                                  \
-  do {                                                                                       \
-    if (cudaError_t e_ = (expr); e_ != cudaSuccess) {                                        \
-      return Status(Code::kInternal, who() + ": " + (what) + ": " + cudaGetErrorName(e_) +  \
-                                         " (" + cudaGetErrorString(e_) + ")");              \
-    }                                                                                        \
-  } while (0)
 
 Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& cfg, HostOps ops) {
   std::unique_ptr<DeviceComm> d(new DeviceComm(cfg, std::move(ops)));
@@ -235,10 +70,13 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     if (cudaError_t e = kernels::load_reduce_kernels(); e != cudaSuccess) {
       return Status(Code::kInternal, d->who() + ": loading the GPU kernels: " + cudaGetErrorString(e));
     }
+    GS_RETURN_IF_ERROR(d->agree_algorithm());
     bool ipc = false;
     if (cfg.local_world_size == cfg.world_size && cfg.world_size <= kernels::kMaxNodeRanks &&
         std::getenv("GRADSYNC_GPU_STAGED") == nullptr) {
-      GS_RETURN_IF_ERROR(d->setup_ipc(&ipc));
+      std::vector<int> every(size_t(cfg.world_size));
+      for (int r = 0; r < cfg.world_size; ++r) every[size_t(r)] = r;
+      GS_RETURN_IF_ERROR(d->setup_ipc(every, &ipc));
     }
     if (ipc) {
       m.path = Impl::Path::kIpc;
@@ -260,6 +98,7 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
               : std::getenv("GRADSYNC_GPU_STAGED") != nullptr ? "GRADSYNC_GPU_STAGED is set"
                                                                : "CUDA IPC between this node's GPUs is not possible";
       GS_RETURN_IF_ERROR(d->setup_gdr());
+      GS_RETURN_IF_ERROR(d->setup_hierarchical());
     }
   }
   log::get("gpu")->info("{}: GPU collectives by {}", d->who(), d->path());
@@ -280,20 +119,32 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
   return d;
 }
 
-Status DeviceComm::setup_ipc(bool* usable) {
+// Collective over the whole world (every rank calls it at the same point): the CUDA IPC
+// kernels among the ranks of `group` (world ranks in rank order, this rank among them: every
+// rank on one node, or this node's ranks on the hierarchical path). *usable is agreed.
+Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
   Impl& m = *impl_;
   *usable = false;
-  const int n = cfg_.world_size;
+  const int n = int(group.size());
+  const int me = int(std::find(group.begin(), group.end(), cfg_.rank) - group.begin());
+  const int world = cfg_.world_size;
   cudaDeviceProp prop{};
   GS_CUDA(cudaGetDeviceProperties(&prop, cfg_.device), "cudaGetDeviceProperties");
   // Every rank's kernel must be resident at once (the blocks wait on each other): ranks that
-  // share a GPU share its SMs.
+  // share a GPU share its SMs. A GPU is its machine's name and its PCI address (ranks of
+  // several nodes declared on one machine, as the tests do, share it too).
   int shares = 1;
   {
-    std::vector<int32_t> dev(n, 0);
-    dev[cfg_.rank] = cfg_.device + 1;
-    GS_RETURN_IF_ERROR(ops_.allreduce_now(dev.data(), dev.data(), n, DataType::kInt32, ReduceOp::kSum));
-    shares = int(std::count(dev.begin(), dev.end(), cfg_.device + 1));
+    char bus[32] = {};
+    (void)cudaDeviceGetPCIBusId(bus, sizeof(bus) - 1, cfg_.device);
+    (void)cudaGetLastError();
+    char host[256] = {};
+    (void)::gethostname(host, sizeof(host) - 1);
+    const int64_t key = int64_t(std::hash<std::string>{}(std::string(host) + "/" + bus) >> 2) | 1;
+    std::vector<int64_t> keys(size_t(world), 0);
+    keys[size_t(cfg_.rank)] = key;
+    GS_RETURN_IF_ERROR(ops_.allreduce_now(keys.data(), keys.data(), size_t(world), DataType::kInt64, ReduceOp::kSum));
+    shares = int(std::count(keys.begin(), keys.end(), key));
   }
   // Defaults measured on 2 H200s over NVLink (docs/benchmarks.md): 128 blocks of 256 KiB
   // chunks reach NCCL's bus bandwidth; the chunk shrinks with more ranks so that the region
@@ -356,25 +207,26 @@ Status DeviceComm::setup_ipc(bool* usable) {
   GS_CUDA(cudaMemset(m.progress, 0, progress_bytes), "cudaMemset");
   GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
-  std::vector<IpcEntry> table(n);
-  std::memset(table.data(), 0, n * sizeof(IpcEntry));
-  IpcEntry& mine = table[cfg_.rank];
+  std::vector<IpcEntry> table(static_cast<size_t>(world));
+  std::memset(table.data(), 0, table.size() * sizeof(IpcEntry));
+  IpcEntry& mine = table[size_t(cfg_.rank)];
   mine.pid = int32_t(::getpid());
   mine.device = cfg_.device;
   mine.addr = reinterpret_cast<uint64_t>(m.region);
   GS_CUDA(cudaIpcGetMemHandle(&mine.handle, m.region), "cudaIpcGetMemHandle");
   (void)cudaDeviceGetPCIBusId(mine.bus_id, sizeof(mine.bus_id) - 1, cfg_.device);
-  GS_RETURN_IF_ERROR(ops_.allreduce_now(table.data(), table.data(), n * sizeof(IpcEntry),
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(table.data(), table.data(), table.size() * sizeof(IpcEntry),
                                         DataType::kUInt8, ReduceOp::kSum));
 
   std::string why;
-  m.args.me = cfg_.rank;
+  m.args.me = me;
+  m.group = group;
   for (int p = 0; p < n; ++p) {
-    if (p == cfg_.rank) {
+    if (p == me) {
       m.args.region[p] = static_cast<uint8_t*>(m.region);
       continue;
     }
-    const IpcEntry& e = table[p];
+    const IpcEntry& e = table[size_t(group[size_t(p)])];
     if (e.pid == mine.pid) {
       // A rank of this process (ranks as threads): its pointer is valid here; another GPU
       // needs peer access.
@@ -393,7 +245,7 @@ Status DeviceComm::setup_ipc(bool* usable) {
     void* ptr = nullptr;
     cudaError_t r = cudaIpcOpenMemHandle(&ptr, e.handle, cudaIpcMemLazyEnablePeerAccess);
     if (r != cudaSuccess) {
-      why = "cudaIpcOpenMemHandle of rank " + std::to_string(p) + " (GPU " + e.bus_id + "): " +
+      why = "cudaIpcOpenMemHandle of rank " + std::to_string(group[size_t(p)]) + " (GPU " + e.bus_id + "): " +
             cudaGetErrorString(r);
       (void)cudaGetLastError();
       break;
@@ -405,14 +257,9 @@ Status DeviceComm::setup_ipc(bool* usable) {
   GS_RETURN_IF_ERROR(ops_.allreduce_now(&ok, &ok, 1, DataType::kInt32, ReduceOp::kMin));
   if (ok == 0) {
     auto log = log::get("gpu");
-    if (!why.empty()) log->warn("{}: no CUDA IPC path: {}; using host staging", who(), why);
-    else log->warn("{}: a peer could not open CUDA IPC; using host staging", who());
-    for (void* p : m.opened) (void)cudaIpcCloseMemHandle(p);
-    m.opened.clear();
-    (void)cudaFree(m.region);
-    (void)cudaFree(m.progress);
-    m.region = nullptr;
-    m.progress = nullptr;
+    if (!why.empty()) log->warn("{}: no CUDA IPC path: {}", who(), why);
+    else log->warn("{}: a peer could not open CUDA IPC", who());
+    release_ipc();
     return Status::Ok();
   }
   m.args.progress = m.progress;
@@ -424,22 +271,63 @@ Status DeviceComm::setup_ipc(bool* usable) {
   return Status::Ok();
 }
 
-Status DeviceComm::setup_staged() {
+
+void DeviceComm::release_ipc() {
   Impl& m = *impl_;
-  const long fixed = env_long("GRADSYNC_STAGE_PIECE", 0);
-  m.piece_bytes = fixed > 0 ? std::max<size_t>(4096, size_t(fixed) / 64 * 64) : 0;
-  // A reduce_scatter or all_gather piece holds at least one element (8 bytes at most) of every
-  // rank's segment.
-  m.slot_bytes =
-      std::max(m.piece_bytes ? m.piece_bytes : kMaxPiece, (size_t(cfg_.world_size) * 8 + 63) / 64 * 64);
-  int pitch = 0;
-  GS_CUDA(cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, cfg_.device),
-          "cudaDeviceGetAttribute");
-  m.max_pitch = size_t(std::max(pitch, 0));
-  void* p = nullptr;
-  GS_CUDA(cudaHostAlloc(&p, Impl::kStagingSlots * m.slot_bytes, cudaHostAllocDefault),
-          "cudaHostAlloc of the staging slots");
-  m.staging = static_cast<uint8_t*>(p);
+  for (void* p : m.opened) (void)cudaIpcCloseMemHandle(p);
+  m.opened.clear();
+  if (m.region) (void)cudaFree(m.region);
+  if (m.progress) (void)cudaFree(m.progress);
+  m.region = nullptr;
+  m.progress = nullptr;
+  m.group.clear();
+}
+
+#if GRADSYNC_HAVE_GDR
+// A GPUDirect RDMA ring of every rank in rank order, on this rank's RDMA device, with the
+// slots of GRADSYNC_GDR_SLOT_BYTES and GRADSYNC_GDR_SLOTS.
+GdrConfig DeviceComm::gdr_config() const {
+  Impl& m = *impl_;
+  GdrConfig g;
+  g.device = cfg_.device;
+  GdrLinkConfig& l = g.link;
+  l.who = who();
+  l.rank = cfg_.rank;
+  l.world_size = cfg_.world_size;
+  l.hosts = cfg_.hosts;
+  l.verbs_device = cfg_.verbs_device;
+  l.verbs_port = cfg_.verbs_port;
+  l.gid_index = cfg_.gid_index;
+  l.verbs_api = cfg_.verbs_api;
+  l.slot_bytes = size_t(env_long("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
+  l.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GDR_SLOTS", 4)));
+  l.op_timeout = cfg_.op_timeout;
+  g.abort_dev = &m.words_dev->abort;
+  g.error_dev = &m.words_dev->error;
+  g.abort_host = &m.words->abort;
+  return g;
+}
+#endif
+
+// GRADSYNC_ALGO for GPU calls (ring, tree, oneshot, twoshot, hierarchical, auto), read by
+// every rank and agreed: ranks that run different protocols would wait for each other until
+// the op timeout, so a difference fails the join, naming it.
+Status DeviceComm::agree_algorithm() {
+  Impl& m = *impl_;
+  std::string error;
+  const char* v = std::getenv("GRADSYNC_ALGO");
+  m.env_algo = plan::algo_from_env(v, &error);
+  if (!error.empty()) {
+    log::get("gpu")->warn("{}: {}; GPU calls choose for themselves", who(), error);
+  }
+  int64_t code[2] = {m.env_algo ? int64_t(*m.env_algo) + 1 : 0, 0};
+  code[1] = -code[0];
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(code, code, 2, DataType::kInt64, ReduceOp::kMin));
+  if (code[0] != -code[1]) {
+    return {Code::kInvalidArgument, who() + ": GRADSYNC_ALGO differs between ranks (here " +
+                                        (v && *v ? std::string(v) : std::string("unset")) +
+                                        "): every rank of a job must run the same GPU algorithm"};
+  }
   return Status::Ok();
 }
 
@@ -463,24 +351,9 @@ Status DeviceComm::setup_gdr() {
   const std::string off = !asked ? "GRADSYNC_GDR=0 is set" : staged ? "GRADSYNC_GPU_STAGED is set" : "";
   // Still collective when this rank does not want it: the others may. It takes part and
   // fails locally, and then every rank keeps the host-staged path.
-  GdrConfig g;
-  g.device = cfg_.device;
-  GdrLinkConfig& l = g.link;
-  l.who = who();
-  l.rank = cfg_.rank;
-  l.world_size = cfg_.world_size;
-  l.hosts = cfg_.hosts;
-  l.verbs_device = asked && !staged ? cfg_.verbs_device : std::string();
-  l.verbs_port = cfg_.verbs_port;
-  l.gid_index = cfg_.gid_index;
-  l.verbs_api = cfg_.verbs_api;
-  l.slot_bytes = size_t(env_long("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
-  l.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GDR_SLOTS", 4)));
-  l.op_timeout = cfg_.op_timeout;
-  g.abort_dev = &m.words_dev->abort;
-  g.error_dev = &m.words_dev->error;
-  g.abort_host = &m.words->abort;
-  if (l.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
+  GdrConfig g = gdr_config();
+  if (!asked || staged) g.link.verbs_device.clear();
+  if (g.link.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
   std::string why;
   auto ring = GdrRing::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
@@ -563,6 +436,7 @@ Status DeviceComm::measure_gdr_min_bytes() {
 void DeviceComm::quiesce() {
 #if GRADSYNC_HAVE_GDR
   if (impl_->gdr) impl_->gdr->quiesce();
+  if (impl_->rail) impl_->rail->quiesce();
 #endif
 }
 
@@ -572,11 +446,10 @@ DeviceComm::~DeviceComm() {
   Impl& m = *impl_;
 #if GRADSYNC_HAVE_GDR
   m.gdr.reset();
+  m.rail.reset();
 #endif
   (void)cudaSetDevice(cfg_.device);
-  for (void* p : m.opened) (void)cudaIpcCloseMemHandle(p);
-  if (m.region) (void)cudaFree(m.region);
-  if (m.progress) (void)cudaFree(m.progress);
+  release_ipc();
   if (m.staging) (void)cudaFreeHost(m.staging);
   if (m.words) (void)cudaFreeHost(m.words);
   if (m.timeline) (void)cudaFree(m.timeline);
@@ -604,7 +477,7 @@ const std::string& DeviceComm::path_why() const { return impl_->why; }
 
 Result<uint64_t> DeviceComm::bytes_sent() {
   Impl& m = *impl_;
-  if (m.path != Impl::Path::kIpc) return uint64_t{0};
+  if (m.path != Impl::Path::kIpc && m.path != Impl::Path::kHierarchical) return uint64_t{0};
   DeviceScope scope;
   if (Status e = scope.enter(cfg_.device); !e.ok()) return e;
   // A private non-blocking stream: no legacy-stream call (ranks may share the GPU).
@@ -627,6 +500,8 @@ const char* DeviceComm::path() const {
       if (impl_->gdr) return impl_->gdr->gpu_slots() ? "gpudirect-rdma" : "rdma-host-memory";
 #endif
       return "host-staged";
+    case Impl::Path::kHierarchical:
+      return "hierarchical";
   }
   return "?";
 }
@@ -639,8 +514,9 @@ DeviceComm::StagedTiming DeviceComm::last_staged_timing() const {
 Status DeviceComm::fail_from_error_word() {
   Impl& m = *impl_;
 #if GRADSYNC_HAVE_GDR
-  if (m.gdr) {
-    if (Status s = m.gdr->error(); !s.ok()) {
+  for (const auto* ring : {m.gdr.get(), m.rail.get()}) {
+    if (ring == nullptr) continue;
+    if (Status s = ring->error(); !s.ok()) {
       failed_ = {s.code(), who() + ": " + s.message()};
       return failed_;
     }
@@ -668,8 +544,10 @@ Status DeviceComm::fail_from_error_word() {
                        : "the stream waited for a free GPUDirect RDMA send slot (" + peer +
                              " frees them)";
   } else {
+    // The node kernels name a peer by its place among the node's ranks.
+    const int peer = size_t(e.peer) < m.group.size() ? m.group[size_t(e.peer)] : int(e.peer);
     what = std::string("block ") + std::to_string(e.block) + " waited for rank " +
-           std::to_string(e.peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
+           std::to_string(peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
   }
   if (e.code == 1) {
     failed_ = {Code::kDeadlineExceeded, who() + ": a GPU collective did not finish: " + what +
@@ -690,38 +568,6 @@ Status DeviceComm::async_error() {
   return fail_from_error_word();
 }
 
-namespace {
-
-// "reduce_scatter #3 (count=10 type=float32 op=sum)", for messages.
-std::string describe_gpu(const CollectiveCall& c, uint64_t number) {
-  std::string s = std::string(to_string(c.kind)) + " #" + std::to_string(number) +
-                  " (count=" + std::to_string(c.count) + " type=" + to_string(c.type);
-  if (c.kind == CollectiveKind::kAllreduce || c.kind == CollectiveKind::kReduceScatter) {
-    s += std::string(" op=") + to_string(c.op);
-  }
-  if (c.kind == CollectiveKind::kBroadcast) s += " root=" + std::to_string(c.root);
-  return s + ")";
-}
-
-kernels::NodeCollective node_kind(CollectiveKind k) {
-  switch (k) {
-    case CollectiveKind::kReduceScatter:
-      return kernels::NodeCollective::kReduceScatter;
-    case CollectiveKind::kAllGather:
-      return kernels::NodeCollective::kAllGather;
-    case CollectiveKind::kBroadcast:
-      return kernels::NodeCollective::kBroadcast;
-    default:
-      return kernels::NodeCollective::kAllreduce;
-  }
-}
-
-// Buffers made of world_size segments: reduce_scatter's send, all_gather's recv.
-bool strided(CollectiveKind k) {
-  return k == CollectiveKind::kReduceScatter || k == CollectiveKind::kAllGather;
-}
-
-}  // namespace
 
 Status DeviceComm::check_device_buffer(const char* name, const void* p) const {
   cudaPointerAttributes a{};
@@ -771,7 +617,7 @@ Status DeviceComm::check_call(const CollectiveCall& c) const {
 
 Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   CollectiveCall c = call;
-  c.algorithm = Algorithm::kAuto;  // one GPU path per communicator: the option has no say
+  c.algorithm = Algorithm::kAuto;  // the host collective of a staged call chooses, unless forced below
   const uint64_t number = ++calls_;
   auto refused = [&](const Status& s) {
     return Status(s.code(),
@@ -791,6 +637,11 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   if (Status e = scope.enter(cfg_.device); !e.ok()) return Status(e.code(), who() + ": " + e.message());
 
   Impl& m = *impl_;
+  // CallOptions::algorithm, else GRADSYNC_ALGO (agreed at set-up), where the path has it:
+  // one node: oneshot and twoshot pick the kernels' protocol (ring and tree leave it to the
+  // size); several nodes: ring (the flat GPUDirect ring, else the host-staged ring), tree (the
+  // host-staged tree), hierarchical (the default for allreduce where the path exists).
+  const std::optional<plan::Algo> forced = plan::forced_algo(call.algorithm, m.env_algo);
   switch (m.path) {
     case Impl::Path::kSingle:
       // One rank: every collective is a copy of its one segment, or nothing.
@@ -802,6 +653,13 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       return Status::Ok();
     case Impl::Path::kIpc: {
       const kernels::NodeCall nc{node_kind(c.kind), c.type, c.op, c.root, c.send, c.recv, c.count};
+      if (forced == plan::Algo::kOneShot || forced == plan::Algo::kTwoShot) {
+        kernels::NodeLayout layout = m.layout;  // the same on every rank: the call's protocol
+        layout.two_shot_min_bytes = forced == plan::Algo::kTwoShot ? 1 : 0;
+        GS_CUDA(kernels::launch_node_collective(layout, m.args, nc, stream),
+                std::string("launching the node ") + to_string(c.kind) + " kernel");
+        return Status::Ok();
+      }
       if (m.timeline == nullptr) {
         GS_CUDA(kernels::launch_node_collective(m.layout, m.args, nc, stream),
                 std::string("launching the node ") + to_string(c.kind) + " kernel");
@@ -841,6 +699,7 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       return Status::Ok();
     }
     case Impl::Path::kStaged:
+    case Impl::Path::kHierarchical:
       break;
   }
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -850,8 +709,24 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
                     "the host-staged path (ranks on several nodes) cannot be captured in a CUDA "
                     "graph: its host half is started by the call, not by the graph's launch"});
   }
+  if (forced == plan::Algo::kTree) {
+    c.algorithm = Algorithm::kTree;
+    return run_staged(c, stream, number);
+  }
+  if (forced == plan::Algo::kRing) c.algorithm = Algorithm::kRing;
 #if GRADSYNC_HAVE_GDR
-  if (m.gdr && c.count * element_size(c.type) >= m.gdr_min_bytes) {
+  const bool rdma = c.count * element_size(c.type) >= m.gdr_min_bytes;
+  if (m.rail && rdma && c.kind == CollectiveKind::kAllreduce && forced != plan::Algo::kRing) {
+    if (Status s = run_hierarchical(c, stream); !s.ok()) {
+      __atomic_store_n(&m.words->abort, 1u, __ATOMIC_RELEASE);
+      failed_ = {s.code(), who() + ": GPU " + describe_gpu(c, number) +
+                               " could not be queued completely: " + s.message()};
+      if (ops_.abort_job) ops_.abort_job(failed_.message());
+      return failed_;
+    }
+    return Status::Ok();
+  }
+  if (m.gdr && rdma) {
     if (Status s = m.gdr->enqueue(c, stream); !s.ok()) {
       // Part of the call may be on the stream: its waits end through the abort word, and
       // the communicator is failed from here on.
@@ -867,173 +742,6 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   return run_staged(c, stream, number);
 }
 
-// Host-staged. Everything the GPU does is queued now, on the caller's stream; the worker
-// makes no CUDA call (one could wait behind a synchronous copy the caller makes while the
-// stream waits for the worker). Pieces cycle through kStagingSlots pinned slots:
-//   D2H p0, signal(landed) ... D2H p(K-1), signal(landed),
-//   for each piece i: wait(reduced >= i), H2D p_i, D2H p_(i+K), signal(landed),
-//   signal(done).
-// The worker waits for `landed`, runs the host collective on the slot, publishes `reduced`.
-// Stream order makes slot reuse safe: D2H of piece i + K is queued after H2D of piece i (and
-// after the wait for the worker's piece i, where a rank copies nothing back).
-// Piece i covers element offsets [i * per, i * per + len(i)) of the segment; reduce_scatter
-// and all_gather stage that range of every rank's segment, as `rows` rows of len(i) elements.
-Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint64_t number) {
-  Impl& m = *impl_;
-  const int n = cfg_.world_size, me = cfg_.rank;
-  const size_t es = element_size(c.type);
-  const int rows = strided(c.kind) ? n : 1;
-  const size_t piece = m.piece_bytes ? m.piece_bytes : piece_for(c.count * es * size_t(rows));
-  const size_t per = std::max<size_t>(1, piece / (es * size_t(rows)));
-  const size_t pieces = (c.count + per - 1) / per;
-  const size_t K = Impl::kStagingSlots;
-  const uint64_t seq = ++m.staged_seq;
-  const uint64_t base = m.pieces_queued;
-  m.pieces_queued += pieces;
-  const uint64_t timeout_ns = uint64_t(cfg_.op_timeout.count()) * 1'000'000ull;
-  const bool root = c.kind == CollectiveKind::kBroadcast && c.root == me;
-  const bool leaf = c.kind == CollectiveKind::kBroadcast && c.root != me;
-  const auto* send = static_cast<const uint8_t*>(c.send);
-  auto* recv = static_cast<uint8_t*>(c.recv);
-  const size_t seg_pitch = c.count * es;  // from one segment to the next in a strided buffer
-  HostWords* w = m.words_dev;
-  auto width = [&](size_t i) { return std::min(per, c.count - i * per) * es; };
-  auto slot_mem = [&](size_t i) { return m.staging + (i % K) * m.slot_bytes; };
-  // rows x `bytes`: one 2D copy where the pitches allow it, else a copy per row.
-  auto copy_rows = [&](uint8_t* dst, size_t dpitch, const uint8_t* src, size_t spitch, size_t bytes,
-                       cudaMemcpyKind kind) -> Status {
-    if (dpitch <= m.max_pitch && spitch <= m.max_pitch) {
-      GS_CUDA(cudaMemcpy2DAsync(dst, dpitch, src, spitch, bytes, size_t(rows), kind, stream),
-              "cudaMemcpy2DAsync");
-      return Status::Ok();
-    }
-    for (int r = 0; r < rows; ++r) {
-      GS_CUDA(cudaMemcpyAsync(dst + r * dpitch, src + r * spitch, bytes, kind, stream),
-              "cudaMemcpyAsync");
-    }
-    return Status::Ok();
-  };
-  auto d2h = [&](size_t i) -> Status {
-    const size_t off = i * per * es, len = width(i);
-    uint8_t* slot = slot_mem(i);
-    if (c.kind == CollectiveKind::kReduceScatter) {
-      GS_RETURN_IF_ERROR(copy_rows(slot, len, send + off, seg_pitch, len, cudaMemcpyDeviceToHost));
-    } else if (!leaf) {  // a broadcast's non-root sends nothing
-      uint8_t* at = c.kind == CollectiveKind::kAllGather ? slot + size_t(me) * len : slot;
-      GS_CUDA(cudaMemcpyAsync(at, send + off, len, cudaMemcpyDeviceToHost, stream),
-              "cudaMemcpyAsync device-to-host");
-    }
-    GS_CUDA(kernels::launch_signal_host(&w->landed, base + i + 1, nullptr, stream), "signal kernel");
-    return Status::Ok();
-  };
-  auto h2d = [&](size_t i) -> Status {
-    const size_t off = i * per * es, len = width(i);
-    const uint8_t* slot = slot_mem(i);
-    if (c.kind == CollectiveKind::kAllGather) {
-      return copy_rows(recv + off, seg_pitch, slot, len, len, cudaMemcpyHostToDevice);
-    }
-    if (root) return Status::Ok();  // the root's buffer is the data
-    const uint8_t* from = c.kind == CollectiveKind::kReduceScatter ? slot + size_t(me) * len : slot;
-    GS_CUDA(cudaMemcpyAsync(recv + off, from, len, cudaMemcpyHostToDevice, stream),
-            "cudaMemcpyAsync host-to-device");
-    return Status::Ok();
-  };
-  // The ring entry of this call: the worker read the one of seq - kStampRing long ago.
-  HostWords::Stamps* stamp_dev = &w->stamps[seq % HostWords::kStampRing];
-  m.words->stamps[seq % HostWords::kStampRing].waited_ns = 0;
-  GS_CUDA(kernels::launch_signal_host(nullptr, 0, &stamp_dev->start_ns, stream), "signal kernel");
-  for (size_t i = 0; i < std::min(K, pieces); ++i) GS_RETURN_IF_ERROR(d2h(i));
-  for (size_t i = 0; i < pieces; ++i) {
-    GS_CUDA(kernels::launch_wait_host(&w->reduced, base + i + 1, &w->abort, &w->error, timeout_ns,
-                                      &stamp_dev->waited_ns, stream), "wait kernel");
-    GS_RETURN_IF_ERROR(h2d(i));
-    if (i + K < pieces) GS_RETURN_IF_ERROR(d2h(i + K));
-  }
-  GS_CUDA(kernels::launch_signal_host(&w->done, seq, &stamp_dev->done_ns, stream), "signal kernel");
-
-  ops_.enqueue([this, c, number, seq, base, pieces, per, rows, es, me]() -> Status {
-    Impl& m = *impl_;
-    const auto deadline = Clock::now() + cfg_.op_timeout;
-    auto word = [](const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); };
-    const size_t K = Impl::kStagingSlots;
-    const std::string what =
-        std::string("staged ") + to_string(c.kind) + " #" + std::to_string(number);
-    double network_us = 0;
-    const auto t0 = Clock::now();
-    Status s = Status::Ok();
-    for (size_t i = 0; i < pieces && s.ok(); ++i) {
-      auto landed = [&] { return word(&m.words->landed) >= base + i + 1 || !ops_.abort_reason().empty(); };
-      if (!poll_until(landed, deadline)) {
-        s = {Code::kDeadlineExceeded,
-             who() + ": " + what + ": the stream did not copy piece " + std::to_string(i) +
-                 " to host memory within the op timeout "
-                 "(work queued before it on the stream is not finishing?)"};
-        break;
-      }
-      if (std::string r = ops_.abort_reason(); !r.empty()) {
-        s = {Code::kAborted, r};
-        break;
-      }
-      // The host collective of the same kind on the slot, in place (the host API's in-place
-      // layouts: reduce_scatter's recv is row `rank` of send, all_gather's send row `rank`).
-      uint8_t* mem = m.staging + (i % K) * m.slot_bytes;
-      CollectiveCall h = c;
-      h.count = std::min(per, c.count - i * per);
-      h.send = mem;
-      h.recv = mem;
-      if (c.kind == CollectiveKind::kReduceScatter) h.recv = mem + size_t(me) * h.count * es;
-      if (c.kind == CollectiveKind::kAllGather) h.send = mem + size_t(me) * h.count * es;
-      const auto n0 = Clock::now();
-      s = ops_.run_on_worker(h);
-      network_us += std::chrono::duration<double, std::micro>(Clock::now() - n0).count();
-      if (s.ok()) __atomic_store_n(&m.words->reduced, base + i + 1, __ATOMIC_RELEASE);
-    }
-    if (!s.ok()) {
-      {
-        std::lock_guard lock(m.mu);
-        if (m.staged_error.ok()) m.staged_error = s;
-      }
-      // Let the stream run on (its data is garbage now; every later call reports the error).
-      __atomic_store_n(&m.words->reduced, ~uint64_t(0) >> 1, __ATOMIC_RELEASE);
-      return s;
-    }
-    StagedTiming t;
-    t.pieces = int(pieces);
-    t.network_us = network_us;
-    t.wall_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-    if (m.log_timing) {
-      // For the overlap figure only: wait (briefly) for the stream to finish this call, then
-      // read its GPU-clock span and the time its wait kernels waited for the worker, from the
-      // call's own ring entry (the stream may already be running later calls).
-      const HostWords::Stamps* st = &m.words->stamps[seq % HostWords::kStampRing];
-      if (poll_until([&] { return word(&m.words->done) >= seq; }, Clock::now() + std::chrono::seconds(5)) &&
-          word(&st->done_ns) > word(&st->start_ns)) {
-        const double span_us = double(word(&st->done_ns) - word(&st->start_ns)) / 1e3;
-        const double waited_us = double(word(&st->waited_ns)) / 1e3;
-        t.wall_us = span_us;
-        t.copy_us = span_us - waited_us;  // the stream's busy time: copies (and its tiny kernels)
-      }
-    }
-    {
-      std::lock_guard lock(m.mu);
-      m.timing = t;
-    }
-    if (m.log_timing && cfg_.rank == 0) {
-      // The stream copies (busy time c) while the network reduces (n): of c, what did not
-      // lengthen the call (span - n) was hidden.
-      const double cp = t.copy_us,
-                   hidden =
-                       cp > 0 ? std::clamp(1.0 - (t.wall_us - t.network_us) / cp, 0.0, 1.0) : 0;
-      log::get("gpu")->info(
-          "{} {} bytes, {} pieces: span {:.0f} us, host {} {:.0f} us, stream "
-          "copying {:.0f} us, copy time hidden {:.0f}%",
-          what, c.count * es * size_t(rows), t.pieces, t.wall_us, to_string(c.kind), t.network_us,
-          cp, 100 * hidden);
-    }
-    return s;
-  });
-  return Status::Ok();
-}
 
 Result<gpu::Timeline> DeviceComm::last_timeline() {
   Impl& m = *impl_;

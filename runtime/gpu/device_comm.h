@@ -54,6 +54,8 @@
 
 namespace gradsync {
 
+struct GdrConfig;  // gpu/gdr_ring.h
+
 // What the device side needs from its communicator.
 struct HostOps {
   // A host allreduce, run now on the calling thread (set-up, before the worker starts).
@@ -79,6 +81,8 @@ struct DeviceCommConfig {
   int device = 0;  // an ordinal or JoinOptions::kDeviceLocalRank (resolved by create)
   std::chrono::milliseconds op_timeout{300'000};
   std::vector<std::string> hosts;  // every rank's host, for errors naming a peer
+  // Every rank's node (the coordinator's node id); empty: `hosts` tells the nodes apart.
+  std::vector<std::string> rank_nodes;
   // The RDMA device port of this node's daemon (empty: TCP only), for GPUDirect RDMA.
   std::string verbs_device;
   int verbs_port = 1;
@@ -128,9 +132,14 @@ class DeviceComm {
 
  private:
   DeviceComm(DeviceCommConfig cfg, HostOps ops);
-  Status setup_ipc(bool* usable);
+  Status setup_ipc(const std::vector<int>& group, bool* usable);
+  void release_ipc();
   Status setup_staged();
   Status setup_gdr();
+  Status setup_hierarchical();
+  Status agree_algorithm();
+  GdrConfig gdr_config() const;  // gpu/gdr_ring.h, with GPUDirect RDMA only
+  Status run_hierarchical(const CollectiveCall& call, cudaStream_t stream);
   Status measure_gdr_min_bytes();
   Status setup_timeline();
   Status check_call(const CollectiveCall& call) const;

@@ -58,7 +58,8 @@ struct GdrLink::Impl {
   GdrLinkOps ops;
   std::function<Status()> flush;
   std::string description;
-  int next = 0, prev = 0;
+  int next = 0, prev = 0;  // world ranks
+  int position = 0;        // in cfg.ring
 
   std::shared_ptr<VerbsNode> node;
   GdrRegion region;
@@ -180,8 +181,21 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   m.words = words;
   m.flush = std::move(flush);
   const int n = cfg.world_size, me = cfg.rank;
-  m.next = (me + 1) % n;
-  m.prev = (me + n - 1) % n;
+  if (m.cfg.ring.empty()) {
+    for (int r = 0; r < n; ++r) m.cfg.ring.push_back(r);
+  }
+  const std::vector<int>& ring = m.cfg.ring;
+  const auto at = std::find(ring.begin(), ring.end(), me);
+  if (at == ring.end() || ring.size() < 2 ||
+      std::any_of(ring.begin(), ring.end(), [&](int r) { return r < 0 || r >= n; })) {
+    return Status(Code::kInternal, cfg.who + ": a GPUDirect RDMA ring of " + std::to_string(ring.size()) +
+                                       " ranks that does not hold rank " + std::to_string(me) +
+                                       " once among " + std::to_string(n));
+  }
+  m.position = int(at - ring.begin());
+  const int k = int(ring.size());
+  m.next = ring[size_t((m.position + 1) % k)];
+  m.prev = ring[size_t((m.position + k - 1) % k)];
   std::unique_ptr<GdrLink> link(new GdrLink(std::move(impl)));
 
   // Round 1: can every rank set up? The failing ranks are named to all.
@@ -266,6 +280,8 @@ const std::string& GdrLink::describe() const { return impl_->description; }
 uint8_t* GdrLink::slot(bool receive, uint64_t msg) const { return impl_->slot(receive, msg); }
 int GdrLink::next() const { return impl_->next; }
 int GdrLink::prev() const { return impl_->prev; }
+int GdrLink::ring_size() const { return int(impl_->cfg.ring.size()); }
+int GdrLink::ring_position() const { return impl_->position; }
 uint32_t GdrLink::slots() const { return impl_->cfg.slots; }
 
 Status GdrLink::error() const {

@@ -49,6 +49,11 @@ struct GdrLinkConfig {
   std::string who;  // "job=j rank 1 (host h, GPU 0)", for messages
   int rank = 0;
   int world_size = 1;
+  // The ring's members, world ranks in ring order, `rank` among them (hierarchical: the ranks
+  // of one local index, a rail, one per node); empty: every rank in rank order. Set-up stays
+  // collective over the whole world (every rank calls create at the same point, whichever
+  // ring it joins), so the rings of every rail are built together.
+  std::vector<int> ring;
   std::vector<std::string> hosts;  // every rank's host, for errors naming a peer
   std::string verbs_device;        // the daemon's RDMA device; empty: the node has none
   int verbs_port = 1;
@@ -90,8 +95,10 @@ class GdrLink {
   GdrLink& operator=(const GdrLink&) = delete;
 
   uint8_t* slot(bool receive, uint64_t msg) const;
-  int next() const;
+  int next() const;  // world ranks
   int prev() const;
+  int ring_size() const;      // the ring's member count
+  int ring_position() const;  // this rank's place in the ring (0 .. ring_size() - 1)
   uint32_t slots() const;
   // The next call's message lengths in bytes, sends and receives, in order.
   void plan(const std::vector<uint32_t>& send_bytes, const std::vector<uint32_t>& recv_bytes);

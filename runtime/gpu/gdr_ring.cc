@@ -229,9 +229,15 @@ const std::string& GdrRing::describe() const { return impl_->description; }
 Status GdrRing::error() const { return impl_->link->error(); }
 void GdrRing::quiesce() { impl_->link->quiesce(); }
 
-Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
+Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor) {
   Impl& m = *impl_;
-  const int n = m.cfg.link.world_size, r = m.cfg.link.rank;
+  const int n = m.link->ring_size(), r = m.link->ring_position();
+  const int divisor = avg_divisor > 0 ? avg_divisor : n;
+  int root = c.root;  // its place in the ring
+  if (const auto& ring = m.cfg.link.ring; !ring.empty()) {
+    root = int(std::find(ring.begin(), ring.end(), c.root) - ring.begin());
+    if (root == int(ring.size())) return Status(Code::kInternal, m.cfg.link.who + ": broadcast root outside the ring");
+  }
   const size_t es = element_size(c.type);
   const size_t per = std::max<size_t>(1, m.cfg.link.slot_bytes / es);
   const uint64_t timeout_ns = uint64_t(m.cfg.link.op_timeout.count()) * 1'000'000ull;
@@ -291,7 +297,7 @@ Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
   // The schedule (gpu/gdr_schedule.h), step by step: the kernels of each step's body between
   // its waits and its signals.
   Status s = Status::Ok();
-  for (const gdr::Step& st : gdr::plan(c.kind, c.count, n, r, c.root, per)) {
+  for (const gdr::Step& st : gdr::plan(c.kind, c.count, n, r, root, per)) {
     const size_t bytes = st.len * es;
     const uint8_t* input = send + st.in * es;
     uint8_t* output = recv + st.out * es;
@@ -302,7 +308,7 @@ Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream) {
         case gdr::Body::kReduce:
           return check(kernels::launch_reduce(c.type, c.op, out, in, input, st.len, stream), "reduce kernel");
         case gdr::Body::kReduceFinal:
-          return check(kernels::launch_reduce_final(c.type, c.op, output, out, in, input, st.len, n, stream),
+          return check(kernels::launch_reduce_final(c.type, c.op, output, out, in, input, st.len, divisor, stream),
                        "reduce kernel");
         case gdr::Body::kGatherFirst:
           GS_RETURN_IF_ERROR(copy(output, input, bytes));

@@ -1,4 +1,4 @@
-// GPUDirect RDMA between the GPUs of a job (design §3, path 1; issue 5): the NIC writes each
+// GPUDirect RDMA between the GPUs of a job (docs/architecture.md, the GPU paths): the NIC writes each
 // message straight from a send slot in one rank's GPU memory into a receive slot in the next
 // rank's GPU memory, and the reduction kernels on the caller's stream read the slots there.
 // No byte of the payload passes through host memory. A rank whose GPU memory the NIC cannot
@@ -51,8 +51,10 @@ class GdrRing {
   GdrRing& operator=(const GdrRing&) = delete;
 
   // Queues one checked, non-empty collective (allreduce, reduce_scatter, all_gather,
-  // broadcast) on `stream`; the worker moves its messages as the stream gets to them.
-  Status enqueue(const CollectiveCall& c, cudaStream_t stream);
+  // broadcast) among the ring's members (GdrLinkConfig::ring; c.root a world rank) on
+  // `stream`; the worker moves its messages as the stream gets to them. `avg_divisor`: what an
+  // avg divides by (0: the ring's member count; the hierarchical path's rails pass the world's).
+  Status enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor = 0);
   // The worker's failure, if any (ok otherwise).
   Status error() const;
   // Lets the last credits go out and stops the worker; the stream must be idle (leave).

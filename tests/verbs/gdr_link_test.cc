@@ -104,7 +104,10 @@ void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); 
 class Ring {
  public:
   // `per_device` ranks share each emulated device (ranks of one node use its one NIC).
-  Ring(int n, uint32_t slots, size_t slot_bytes, int per_device = 1, std::chrono::milliseconds timeout = 10s)
+  // `rails` > 1: rank r joins the ring of the ranks q with q % rails == r % rails (the
+  // hierarchical path's rails: node-major ranks, one ring per local index).
+  Ring(int n, uint32_t slots, size_t slot_bytes, int per_device = 1, std::chrono::milliseconds timeout = 10s,
+       int rails = 1)
       : n_(n), per_(slot_bytes / sizeof(int64_t)), ar_(n), words_(n), links_(n), sent_(n, 0), received_(n, 0) {
     const int job = ++g_job;
     for (int r = 0; r < n; ++r) {
@@ -123,6 +126,9 @@ class Ring {
         c.who = "rank " + std::to_string(r);
         c.rank = r;
         c.world_size = n;
+        if (rails > 1) {
+          for (int q = r % rails; q < n; q += rails) c.ring.push_back(q);
+        }
         c.hosts.assign(n, "cpu");
         c.verbs_device = devices_[r];
         c.verbs_api = verbs::emulated_ibv()->name;
@@ -197,7 +203,7 @@ class Ring {
                 std::vector<int64_t>& recv, bool plan_late) {
     GdrLink& link = *links_[r];
     GdrWords& w = words_[r];
-    const auto steps = gdr::plan(kind, count, n_, r, root, per_);
+    const auto steps = gdr::plan(kind, count, link.ring_size(), link.ring_position(), root, per_);
     std::vector<uint32_t> sends, recvs;
     for (const auto& s : steps) {
       if (s.send) sends.push_back(uint32_t(s.len * 8));
@@ -301,6 +307,34 @@ TEST_P(GdrLinkWorlds, CollectivesOverTheLinks) {
   for (int r = 0; r < n; ++r) {
     ASSERT_TRUE(st[r].ok()) << st[r].to_string();
     ASSERT_EQ(recv[r], root_data) << "broadcast rank " << r;
+  }
+}
+
+// Rails: 3 nodes x 2 ranks, node-major, each node's two ranks on its one device; rank r is in
+// the ring of local index r % 2 ({0, 2, 4} and {1, 3, 5}), both built by one collective set-up.
+// Each ring sums its own members only, and names its own neighbours.
+TEST(GdrLink, OneRingPerRailSumsItsMembers) {
+  const int n = 6, rails = 2;
+  Ring ring(n, 2, 64, /*per_device=*/rails, 10s, rails);
+  ASSERT_EQ(ring.error(), "");
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(ring.link(r).ring_size(), n / rails);
+    EXPECT_EQ(ring.link(r).ring_position(), r / rails);
+    EXPECT_EQ(ring.link(r).next(), (r + rails) % n) << "rank " << r;
+    EXPECT_EQ(ring.link(r).prev(), (r + n - rails) % n) << "rank " << r;
+  }
+  for (size_t count : {size_t(1), size_t(13), size_t(1031)}) {
+    auto send = inputs(n, count);
+    std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+    auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv);
+    for (int r = 0; r < n; ++r) ASSERT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+    for (size_t i = 0; i < count; ++i) {
+      for (int r = 0; r < n; ++r) {
+        int64_t want = 0;
+        for (int q = r % rails; q < n; q += rails) want += send[q][i];
+        ASSERT_EQ(recv[r][i], want) << "count " << count << " rank " << r << " i " << i;
+      }
+    }
   }
 }
 

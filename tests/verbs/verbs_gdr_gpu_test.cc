@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../unit/collective_matrix.h"
@@ -84,6 +85,7 @@ class Gdr : public ::testing::Test {
     ::unsetenv("GRADSYNC_GDR_SLOT_BYTES");
     ::unsetenv("GRADSYNC_GDR_SLOTS");
     ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");
+    ::unsetenv("GRADSYNC_GPU_HIERARCHICAL");
   }
 };
 
@@ -144,15 +146,111 @@ TEST_F(Gdr, CollectivesMatrixThreeNodesTwoSlots) {
   testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
 }
 
-// Two ranks per node: the ring's links inside a node go through the node's own NIC too.
-TEST_F(Gdr, AllreduceMatrixTwoNodesTimesTwo) {
+// Two ranks per node, the flat ring (GRADSYNC_GPU_HIERARCHICAL=0): the ring's links inside a
+// node go through the node's own NIC too.
+TEST_F(Gdr, AllreduceMatrixTwoNodesTimesTwoFlat) {
+  ::setenv("GRADSYNC_GPU_HIERARCHICAL", "0", 1);
   DaemonCluster cluster({.nodes = 2});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   DaemonWorld world(cluster, 2, 2, "gdr-2x2", 20s, on_gpus);
+  ::unsetenv("GRADSYNC_GPU_HIERARCHICAL");
   ASSERT_EQ(world.join_error(), "");
   expect_path(world, "gpudirect-rdma");
   GpuWorld gpus(world);
   testing::allreduce_matrix(gpus, Algorithm::kRing);
+}
+
+// Several nodes of several GPU ranks (all on this machine's GPUs; each "node" a daemon on its
+// own emulated RDMA device): allreduce hierarchical by default (CUDA IPC inside the node, a
+// GPUDirect ring per rail between), tree on request (host-staged tree), ring on request (the
+// flat GPUDirect ring); the other collectives on the flat ring. Every result exact.
+class GdrShapes : public Gdr, public ::testing::WithParamInterface<std::pair<int, int>> {};
+
+TEST_P(GdrShapes, CollectivesMatrix) {
+  const auto [nodes, per] = GetParam();
+  DaemonCluster cluster({.nodes = nodes});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const std::string job = "gdr-" + std::to_string(nodes) + "x" + std::to_string(per);
+  DaemonWorld world(cluster, nodes, per, job, 60s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, per > 1 ? "hierarchical" : "gpudirect-rdma");
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kAuto);
+  testing::allreduce_matrix(gpus, Algorithm::kTree);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kAuto);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GdrShapes,
+                         ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4}, std::pair{3, 2}),
+                         [](const auto& info) {
+                           return "x" + std::to_string(info.param.first) + "_" + std::to_string(info.param.second);
+                         });
+
+// The same shapes with TCP between the nodes (no RDMA device): host-staged, ring and tree.
+TEST_F(Gdr, HostStagedOverTcpTwoNodesTimesTwoRingAndTree) {
+  DaemonCluster cluster({.nodes = 2, .transport = {"tcp", "tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 2, "staged-2x2", 60s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "host-staged");
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+  testing::allreduce_matrix(gpus, Algorithm::kTree);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
+}
+
+// The bytes of the hierarchical path inside the node, counted by the IPC kernels: 2 (L-1)/L
+// of the buffer per rank (reduce_scatter then all_gather), at 2 nodes x 4.
+TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
+  ::setenv("GRADSYNC_GDR_SLOT_BYTES", "1048576", 1);
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const int per = 4, n = 8;
+  DaemonWorld world(cluster, 2, per, "hier-bytes", 60s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "hierarchical");
+  const size_t count = size_t(4) << 20;  // 16 MiB of float32, 4 MiB shards
+  std::vector<uint64_t> sent(n, 0);
+  auto st = world.run([&](int r) -> Status {
+    Communicator& comm = world.comm(r);
+    GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
+    std::vector<float> host(count);
+    for (size_t i = 0; i < count; ++i) host[i] = float(r + int(i % 5));
+    void* buf = nullptr;
+    GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buf, count * 4), "cudaMalloc"));
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    cudaMemcpy(buf, host.data(), count * 4, cudaMemcpyHostToDevice);
+    auto before = comm.gpu_bytes_sent();
+    Status s = before.ok() ? comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream)
+                           : before.status();
+    cudaStreamSynchronize(stream);
+    if (s.ok()) s = comm.async_error();
+    auto after = comm.gpu_bytes_sent();
+    if (s.ok() && !after.ok()) s = after.status();
+    if (s.ok()) sent[size_t(r)] = *after - *before;
+    if (s.ok()) {
+      cudaMemcpy(host.data(), buf, count * 4, cudaMemcpyDeviceToHost);
+      for (size_t i = 0; i < count && s.ok(); ++i) {
+        const float want = float(n * (n - 1) / 2 + n * int(i % 5));
+        if (host[i] != want) {
+          s = {Code::kInternal, "element " + std::to_string(i) + " = " + std::to_string(host[i]) +
+                                    ", want " + std::to_string(want)};
+        }
+      }
+    }
+    if (s.ok()) s = comm.barrier();
+    cudaStreamDestroy(stream);
+    cudaFree(buf);
+    return s;
+  });
+  for (int r = 0; r < n; ++r) ASSERT_TRUE(st[size_t(r)].ok()) << "rank " << r << ": " << st[size_t(r)].to_string();
+  const uint64_t shard = count * 4 / per;
+  for (int r = 0; r < n; ++r) EXPECT_EQ(sent[size_t(r)], 2 * uint64_t(per - 1) * shard) << "rank " << r;
+  std::printf("hierarchical 2x4, %zu-byte float32 allreduce: %llu bytes per rank over CUDA IPC "
+              "(one node's flat one-shot: %llu)\n",
+              count * 4, (unsigned long long)sent[0], (unsigned long long)(uint64_t(per - 1) * count * 4));
 }
 
 // Below GRADSYNC_GDR_MIN_BYTES calls stay host-staged; both paths interleave on one stream.
