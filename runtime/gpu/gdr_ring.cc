@@ -233,8 +233,8 @@ Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_di
   Impl& m = *impl_;
   const int n = m.link->ring_size(), r = m.link->ring_position();
   const int divisor = avg_divisor > 0 ? avg_divisor : n;
-  int root = c.root;  // its place in the ring
-  if (const auto& ring = m.cfg.link.ring; !ring.empty()) {
+  int root = c.root;  // a broadcast's root: its place in the ring
+  if (const auto& ring = m.cfg.link.ring; !ring.empty() && c.kind == CollectiveKind::kBroadcast) {
     root = int(std::find(ring.begin(), ring.end(), c.root) - ring.begin());
     if (root == int(ring.size())) return Status(Code::kInternal, m.cfg.link.who + ": broadcast root outside the ring");
   }
