@@ -6,12 +6,15 @@
 #   bash scripts/bench-gpu.sh [ipc|staged|all] [extra gradsync-bench flags]
 #
 #   ipc     one node, NGPUS ranks (default 2, one per GPU), gradsync's CUDA IPC path vs NCCL (NVLink)
-#   staged  two gradsyncd as two nodes on loopback TCP, one GPU each: gradsync's host-staged
-#           path vs NCCL forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1
-#           NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo). On a machine with one GPU both "nodes"
-#           use GPU 0, and NCCL_HOSTID differs per rank so that NCCL too sees two hosts (it
-#           refuses two ranks on one GPU of one host).
-# Environment for staged: GRADSYNC_* (rings, slots, ...) reach both daemons and ranks.
+#   staged  NODES gradsyncd (default 2) as nodes on loopback TCP, PER_NODE ranks each
+#           (default 1), GPU (node * PER_NODE + local) mod the GPU count: gradsync's
+#           multi-node GPU path (host-staged over TCP; with PER_NODE >= 2 and
+#           GRADSYNC_GPU_HIERARCHICAL=1 on a verbs machine, the hierarchical one) vs NCCL
+#           forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket
+#           NCCL_SOCKET_IFNAME=lo). Ranks that share a GPU get an NCCL_HOSTID per node so that
+#           NCCL too sees separate hosts (it refuses two ranks on one GPU of one host).
+#           Shapes for the machines of 2, 4 and 8 GPUs: NODES=2 PER_NODE=1|2|4, NODES=4 PER_NODE=2.
+# Environment for staged: GRADSYNC_* (rings, slots, ...) reach every daemon and rank.
 # Tables go to $OUT/bench-gpu-*.txt and are printed at the end. NCCL_NVLS_ENABLE=0 always.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -36,22 +39,28 @@ ipc() {
 
 staged() {
   local tmp pid port i dev ngpus pids=() dest job=gpu-staged-$RANDOM
+  local nodes=${NODES:-2} per=${PER_NODE:-1}
   ngpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-  [ "${ngpus:-0}" -ge 2 ] || echo "staged: ${ngpus:-0} GPU(s): both nodes on GPU 0, NCCL_HOSTID per rank"
+  ngpus=${ngpus:-0}
+  ((ngpus >= 1)) || { echo "staged: no GPU"; return 1; }
+  ((ngpus >= nodes * per)) || echo "staged: ${nodes}x${per} ranks on $ngpus GPU(s): ranks share GPUs, NCCL_HOSTID per node"
   tmp=$(mktemp -d)
   "$bin/gradsync-coordinator" --listen 127.0.0.1:0 --port-file "$tmp/port" 2> "$OUT/coordinator.err" &
   pid=$!
   for _ in $(seq 100); do [ -s "$tmp/port" ] && break; sleep 0.1; done
   port=$(cat "$tmp/port")
-  for i in 0 1; do
-    dest=$OUT/bench-gpu-staged.txt
-    [ "$i" = 1 ] && dest=/dev/null
-    dev=$i
-    [ "${ngpus:-0}" -ge 2 ] || dev=0
-    # shellcheck disable=SC2086
-    GRADSYNC_DEVICE=$dev NCCL_HOSTID=gradsync-bench-node$i NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \
-      timeout 400 "$bin/gradsyncrun" --coordinator "127.0.0.1:$port" --nnodes 2 --node-rank "$i" -n 1 \
-        --job-id "$job" --node-name "n$i" --no-prefix --timeout-s 380 "$bin/gradsync-bench" $common \
+  for ((i = 0; i < nodes; i++)); do
+    dest=$OUT/bench-gpu-staged-${nodes}x${per}.txt
+    [ "$i" = 0 ] || dest=/dev/null
+    # Each node's ranks take the node's first GPU + their LOCAL_RANK (mod the GPU count).
+    dev=$(( (i * per) % ngpus ))
+    # shellcheck disable=SC2086,SC2016
+    BENCH_GPU_BASE=$dev BENCH_GPUS=$ngpus \
+      NCCL_HOSTID=gradsync-bench-node$i NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \
+      timeout 400 "$bin/gradsyncrun" --coordinator "127.0.0.1:$port" --nnodes "$nodes" --node-rank "$i" -n "$per" \
+        --job-id "$job" --node-name "n$i" --no-prefix --timeout-s 380 \
+        sh -c 'GRADSYNC_DEVICE=$(( (BENCH_GPU_BASE + LOCAL_RANK) % BENCH_GPUS )) exec "$0" "$@"' \
+        "$bin/gradsync-bench" $common \
         > "$dest" 2> "$OUT/bench-gpu-staged.n$i.err" &
     pids+=($!)
   done

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include <filesystem>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -44,6 +45,9 @@ TEST(TopologyAtJoin, EveryRankGetsEveryNodesGpuTopology) {
   std::map<int, v1::JoinResponse> replies;
   std::map<int, std::string> errors;
   std::mutex mu;
+  // A rank hangs up only once every rank has its reply: one that hangs up before is a crashed
+  // rank to its daemon, which aborts the join of the others (seen once in CI-like runs).
+  std::condition_variable all_replied;
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < 3; ++rank) {
     ranks.emplace_back([&, rank] {
@@ -69,9 +73,11 @@ TEST(TopologyAtJoin, EveryRankGetsEveryNodesGpuTopology) {
       } else {
         error = client.status().to_string();
       }
-      std::lock_guard lock(mu);
+      std::unique_lock lock(mu);
       replies[rank] = reply;
       if (!error.empty()) errors[rank] = error;
+      all_replied.notify_all();
+      all_replied.wait_for(lock, std::chrono::seconds(30), [&] { return replies.size() == 3; });
     });
   }
   for (auto& t : ranks) t.join();
