@@ -10,6 +10,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/call_auth.h"
 #include "common/log.h"
 #include "coordinator/service.h"
 
@@ -36,6 +37,7 @@ struct Flags {
   uint64_t join_timeout_ms = 60000;
   std::string log_level;
   gradsync::TlsOptions tls;
+  gradsync::AuthOptions auth;
 };
 
 int usage_error(const std::string& msg) {
@@ -63,10 +65,12 @@ int parse_flags(int argc, char** argv, Flags& f) {
     if (arg == "--help" || arg == "-h") {
       std::fputs(kUsage, stdout);
       std::fputs(gradsync::TlsOptions::usage(), stdout);
+      std::fputs("Credentials (coordinator/authz.h):\n", stdout);
+      std::fputs(gradsync::AuthOptions::usage(), stdout);
       return 0;
     }
     std::string tls_error;
-    if (!has_value && f.tls.take_flag(argc, argv, &i, &tls_error)) {
+    if (!has_value && (f.tls.take_flag(argc, argv, &i, &tls_error) || f.auth.take_flag(argc, argv, &i, &tls_error))) {
       if (!tls_error.empty()) return usage_error(tls_error);
       continue;
     }
@@ -139,6 +143,27 @@ int main(int argc, char** argv) {
   options.default_join_timeout = gradsync::coordinator::Millis(flags.join_timeout_ms);
   options.tls = flags.tls;
   options.tls.add_env();
+  // Who may call what (coordinator/authz.h): nodes need the cluster secret unless mTLS names
+  // them; operators need the operator token. A coordinator that would check nothing does not start.
+  auto cluster_secret = flags.auth.cluster_secret();
+  auto operator_token = flags.auth.operator_token();
+  for (const auto* r : {&cluster_secret, &operator_token}) {
+    if (!r->ok()) {
+      log->error("{}", r->status().message());
+      return 2;
+    }
+  }
+  options.authz.cluster_secret = *cluster_secret;
+  options.authz.operator_token = *operator_token;
+  if (options.authz.cluster_secret.empty() && !options.tls.require_client_cert) {
+    log->error("no node credential: give the cluster secret every gradsyncd presents (--cluster-secret-file F "
+               "or $GRADSYNC_CLUSTER_SECRET), or --require-client-cert (mTLS); gradsyncrun --standalone makes one");
+    return 2;
+  }
+  if (options.authz.operator_token.empty()) {
+    log->warn("no operator credential (--operator-token-file or $GRADSYNC_OPERATOR_TOKEN): gradsyncctl jobs, "
+              "describe and abort are refused");
+  }
   gradsync::coordinator::CoordinatorServer server(options);
   if (gradsync::Status s = server.start(flags.listen); !s.ok()) {
     log->error("{}", s.to_string());

@@ -8,6 +8,7 @@
 #include <map>
 #include <thread>
 
+#include "common/call_auth.h"
 #include "common/log.h"
 #include "coordinator.grpc.pb.h"
 
@@ -66,6 +67,11 @@ grpc::Status to_grpc(const Status& s) {
   return {code, s.message()};
 }
 
+// The name a registration takes, as the job table names it: the node name, else the hostname.
+std::string node_name_of(const v1::NodeInfo& n) {
+  return !n.node_name().empty() ? n.node_name() : !n.hostname().empty() ? n.hostname() : "node";
+}
+
 grpc::Status shutting_down() {
   return {grpc::StatusCode::UNAVAILABLE,
           "coordinator is shutting down; retry against the restarted coordinator"};
@@ -76,7 +82,7 @@ grpc::Status shutting_down() {
 class CoordinatorService final : public v1::Coordinator::Service {
  public:
   explicit CoordinatorService(const CoordinatorOptions& o)
-      : options_(o), table_(JobTableOptions{o.lease, o.default_join_timeout}) {}
+      : options_(o), authz_(with_client_certs(o)), table_(JobTableOptions{o.lease, o.default_join_timeout}) {}
   ~CoordinatorService() override { stop(); }
 
   void start() {
@@ -94,12 +100,17 @@ class CoordinatorService final : public v1::Coordinator::Service {
     if (ticker_.joinable()) ticker_.join();
   }
 
-  grpc::Status RegisterNode(grpc::ServerContext*, const v1::RegisterNodeRequest* req,
+  grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
                             v1::RegisterNodeResponse* resp) override {
     std::lock_guard lock(mu_);
     if (stopping_) return shutting_down();
+    const std::string name = node_name_of(req->node());
+    auto key = authz_.admit_node(*ctx, name, [this](const std::string& id) { return table_.has_node(id); });
+    if (!key.ok()) return to_grpc(key.status());
     auto id = table_.register_node(req->node(), Clock::now());
     if (!id.ok()) return to_grpc(id.status());
+    authz_.bound(name, *id, *key);
+    if (!key->empty()) ctx->AddInitialMetadata(kNodeKeyHeader, *key);
     queues_[*id];  // queue events from now on, even before the node starts watching
     dispatch_locked();
     resp->set_node_id(*id);
@@ -107,8 +118,9 @@ class CoordinatorService final : public v1::Coordinator::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* req,
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
                          v1::HeartbeatResponse* resp) override {
+    if (Status a = authz_.node_call(*ctx, req->node_id(), "Heartbeat"); !a.ok()) return to_grpc(a);
     std::lock_guard lock(mu_);
     Status s = table_.heartbeat(req->node_id(), Clock::now());
     if (!s.ok()) return to_grpc(s);
@@ -118,6 +130,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
 
   grpc::Status JoinJob(grpc::ServerContext* ctx, const v1::JoinJobRequest* req,
                        v1::JoinJobResponse* resp) override {
+    if (Status a = authz_.node_call(*ctx, req->node_id(), "JoinJob"); !a.ok()) return to_grpc(a);
     JoinRequest r;
     r.node_id = req->node_id();
     r.job_id = req->job_id();
@@ -137,6 +150,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
       log::get("coordinator")->warn("rejected {}", ticket.status().to_string());
       return to_grpc(ticket.status());
     }
+    authz_.job_token(r.job_id, r.token);  // the table accepted it: the job's token
     // Wake at the join deadline (to fail it without waiting for the next tick) or at the
     // caller's own deadline, whichever is first; ticks wake us in between.
     TimePoint wake = start + timeout;
@@ -163,11 +177,18 @@ class CoordinatorService final : public v1::Coordinator::Service {
     }
   }
 
-  grpc::Status GetPeerTable(grpc::ServerContext*, const v1::PeerTableRequest* req,
+  grpc::Status GetPeerTable(grpc::ServerContext* ctx, const v1::PeerTableRequest* req,
                             v1::PeerTableResponse* resp) override {
+    const std::string node = Authorizer::node_id_of(*ctx);
+    if (Status a = authz_.job_call(*ctx, node, req->job_id(), "GetPeerTable"); !a.ok()) return to_grpc(a);
     std::lock_guard lock(mu_);
     auto table = table_.peer_table(req->job_id(), req->generation());
     if (!table.ok()) return to_grpc(table.status());
+    if (!authz_.open() && std::none_of(table->peers().begin(), table->peers().end(),
+                                       [&](const v1::PeerEntry& p) { return p.node_id() == node; })) {
+      return to_grpc({Code::kPermissionDenied, "GetPeerTable job=" + req->job_id() + ": node '" + node +
+                                                   "' is not a member of the job"});
+    }
     *resp = std::move(*table);
     return grpc::Status::OK;
   }
@@ -175,6 +196,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchRequest* req,
                            grpc::ServerWriter<v1::Event>* writer) override {
     const std::string& id = req->node_id();
+    if (Status a = authz_.node_call(*ctx, id, "WatchEvents"); !a.ok()) return to_grpc(a);
     std::unique_lock lock(mu_);
     if (stopping_) return shutting_down();
     if (!table_.has_node(id)) return to_grpc(lost_or_unknown(id));
@@ -208,16 +230,21 @@ class CoordinatorService final : public v1::Coordinator::Service {
     }
   }
 
-  grpc::Status LeaveJob(grpc::ServerContext*, const v1::LeaveJobRequest* req,
+  grpc::Status LeaveJob(grpc::ServerContext* ctx, const v1::LeaveJobRequest* req,
                         v1::LeaveJobResponse*) override {
+    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "LeaveJob"); !a.ok()) return to_grpc(a);
     std::lock_guard lock(mu_);
     Status s = table_.leave(req->node_id(), req->job_id(), req->generation());
     dispatch_locked();
     return to_grpc(s);
   }
 
-  grpc::Status AbortJob(grpc::ServerContext*, const v1::AbortJobRequest* req,
+  grpc::Status AbortJob(grpc::ServerContext* ctx, const v1::AbortJobRequest* req,
                         v1::AbortJobResponse*) override {
+    // Without a node id the caller is an operator; a node must also hold the job's token.
+    Status a = req->node_id().empty() ? authz_.operator_call(*ctx, "AbortJob")
+                                      : authz_.job_call(*ctx, req->node_id(), req->job_id(), "AbortJob");
+    if (!a.ok()) return to_grpc(a);
     std::lock_guard lock(mu_);
     Status s = table_.abort(req->node_id(), req->job_id(), req->generation(), req->reason(),
                             req->failed_rank());
@@ -225,21 +252,24 @@ class CoordinatorService final : public v1::Coordinator::Service {
     return to_grpc(s);
   }
 
-  grpc::Status ReportPath(grpc::ServerContext*, const v1::ReportPathRequest* req,
+  grpc::Status ReportPath(grpc::ServerContext* ctx, const v1::ReportPathRequest* req,
                           v1::ReportPathResponse*) override {
+    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "ReportPath"); !a.ok()) return to_grpc(a);
     std::lock_guard lock(mu_);
     return to_grpc(table_.report_path(req->node_id(), req->job_id(), req->generation(), req->path()));
   }
 
-  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*,
+  grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest*,
                         v1::ListJobsResponse* resp) override {
+    if (Status a = authz_.operator_call(*ctx, "ListJobs"); !a.ok()) return to_grpc(a);
     std::lock_guard lock(mu_);
     for (auto& job : table_.list_jobs()) *resp->add_jobs() = std::move(job);
     return grpc::Status::OK;
   }
 
-  grpc::Status DescribeJob(grpc::ServerContext*, const v1::DescribeJobRequest* req,
+  grpc::Status DescribeJob(grpc::ServerContext* ctx, const v1::DescribeJobRequest* req,
                            v1::DescribeJobResponse* resp) override {
+    if (Status a = authz_.operator_call(*ctx, "DescribeJob"); !a.ok()) return to_grpc(a);
     std::lock_guard lock(mu_);
     auto d = table_.describe(req->job_id());
     if (!d.ok()) return to_grpc(d.status());
@@ -291,7 +321,14 @@ class CoordinatorService final : public v1::Coordinator::Service {
     }
   }
 
+  static AuthzOptions with_client_certs(const CoordinatorOptions& o) {
+    AuthzOptions a = o.authz;
+    a.client_certs = a.client_certs || o.tls.require_client_cert;
+    return a;
+  }
+
   const CoordinatorOptions options_;
+  Authorizer authz_;
   std::mutex mu_;
   std::condition_variable join_cv_;    // a join outcome may be ready
   std::condition_variable event_cv_;   // an event queue changed

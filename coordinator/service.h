@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/grpc_security.h"
+#include "coordinator/authz.h"
 #include "coordinator/job_table.h"
 #include "gradsync/status.h"
 
@@ -27,6 +28,9 @@ struct CoordinatorOptions {
   Millis default_join_timeout{60000};  // for JoinJob requests with timeout_ms = 0
   Millis tick{100};                    // lease/deadline check period; bounds detection delay
   TlsOptions tls;                      // plaintext only on loopback or with tls.insecure
+  // Who may call what (authz.h); with tls.require_client_cert a verified certificate is a
+  // node's credential.
+  AuthzOptions authz;
 };
 
 class CoordinatorService;  // the gRPC handlers, in service.cc

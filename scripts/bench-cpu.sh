@@ -22,6 +22,8 @@ build=${GRADSYNC_BUILD_DIR:-build}
 # Multi-node jobs need a job token (gradsyncrun refuses one without): a random one per run,
 # passed to every node through the environment, never on a command line.
 export GRADSYNC_JOB_TOKEN=${GRADSYNC_JOB_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
+# The coordinator started here and its daemons share a cluster secret (coordinator/authz.h).
+export GRADSYNC_CLUSTER_SECRET=${GRADSYNC_CLUSTER_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 anchors=${GRADSYNC_ANCHORS:-$repo/../shared/anchors/cpu/run.sh}
 [ -x "$anchors" ] || { echo "bench-cpu: anchors script $anchors not found (set GRADSYNC_ANCHORS)" >&2; exit 2; }
 rounds=${ROUNDS:-3}

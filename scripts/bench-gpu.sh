@@ -23,6 +23,8 @@ bin=$PWD/bundle/bin
 # Multi-node jobs need a job token (gradsyncrun refuses one without): a random one per run,
 # passed to every node through the environment, never on a command line.
 export GRADSYNC_JOB_TOKEN=${GRADSYNC_JOB_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
+# The coordinator started here and its daemons share a cluster secret (coordinator/authz.h).
+export GRADSYNC_CLUSTER_SECRET=${GRADSYNC_CLUSTER_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 export LD_LIBRARY_PATH=$PWD/bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export NCCL_NVLS_ENABLE=0
 what=${1:-all}

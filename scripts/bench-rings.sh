@@ -7,6 +7,8 @@
 #   RINGS="1 2 4 8 16" bash scripts/bench-rings.sh   (the counts to set beside the default)
 # Binaries from ${GRADSYNC_BUILD_DIR:-build}/bin, or GRADSYNC_BIN_DIR (bundle/bin on the GPU machine).
 set -uo pipefail
+# The coordinator started here and its daemons share a cluster secret (coordinator/authz.h).
+export GRADSYNC_CLUSTER_SECRET=${GRADSYNC_CLUSTER_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 bin=${GRADSYNC_BIN_DIR:-$PWD/${GRADSYNC_BUILD_DIR:-build}/bin}
 OUT=${OUT:-$PWD/bench-out/rings}; mkdir -p "$OUT"
 rings=${RINGS:-1 2 4}

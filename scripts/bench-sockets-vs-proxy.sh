@@ -15,6 +15,8 @@ bin=${GRADSYNC_BIN_DIR:-$bin}
 # Multi-node jobs need a job token (gradsyncrun refuses one without): a random one per run,
 # passed to every node through the environment, never on a command line.
 export GRADSYNC_JOB_TOKEN=${GRADSYNC_JOB_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
+# The coordinator started here and its daemons share a cluster secret (coordinator/authz.h).
+export GRADSYNC_CLUSTER_SECRET=${GRADSYNC_CLUSTER_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 OUT=${OUT:-$PWD/bench-out/sockets-vs-proxy}; mkdir -p "$OUT"
 two() {  # label, env, bench args
   local label=$1 envs=$2; shift 2

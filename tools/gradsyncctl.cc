@@ -1,12 +1,14 @@
 // gradsyncctl: an operator's view into the coordinator.
 //
-//   gradsyncctl [--coordinator HOST:PORT] [TLS flags: --tls-ca F --tls-cert F --tls-key F] jobs
+//   gradsyncctl [--coordinator HOST:PORT] [TLS flags: --tls-ca F --tls-cert F --tls-key F]
+//               [--operator-token-file F] jobs
 //   gradsyncctl [--coordinator HOST:PORT] describe JOB
 //   gradsyncctl [--coordinator HOST:PORT] abort JOB [--reason TEXT]
 //   gradsyncctl doctor [--require-gdr] [--sysfs-root DIR]   (no coordinator needed)
 //   gradsyncctl topology [--topo-file PATH]                   (no coordinator needed)
 //
-// The address defaults to $GRADSYNC_COORDINATOR, else 127.0.0.1:29500.
+// The address defaults to $GRADSYNC_COORDINATOR, else 127.0.0.1:29500; the operator credential
+// to $GRADSYNC_OPERATOR_TOKEN.
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
@@ -15,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/call_auth.h"
 #include "common/grpc_security.h"
 #include "coordinator.grpc.pb.h"
 #include "doctor/doctor.h"
@@ -31,7 +34,8 @@ int usage(FILE* out, int rc) {
                "  describe JOB              ring order, ranks with their nodes, node details (GPU topology)\n"
                "  abort JOB [--reason TEXT] abort the job's current generation\n"
                "  topology [--topo-file F]  this node's GPUs, links, NICs and rails (no coordinator)\n"
-               "%s%s",
+               "%s  --operator-token-file F   the operator credential ($GRADSYNC_OPERATOR_TOKEN); jobs,\n"
+               "                            describe and abort need it\n%s",
                gradsync::TlsOptions::usage(), gradsync::doctor::usage_text());
   return rc;
 }
@@ -85,10 +89,11 @@ int main(int argc, char** argv) {
   std::vector<std::string> args;
   std::string reason = "aborted by an operator (gradsyncctl)";
   gradsync::TlsOptions tls;
+  gradsync::AuthOptions auth;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     std::string tls_error;
-    if (tls.take_flag(argc, argv, &i, &tls_error)) {
+    if (tls.take_flag(argc, argv, &i, &tls_error) || auth.take_flag(argc, argv, &i, &tls_error)) {
       if (!tls_error.empty()) {
         std::fprintf(stderr, "gradsyncctl: %s\n", tls_error.c_str());
         return 2;
@@ -108,7 +113,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gradsyncctl: %s\n", credentials.status().message().c_str());
     return 2;
   }
-  auto stub = gradsync::v1::Coordinator::NewStub(grpc::CreateChannel(address, *credentials));
+  // The operator credential goes with every call (jobs, describe and abort need it).
+  auto operator_token = auth.operator_token();
+  if (!operator_token.ok()) {
+    std::fprintf(stderr, "gradsyncctl: %s\n", operator_token.status().message().c_str());
+    return 2;
+  }
+  auto stub = gradsync::v1::Coordinator::NewStub(gradsync::coordinator_channel(
+      address, *credentials, grpc::ChannelArguments(), std::make_shared<gradsync::CallAuth>("", *operator_token)));
 
   if (args[0] == "jobs" && args.size() == 1) {
     grpc::ClientContext ctx;

@@ -3,6 +3,7 @@
 // on one machine; in a multi-node job each node runs gradsyncrun with its --node-rank.
 // It prefixes rank output, and when one rank fails it stops the rest and fails too.
 #include <signal.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 #include <sstream>
 
 #include "common/log.h"
+#include "common/secret.h"
 #include "launcher/options.h"
 #include "launcher/process.h"
 #include "launcher/supervisor.h"
@@ -69,6 +71,7 @@ class Launcher {
     }
     coordinator_addr_ = o_.coordinator;
     if (o_.standalone) {
+      if (int rc = make_secrets(); rc != 0) return rc;
       if (int rc = start_coordinator(); rc != 0) return rc;
     }
     daemon_socket_ = o_.daemon_socket;
@@ -97,7 +100,25 @@ class Launcher {
   Command server_command(const std::string& path, std::vector<std::string> argv) {
     if (!o_.log_level.empty()) argv.insert(argv.end(), {"--log-level", o_.log_level});
     argv.insert(argv.begin(), path);
-    return Command{path, std::move(argv), environment_with({}), true};
+    return Command{path, std::move(argv), environment_with(server_env_), true};
+  }
+
+  // Standalone: a cluster secret and an operator token of its own for the coordinator and
+  // the daemon it starts (their environment), the operator token also in a file only this
+  // user reads, for gradsyncctl --operator-token-file.
+  int make_secrets() {
+    auto secret = random_token();
+    auto op = random_token();
+    if (!secret.ok() || !op.ok()) return fail("cannot make the standalone credentials: no random bytes");
+    server_env_ = {"GRADSYNC_CLUSTER_SECRET=" + *secret, "GRADSYNC_OPERATOR_TOKEN=" + *op};
+    const std::string path = tmpdir_ + "/operator.token";
+    {
+      std::ofstream f(path, std::ios::trunc);  // in the launcher's own 0700 directory
+      f << *op << '\n';
+      if (!f || ::chmod(path.c_str(), 0600) != 0) return fail("cannot write " + path);
+    }
+    log::get("launcher")->info("operator credential for gradsyncctl: --operator-token-file {}", path);
+    return 0;
   }
 
   std::vector<std::string> with_tls(std::vector<std::string> argv) const {
@@ -297,6 +318,7 @@ class Launcher {
   Deadline deadline_ = Deadline::max();  // --timeout-s
   std::string tmpdir_;
   std::string coordinator_addr_;
+  std::vector<std::string> server_env_;  // NAME=VALUE for the coordinator and daemon started here
   std::string daemon_socket_;
   int coordinator_ = -1;
   int daemon_ = -1;

@@ -33,13 +33,13 @@ Code to_code(grpc::StatusCode c) {
 }  // namespace
 
 CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::ChannelCredentials> credentials,
-                                 v1::NodeInfo node, EventHandler on_event)
-    : address_(std::move(address)), node_(std::move(node)), on_event_(std::move(on_event)) {
+                                 std::shared_ptr<CallAuth> auth, v1::NodeInfo node, EventHandler on_event)
+    : address_(std::move(address)), node_(std::move(node)), on_event_(std::move(on_event)), auth_(std::move(auth)) {
   grpc::ChannelArguments args;
   // Reconnect quickly after a coordinator restart instead of gRPC's default backoff (up to 2 min).
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  channel_ = grpc::CreateCustomChannel(address_, credentials, args);
+  channel_ = coordinator_channel(address_, credentials, args, auth_);
   stub_ = v1::Coordinator::NewStub(channel_);
 }
 
@@ -64,6 +64,10 @@ Status CoordinatorLink::register_node() {
   *req.mutable_node() = node_;
   v1::RegisterNodeResponse resp;
   GS_RETURN_IF_ERROR(from_grpc(stub_->RegisterNode(&ctx, req, &resp), "register"));
+  // The key that binds this node's name to this daemon: every later call carries it.
+  const auto& md = ctx.GetServerInitialMetadata();
+  auto key = md.find(kNodeKeyHeader);
+  auth_->set_node(resp.node_id(), key == md.end() ? "" : std::string(key->second.data(), key->second.size()));
   std::lock_guard lock(mu_);
   node_id_ = resp.node_id();
   lease_ms_ = std::max<uint32_t>(resp.lease_ms(), 300);
@@ -157,6 +161,7 @@ Result<v1::JoinJobResponse> CoordinatorLink::join(v1::JoinJobRequest req,
   set_deadline(ctx, timeout + kCallTimeout);
   req.set_node_id(node_id());
   req.set_timeout_ms(static_cast<uint32_t>(timeout.count()));
+  auth_->set_job_token(req.job_id(), req.token());  // the job's later calls carry it
   v1::JoinJobResponse resp;
   Status s = from_grpc(stub_->JoinJob(&ctx, req, &resp), "join of job " + req.job_id());
   if (!s.ok()) return s;
@@ -167,6 +172,7 @@ Result<v1::PeerTableResponse> CoordinatorLink::peer_table(const std::string& job
                                                           uint64_t generation) {
   grpc::ClientContext ctx;
   set_deadline(ctx, kCallTimeout);
+  auth_->add_job_token(ctx, job);
   v1::PeerTableRequest req;
   req.set_job_id(job);
   req.set_generation(generation);
@@ -179,6 +185,7 @@ Result<v1::PeerTableResponse> CoordinatorLink::peer_table(const std::string& job
 Status CoordinatorLink::leave(const std::string& job, uint64_t generation) {
   grpc::ClientContext ctx;
   set_deadline(ctx, kCallTimeout);
+  auth_->add_job_token(ctx, job);
   v1::LeaveJobRequest req;
   req.set_node_id(node_id());
   req.set_job_id(job);
@@ -190,6 +197,7 @@ Status CoordinatorLink::leave(const std::string& job, uint64_t generation) {
 Status CoordinatorLink::report_path(const std::string& job, uint64_t generation, const v1::RankPath& path) {
   grpc::ClientContext ctx;
   set_deadline(ctx, kCallTimeout);
+  auth_->add_job_token(ctx, job);
   v1::ReportPathRequest req;
   req.set_node_id(node_id());
   req.set_job_id(job);
@@ -203,6 +211,7 @@ Status CoordinatorLink::abort(const std::string& job, uint64_t generation, int f
                               const std::string& reason) {
   grpc::ClientContext ctx;
   set_deadline(ctx, kCallTimeout);
+  auth_->add_job_token(ctx, job);
   v1::AbortJobRequest req;
   req.set_node_id(node_id());
   req.set_job_id(job);

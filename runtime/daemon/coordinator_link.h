@@ -13,6 +13,7 @@
 #include <string>
 #include <thread>
 
+#include "common/call_auth.h"
 #include "coordinator.grpc.pb.h"
 #include "gradsync/status.h"
 
@@ -22,9 +23,10 @@ class CoordinatorLink {
  public:
   using EventHandler = std::function<void(const v1::Event&)>;
 
-  // `credentials`: how to reach the coordinator (common/grpc_security.h).
-  CoordinatorLink(std::string address, std::shared_ptr<grpc::ChannelCredentials> credentials, v1::NodeInfo node,
-                  EventHandler on_event);
+  // `credentials`: how to reach the coordinator (common/grpc_security.h); `auth`: what every
+  // call presents (common/call_auth.h), given this node's key once it registered.
+  CoordinatorLink(std::string address, std::shared_ptr<grpc::ChannelCredentials> credentials,
+                  std::shared_ptr<CallAuth> auth, v1::NodeInfo node, EventHandler on_event);
   ~CoordinatorLink();
 
   // Registers (retrying until `timeout`), then keeps the lease and the event stream alive in
@@ -51,6 +53,7 @@ class CoordinatorLink {
   const std::string address_;
   const v1::NodeInfo node_;
   const EventHandler on_event_;
+  const std::shared_ptr<CallAuth> auth_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 

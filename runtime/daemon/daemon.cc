@@ -229,7 +229,8 @@ Status Daemon::start() {
   node.set_transport_why(transport_why_);
   auto credentials = channel_credentials(cfg_.tls, cfg_.coordinator);
   if (!credentials.ok()) return credentials.status();
-  link_ = std::make_unique<CoordinatorLink>(cfg_.coordinator, *credentials, node,
+  link_ = std::make_unique<CoordinatorLink>(cfg_.coordinator, *credentials,
+                                            std::make_shared<CallAuth>(cfg_.cluster_secret, ""), node,
                                             [this](const v1::Event& ev) { on_event(ev); });
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
 

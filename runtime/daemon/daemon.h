@@ -54,6 +54,9 @@ struct DaemonConfig {
   // closed at once and logged (--max-connections, GRADSYNC_MAX_CONNECTIONS).
   uint32_t max_connections = 512;
   TlsOptions tls;  // how to reach the coordinator (--tls-ca, --tls-cert, --tls-key, --insecure)
+  // What this node proves to the coordinator without mTLS (--cluster-secret-file,
+  // $GRADSYNC_CLUSTER_SECRET); empty with mTLS, and for an in-process coordinator that checks none.
+  std::string cluster_secret;
 };
 
 class Daemon {

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/call_auth.h"
 #include "common/log.h"
 #include "collectives/topology.h"
 #include "daemon/daemon.h"
@@ -42,14 +43,16 @@ void usage(FILE* out) {
                "  --topo-file PATH          declare this node's GPUs, links and NICs ($GRADSYNC_TOPO_FILE;\n"
                "                            tests: default discovered through NVML, CUDA and sysfs)\n"
                "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n"
-               "TLS to the coordinator (plaintext is refused off loopback unless --insecure):\n%s",
-               gradsync::TlsOptions::usage());
+               "TLS to the coordinator (plaintext is refused off loopback unless --insecure):\n%s"
+               "Credentials (--cluster-secret-file, or $GRADSYNC_CLUSTER_SECRET; not with mTLS):\n%s",
+               gradsync::TlsOptions::usage(), gradsync::AuthOptions::usage());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   gradsync::DaemonConfig cfg;
+  gradsync::AuthOptions auth;
   if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
   if (const char* i = std::getenv("GRADSYNC_SOCKET_IFNAME"); i && *i) cfg.ifname = i;
   if (const char* t = std::getenv("GRADSYNC_TRANSPORT"); t && *t) cfg.transport = t;
@@ -88,7 +91,7 @@ int main(int argc, char** argv) {
       return x;
     };
     std::string tls_error;
-    if (cfg.tls.take_flag(argc, argv, &i, &tls_error)) {
+    if (cfg.tls.take_flag(argc, argv, &i, &tls_error) || auth.take_flag(argc, argv, &i, &tls_error)) {
       if (!tls_error.empty()) {
         std::fprintf(stderr, "gradsyncd: %s\n", tls_error.c_str());
         return 2;
@@ -129,6 +132,12 @@ int main(int argc, char** argv) {
     }
   }
   cfg.tls.add_env();
+  if (auto secret = auth.cluster_secret(); secret.ok()) {
+    cfg.cluster_secret = *secret;
+  } else {
+    std::fprintf(stderr, "gradsyncd: %s\n", secret.status().message().c_str());
+    return 2;
+  }
   if (cfg.slot_bytes % 64 != 0) {
     std::fprintf(stderr, "gradsyncd: --slot-bytes must be a multiple of 64\n");
     return 2;

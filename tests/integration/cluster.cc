@@ -303,6 +303,11 @@ std::string all_succeeded(std::vector<Process>& procs, Millis timeout, const std
 // --- Cluster ------------------------------------------------------------------------------
 
 Cluster::Cluster(ClusterOptions options) : opts_(std::move(options)) {
+  // The credentials of the coordinator's callers (coordinator/authz.h), in the environment every
+  // process of the test inherits (daemons, gradsyncctl, gradsyncrun), as a deployment would
+  // give them; a test that plays a caller without them overrides the variable for that process.
+  ::setenv("GRADSYNC_CLUSTER_SECRET", kTestClusterSecret, 0);
+  ::setenv("GRADSYNC_OPERATOR_TOKEN", kTestOperatorToken, 0);
   // Unix socket paths are limited to 107 bytes: keep the directory short.
   std::string base = "/tmp";
   if (const char* t = std::getenv("TMPDIR"); t && *t && std::strlen(t) < 60) base = t;

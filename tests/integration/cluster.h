@@ -110,6 +110,11 @@ std::string line_with(const std::string& text, const std::string& needle);
 std::string all_succeeded(std::vector<Process>& procs, Millis timeout,
                           const std::string& needle = "PASS");
 
+// What the Cluster's coordinator expects of node daemons and of operators (unless the test's
+// environment already set GRADSYNC_CLUSTER_SECRET / GRADSYNC_OPERATOR_TOKEN).
+inline constexpr char kTestClusterSecret[] = "it-cluster-secret";
+inline constexpr char kTestOperatorToken[] = "it-operator-token";
+
 struct ClusterOptions {
   int daemons = 2;
   int lease_ms = 0;          // 0: coordinator default

@@ -96,6 +96,8 @@ GRADSYNC_DAEMON, GRADSYNC_JOB_ID, GRADSYNC_JOB_TOKEN and GRADSYNC_COORDINATOR se
   --tls-ca F, --tls-cert F, --tls-key F, --insecure
                             the started gradsyncd's TLS to the coordinator (also
                             $GRADSYNC_TLS_CA, _CERT, _KEY, $GRADSYNC_INSECURE=1)
+  --cluster-secret-file F   the started gradsyncd's credential to the coordinator (default
+                            $GRADSYNC_CLUSTER_SECRET; made up in standalone)
   --log-level L             trace|debug|info|warn|error|off, for the launcher and children
   --timeout-s S             stop everything after S seconds and exit 124
   --no-prefix               do not prefix rank output with "[rank R] "
@@ -144,7 +146,7 @@ ParseOutcome parse_options(int argc, char** argv) {
     static const char* kValueFlags[] = {
         "-n",       "--nproc-per-node", "--coordinator", "--nnodes",    "--node-rank", "--daemon",
         "--job-id", "--token-file",     "--node-name",   "--log-level", "--timeout-s",
-        "--tls-cert", "--tls-key",      "--tls-ca"};
+        "--tls-cert", "--tls-key",      "--tls-ca",      "--cluster-secret-file"};
     bool known = false;
     for (const char* f : kValueFlags) known = known || flag == f;
     if (!known) return fail("unknown option " + arg);
@@ -170,7 +172,7 @@ ParseOutcome parse_options(int argc, char** argv) {
       o.job_id = *value;
     } else if (flag == "--token-file") {
       o.token_file = *value;
-    } else if (flag == "--tls-cert" || flag == "--tls-key" || flag == "--tls-ca") {
+    } else if (flag == "--tls-cert" || flag == "--tls-key" || flag == "--tls-ca" || flag == "--cluster-secret-file") {
       o.daemon_tls_flags.insert(o.daemon_tls_flags.end(), {flag, *value});
     } else if (flag == "--node-name") {
       o.node_name = *value;

@@ -23,8 +23,9 @@ struct Options {
   std::string node_name;
   std::optional<double> timeout_s;
   bool no_prefix = false;
-  // --tls-cert F, --tls-key F, --tls-ca F, --insecure as given: passed on to the gradsyncd
-  // this launcher starts (its link to the coordinator; common/grpc_security.h).
+  // --tls-cert F, --tls-key F, --tls-ca F, --insecure, --cluster-secret-file F as given:
+  // passed on to the gradsyncd this launcher starts (its link to the coordinator;
+  // common/grpc_security.h, common/call_auth.h).
   std::vector<std::string> daemon_tls_flags;
   std::vector<std::string> program;  // PROGRAM ARGS...
 };
