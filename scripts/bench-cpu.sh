@@ -81,7 +81,7 @@ two_nodes() {  # K R: K ranks on each of 2 nodes (a gradsyncrun with its own gra
       dest=$log  # node 0 holds rank 0, which prints the table
       [ "$i" = 1 ] && dest=/dev/null
       # shellcheck disable=SC2086
-      "$bin/gradsyncrun" --coordinator "127.0.0.1:$port" --nnodes 2 --node-rank "$i" -n "$1" \
+      "$bin/gradsyncrun" --start-daemon --coordinator "127.0.0.1:$port" --nnodes 2 --node-rank "$i" -n "$1" \
           --job-id "$job" --node-name "n$i" --no-prefix --timeout-s 600 "$bin/gradsync-bench" $p $common \
           >> "$dest" 2>> "$out/gradsync-2node-x$1.r$2.n$i.err" &
       pids+=($!)

@@ -59,7 +59,7 @@ staged() {
     # shellcheck disable=SC2086,SC2016
     BENCH_GPU_BASE=$dev BENCH_GPUS=$ngpus \
       NCCL_HOSTID=gradsync-bench-node$i NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo \
-      timeout 400 "$bin/gradsyncrun" --coordinator "127.0.0.1:$port" --nnodes "$nodes" --node-rank "$i" -n "$per" \
+      timeout 400 "$bin/gradsyncrun" --start-daemon --coordinator "127.0.0.1:$port" --nnodes "$nodes" --node-rank "$i" -n "$per" \
         --job-id "$job" --node-name "n$i" --no-prefix --timeout-s 380 \
         sh -c 'GRADSYNC_DEVICE=$(( (BENCH_GPU_BASE + LOCAL_RANK) % BENCH_GPUS )) exec "$0" "$@"' \
         "$bin/gradsync-bench" $common \

@@ -20,7 +20,7 @@ two() {  # label, then GRADSYNC_NRINGS or "" for the default
   cp=$!
   for _ in $(seq 100); do [ -s "$tmp/port" ] && break; sleep 0.1; done
   for i in 0 1; do
-    env ${nrings:+GRADSYNC_NRINGS=$nrings} timeout 600 "$bin/gradsyncrun" --coordinator "127.0.0.1:$(cat "$tmp/port")" \
+    env ${nrings:+GRADSYNC_NRINGS=$nrings} timeout 600 "$bin/gradsyncrun" --start-daemon --coordinator "127.0.0.1:$(cat "$tmp/port")" \
       --nnodes 2 --node-rank $i -n 1 --job-id "$job" --node-name n$i --no-prefix --timeout-s 580 \
       "$bin/gradsync-bench" "${args[@]}" > "$tmp/out$i" 2> "$OUT/$label.n$i.err" &
     pids+=($!)

@@ -26,7 +26,7 @@ two() {  # label, env, bench args
   for _ in $(seq 100); do [ -s $tmp/port ] && break; sleep 0.1; done
   local pids=()
   for i in 0 1; do
-    env $envs GRADSYNC_DEVICE=0 timeout 300 $bin/gradsyncrun --coordinator 127.0.0.1:$(cat $tmp/port) --nnodes 2 --node-rank $i -n 1 \
+    env $envs GRADSYNC_DEVICE=0 timeout 300 $bin/gradsyncrun --start-daemon --coordinator 127.0.0.1:$(cat $tmp/port) --nnodes 2 --node-rank $i -n 1 \
       --job-id $job --node-name n$i --no-prefix --timeout-s 280 $bin/gradsync-bench "$@" > $tmp/out$i 2> $OUT/$label.n$i.err &
     pids+=($!)
   done

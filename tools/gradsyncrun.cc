@@ -17,6 +17,7 @@
 
 #include "common/log.h"
 #include "common/secret.h"
+#include "common/socket_path.h"
 #include "launcher/options.h"
 #include "launcher/process.h"
 #include "launcher/supervisor.h"
@@ -66,7 +67,7 @@ class Launcher {
   // Starts servers (as needed) and ranks; 0, or the exit status to leave with.
   int start() {
     if (Status s = sup_.init(); !s.ok()) return fail(s.message());
-    if (o_.standalone || o_.daemon_socket.empty()) {
+    if (o_.standalone || o_.start_daemon) {
       if (int rc = make_tmpdir(); rc != 0) return rc;
     }
     coordinator_addr_ = o_.coordinator;
@@ -75,10 +76,24 @@ class Launcher {
       if (int rc = start_coordinator(); rc != 0) return rc;
     }
     daemon_socket_ = o_.daemon_socket;
-    if (daemon_socket_.empty()) {
+    if (o_.standalone || o_.start_daemon) {
       if (int rc = start_daemon(); rc != 0) return rc;
+    } else if (daemon_socket_.empty()) {
+      // The node's running daemon (gradsyncd.service, or a user's own): common/socket_path.h.
+      daemon_socket_ = client_daemon_socket();
+      if (access(daemon_socket_.c_str(), F_OK) != 0) {
+        std::string tried;
+        for (const auto& c : daemon_socket_candidates()) tried += (tried.empty() ? "" : ", ") + c;
+        return fail("no running gradsyncd on this node (tried $GRADSYNC_DAEMON, " + tried +
+                    "): start it (systemctl start gradsyncd, or gradsyncd --coordinator HOST:PORT), pass "
+                    "--daemon SOCKET, or use --standalone for a one-node job with its own daemon");
+      }
+      log::get("launcher")->info("using the running gradsyncd at {}", daemon_socket_);
     } else if (access(daemon_socket_.c_str(), F_OK) != 0) {
       log::get("launcher")->warn("daemon socket {} does not exist (yet)", daemon_socket_);
+    }
+    if (!o_.launcher.empty()) {
+      log::get("launcher")->info("node {} of {} from the {} variables", o_.node_rank, o_.nnodes, o_.launcher);
     }
     return start_ranks();
   }
@@ -177,7 +192,10 @@ class Launcher {
           "RANK=" + std::to_string(rank),        "WORLD_SIZE=" + std::to_string(o_.nnodes * n),
           "LOCAL_RANK=" + std::to_string(local), "LOCAL_WORLD_SIZE=" + std::to_string(n),
           "GRADSYNC_DAEMON=" + daemon_socket_,   "GRADSYNC_JOB_ID=" + o_.job_id,
-          "GRADSYNC_JOB_TOKEN=" + o_.token,      "GRADSYNC_COORDINATOR=" + coordinator_addr_};
+          "GRADSYNC_JOB_TOKEN=" + o_.token,      "GRADSYNC_COORDINATOR=" + coordinator_addr_,
+          // JoinOptions::from_env() reads only RANK... then, not the variables of whatever
+          // launched this gradsyncrun (common/launch_env.h).
+          "GRADSYNC_LAUNCHER=gradsyncrun"};
       if (!o_.log_level.empty()) vars.push_back("GRADSYNC_LOG_LEVEL=" + o_.log_level);
       Command cmd{*path, o_.program, environment_with(vars), !o_.no_prefix};
       const std::string label = "rank " + std::to_string(rank);

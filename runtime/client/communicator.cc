@@ -14,6 +14,7 @@
 #include "channel/channel.h"
 #include "channel/shared_memory.h"
 #include "client/daemon_client.h"
+#include "common/launch_env.h"
 #include "client/links.h"
 #include "common/framing.h"
 #include "collectives/collective.h"
@@ -55,10 +56,15 @@ JoinOptions JoinOptions::from_env() {
   JoinOptions o;
   o.job = env_str("GRADSYNC_JOB_ID", "default");
   o.token = env_str("GRADSYNC_JOB_TOKEN");
-  o.rank = static_cast<int>(env_long("RANK", -1));
-  o.world_size = static_cast<int>(env_long("WORLD_SIZE", 0));
-  o.local_rank = static_cast<int>(env_long("LOCAL_RANK", 0));
-  o.local_world_size = static_cast<int>(env_long("LOCAL_WORLD_SIZE", 1));
+  // The launcher's variables (common/launch_env.h: gradsyncrun, torchrun, Slurm, Open MPI,
+  // PyTorchJob). On a conflict or a malformed value rank stays -1 and world size 0, so that
+  // Session::join refuses and reports launch_env's message.
+  if (auto placed = launch::rank_placement(launch::process_env()); placed.ok()) {
+    o.rank = placed->rank;
+    o.world_size = placed->world_size;
+    o.local_rank = placed->local_rank;
+    o.local_world_size = placed->local_world_size;
+  }
   o.join_timeout = std::chrono::milliseconds(env_long("GRADSYNC_JOIN_TIMEOUT_MS", 60'000));
   o.op_timeout = std::chrono::milliseconds(env_long("GRADSYNC_OP_TIMEOUT_MS", 300'000));
   const std::string dev = env_str("GRADSYNC_DEVICE");
@@ -681,6 +687,12 @@ const std::string& Session::node_name() const { return impl_->node_name; }
 
 Result<Communicator> Session::join(const JoinOptions& o) {
   std::string who = "job=" + o.job + " rank " + std::to_string(o.rank) + ": join refused: ";
+  if (o.rank < 0 && o.world_size <= 0) {
+    // No rank given: say what the launcher's variables lacked or got wrong.
+    auto placed = launch::rank_placement(launch::process_env());
+    const std::string why = placed.ok() ? "" : placed.status().message();
+    return Status(Code::kInvalidArgument, who + "no rank and world size (JoinOptions::from_env: " + why + ")");
+  }
   if (o.world_size <= 0) return Status(Code::kInvalidArgument, who + "world size must be >= 1, got " + std::to_string(o.world_size));
   if (o.rank < 0 || o.rank >= o.world_size) {
     return Status(Code::kInvalidArgument, who + "rank must be in [0, " + std::to_string(o.world_size) + ")");

@@ -7,13 +7,11 @@
 #include <cstring>
 
 #include "common/framing.h"
+#include "common/socket_path.h"
 
 namespace gradsync {
 
-std::string default_daemon_socket() {
-  if (const char* env = std::getenv("GRADSYNC_DAEMON"); env && *env) return env;
-  return "/run/gradsync/gradsyncd.sock";
-}
+std::string default_daemon_socket() { return client_daemon_socket(); }
 
 Result<DaemonClient> DaemonClient::connect(const std::string& socket_path, Deadline deadline) {
   sockaddr_un addr{};
@@ -29,7 +27,8 @@ Result<DaemonClient> DaemonClient::connect(const std::string& socket_path, Deadl
   if (::connect(c.sock_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     return Status(Code::kUnavailable, "cannot reach gradsyncd at " + socket_path + " (" +
                                           errno_string("connect") +
-                                          "); is the daemon running? set GRADSYNC_DAEMON");
+                                          "); is the daemon running? (systemctl start gradsyncd, or gradsyncd for your own) "
+                                          "set GRADSYNC_DAEMON to its socket");
   }
   v1::ClientMessage hello;
   hello.mutable_attach()->set_pid(static_cast<uint32_t>(::getpid()));

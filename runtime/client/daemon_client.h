@@ -11,7 +11,7 @@ namespace gradsync {
 
 constexpr uint32_t kDaemonProtocolVersion = 1;
 
-std::string default_daemon_socket();  // $GRADSYNC_DAEMON, else /run/gradsync/gradsyncd.sock
+std::string default_daemon_socket();  // common/socket_path.h: $GRADSYNC_DAEMON, else the first that exists
 
 class DaemonClient {
  public:

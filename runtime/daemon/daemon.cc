@@ -7,13 +7,16 @@
 #include <sys/un.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <vector>
 
 #include "common/framing.h"
 #include "collectives/topology.h"
 #include "common/log.h"
+#include "common/socket_path.h"
 #include "common/secret.h"
 #include "daemon/ring_count.h"
 #include "daemon/trainer_request.h"
@@ -199,9 +202,7 @@ Status Daemon::start() {
   if (cfg_.socket_path.size() >= sizeof(addr.sun_path)) {
     return {Code::kInvalidArgument, "socket path too long: " + cfg_.socket_path};
   }
-  if (auto slash = cfg_.socket_path.rfind('/'); slash != std::string::npos && slash > 0) {
-    ::mkdir(cfg_.socket_path.substr(0, slash).c_str(), 0750);
-  }
+  if (Status s = prepare_socket_dir(cfg_.socket_path); !s.ok()) return s;
   ::unlink(cfg_.socket_path.c_str());
   trainer_listener_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   addr.sun_family = AF_UNIX;
@@ -317,12 +318,33 @@ void Daemon::warn_limited(log::RateLimit& limit, const std::string& message) {
   else dlog()->warn("{} (and {} more like it since the last such warning)", message, held);
 }
 
+namespace {
+
+// Whether the peer of a Unix socket has `gid` among its supplementary groups (SO_PEERGROUPS,
+// Linux 4.13): a member of the `gradsync` group whose own primary group is another.
+bool peer_in_group(int fd, gid_t gid) {
+  std::vector<gid_t> groups(64);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    socklen_t len = socklen_t(groups.size() * sizeof(gid_t));
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) == 0) {
+      groups.resize(len / sizeof(gid_t));
+      return std::find(groups.begin(), groups.end(), gid) != groups.end();
+    }
+    if (errno != ERANGE || len / sizeof(gid_t) > 65536) return false;
+    groups.resize(len / sizeof(gid_t));
+  }
+  return false;
+}
+
+}  // namespace
+
 void Daemon::serve_trainer(Fd sock) {
   auto log = dlog();
   ucred cred{};
   socklen_t len = sizeof(cred);
   if (::getsockopt(sock.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return;
-  if (cred.uid != 0 && cred.uid != ::geteuid() && cred.gid != ::getegid()) {
+  if (cred.uid != 0 && cred.uid != ::geteuid() && cred.gid != ::getegid() &&
+      !peer_in_group(sock.get(), ::getegid())) {
     warn_limited(trainer_log_, "refused trainer pid=" + std::to_string(cred.pid) + " uid=" + std::to_string(cred.uid) +
                                    ": neither this daemon's user nor group");
     (void)send_frame(sock.get(), error_message({Code::kPermissionDenied,

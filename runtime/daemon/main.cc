@@ -11,6 +11,7 @@
 
 #include "common/call_auth.h"
 #include "common/log.h"
+#include "common/socket_path.h"
 #include "collectives/topology.h"
 #include "daemon/daemon.h"
 #include "daemon/ring_count.h"
@@ -21,7 +22,9 @@ void usage(FILE* out) {
   std::fprintf(out,
                "usage: gradsyncd [options]\n"
                "  --coordinator HOST:PORT   coordinator address (default 127.0.0.1:29500, or $GRADSYNC_COORDINATOR)\n"
-               "  --socket PATH             trainer socket (default /run/gradsync/gradsyncd.sock)\n"
+               "  --socket PATH             trainer socket (default $GRADSYNC_DAEMON, else\n"
+               "                            /run/gradsync/gradsyncd.sock as root or where writable,\n"
+               "                            else $XDG_RUNTIME_DIR/gradsync/, else /tmp/gradsync-UID/)\n"
                "  --node-name NAME          name of this node (default: hostname)\n"
                "  --data-listen HOST        proxy listen address (default :: and 0.0.0.0)\n"
                "  --ifname NAME             advertise this interface's address ($GRADSYNC_SOCKET_IFNAME)\n"
@@ -53,6 +56,7 @@ void usage(FILE* out) {
 int main(int argc, char** argv) {
   gradsync::DaemonConfig cfg;
   gradsync::AuthOptions auth;
+  cfg.socket_path = gradsync::server_daemon_socket();  // --socket overrides (common/socket_path.h)
   if (const char* c = std::getenv("GRADSYNC_COORDINATOR"); c && *c) cfg.coordinator = c;
   if (const char* i = std::getenv("GRADSYNC_SOCKET_IFNAME"); i && *i) cfg.ifname = i;
   if (const char* t = std::getenv("GRADSYNC_TRANSPORT"); t && *t) cfg.transport = t;

@@ -265,10 +265,10 @@ TEST(LauncherTest, StandaloneStartsCoordinatorAndDaemon) {
   EXPECT_EQ(job.rfind("job-", 0), 0u) << job;
 }
 
-TEST(LauncherTest, MultiNodeWithoutDaemonStartsOnlyADaemon) {
+TEST(LauncherTest, StartDaemonStartsOnlyADaemon) {
   FakeInstall install;
   const Outcome o =
-      Launcher({"--coordinator", "10.1.2.3:5000", "--nnodes", "2", "--node-rank", "1", "--job-id",
+      Launcher({"--start-daemon", "--coordinator", "10.1.2.3:5000", "--nnodes", "2", "--node-rank", "1", "--job-id",
                 "j", "--node-name", "n1", "sh", "-c", "echo \"$RANK $GRADSYNC_COORDINATOR\""},
                {}, install.launcher())
           .wait();
@@ -276,6 +276,58 @@ TEST(LauncherTest, MultiNodeWithoutDaemonStartsOnlyADaemon) {
   EXPECT_TRUE(contains(o.err, "[gradsyncd] daemon of n1 for 10.1.2.3:5000\n")) << o.err;
   EXPECT_FALSE(contains(o.err, "[coordinator]")) << o.err;
   EXPECT_TRUE(contains(o.out, "[rank 1] 1 10.1.2.3:5000\n")) << o.out;
+}
+
+// Without --standalone or --start-daemon the ranks use the node's running daemon; none is an error.
+TEST(LauncherTest, WithoutARunningDaemonNamesThePathsTried) {
+  FakeInstall install;
+  const Outcome o = Launcher({"--job-id", "j", "true"}, {"GRADSYNC_DAEMON=/nonexistent/gradsyncd.sock"},
+                             install.launcher())
+                        .wait();
+  EXPECT_EQ(o.exit_code(), 1) << o.err;
+  EXPECT_TRUE(contains(o.err, "no running gradsyncd on this node")) << o.err;
+  EXPECT_TRUE(contains(o.err, "/run/gradsync/gradsyncd.sock")) << o.err;
+  EXPECT_TRUE(contains(o.err, "--standalone")) << o.err;
+  EXPECT_FALSE(contains(o.err, "[gradsyncd]")) << "started a daemon of its own: " << o.err;
+}
+
+TEST(LauncherTest, UsesTheDefaultSocketWhenItExists) {
+  const fs::path sock = fs::temp_directory_path() / ("gradsync-launcher-default-" + std::to_string(getpid()));
+  { std::ofstream touch(sock); }
+  const Outcome o = Launcher({"--job-id", "j", "-n", "2", "sh", "-c", "echo \"$GRADSYNC_DAEMON $GRADSYNC_LAUNCHER\""},
+                             {"GRADSYNC_DAEMON=" + sock.string()})
+                        .wait();
+  fs::remove(sock);
+  EXPECT_EQ(o.exit_code(), 0) << o.err;
+  EXPECT_TRUE(contains(o.out, "[rank 1] " + sock.string() + " gradsyncrun\n")) << o.out;
+}
+
+// One gradsyncrun per node under srun: --nnodes and --node-rank from SLURM_NNODES/SLURM_NODEID.
+TEST(LauncherTest, TakesTheNodeFromSlurm) {
+  const std::vector<std::string> slurm = {"SLURM_PROCID=1", "SLURM_NTASKS=2", "SLURM_LOCALID=0", "SLURM_NODEID=1",
+                                          "SLURM_NNODES=2"};
+  Outcome o = Launcher({"--daemon", "/tmp/gradsync-launcher-test.sock", "--job-id", "t", "-n", "2", "sh", "-c",
+                        "echo \"$RANK $WORLD_SIZE $LOCAL_RANK\""},
+                       slurm)
+                  .wait();
+  EXPECT_EQ(o.exit_code(), 0) << o.err;
+  EXPECT_TRUE(contains(o.out, "[rank 2] 2 4 0\n")) << o.out;
+  EXPECT_TRUE(contains(o.out, "[rank 3] 3 4 1\n")) << o.out;
+
+  o = Launcher({"--daemon", "/tmp/gradsync-launcher-test.sock", "--job-id", "t", "--node-rank", "0", "--nnodes",
+                "2", "true"},
+               slurm)
+          .wait();
+  EXPECT_EQ(o.exit_code(), 2);
+  EXPECT_TRUE(contains(o.err, "contradict the slurm variables")) << o.err;
+  EXPECT_TRUE(contains(o.err, "SLURM_NODEID=1")) << o.err;
+
+  // srun -n 4 on one node: each task is a rank already.
+  o = Launcher({"--daemon", "/tmp/gradsync-launcher-test.sock", "--job-id", "t", "true"},
+               {"SLURM_PROCID=1", "SLURM_NTASKS=4", "SLURM_LOCALID=1", "SLURM_NODEID=0", "SLURM_NNODES=1"})
+          .wait();
+  EXPECT_EQ(o.exit_code(), 2);
+  EXPECT_TRUE(contains(o.err, "started 4 tasks on this node")) << o.err;
 }
 
 TEST(LauncherTest, DaemonDeathStopsTheJob) {

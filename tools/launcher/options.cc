@@ -1,6 +1,7 @@
 #include "launcher/options.h"
 
 #include "common/fd.h"
+#include "common/launch_env.h"
 #include "common/secret.h"
 
 #include <unistd.h>
@@ -34,12 +35,34 @@ ParseOutcome fail(const std::string& message) {
 }
 
 // Fills defaults that depend on the mode and checks that the flags fit together.
-ParseOutcome finish(Options o) {
+// --nnodes and --node-rank from the launcher that started this gradsyncrun (one per node:
+// srun --ntasks-per-node=1, mpirun --map-by ppr:1:node, a PyTorchJob or JobSet pod). Flags
+// that contradict the launcher are an error.
+ParseOutcome take_node_placement(Options& o, bool nnodes_given, bool node_rank_given) {
+  auto placed = launch::node_placement(launch::process_env());
+  if (!placed.ok()) {
+    if (placed.status().code() == Code::kNotFound) return {std::nullopt, "", 0};
+    return fail(placed.status().message());
+  }
+  if ((nnodes_given && o.nnodes != placed->nnodes) || (node_rank_given && o.node_rank != placed->node_rank)) {
+    return fail("--nnodes " + std::to_string(o.nnodes) + " --node-rank " + std::to_string(o.node_rank) +
+                " contradict the " + placed->launcher + " variables (" + placed->vars + "): node " +
+                std::to_string(placed->node_rank) + " of " + std::to_string(placed->nnodes) +
+                "; drop the flags or set GRADSYNC_LAUNCHER");
+  }
+  o.nnodes = placed->nnodes;
+  o.node_rank = placed->node_rank;
+  o.launcher = placed->launcher;
+  return {std::nullopt, "", 0};
+}
+
+ParseOutcome finish(Options o, bool nnodes_given, bool node_rank_given) {
   if (o.program.empty()) return fail("missing PROGRAM");
   if (o.standalone) {
     if (!o.coordinator.empty())
       return fail("--standalone starts its own coordinator; drop --coordinator");
     if (!o.daemon_socket.empty()) return fail("--standalone starts its own daemon; drop --daemon");
+    if (o.start_daemon) return fail("--standalone starts its own daemon; drop --start-daemon");
     if (o.nnodes != 1 || o.node_rank != 0)
       return fail("--standalone runs one node: --nnodes 1 --node-rank 0");
     if (o.job_id.empty()) o.job_id = env_or("GRADSYNC_JOB_ID", "");
@@ -56,12 +79,15 @@ ParseOutcome finish(Options o) {
       o.token = *random;
     }
   } else {
-    if (o.coordinator.empty())
-      return fail("give --standalone, or --coordinator HOST:PORT for a multi-node job");
+    if (auto placed = take_node_placement(o, nnodes_given, node_rank_given); !placed.message.empty()) return placed;
+    if (o.coordinator.empty()) o.coordinator = env_or("GRADSYNC_COORDINATOR", "");
+    if (o.start_daemon && !o.daemon_socket.empty()) return fail("--start-daemon and --daemon exclude each other");
+    if (o.start_daemon && o.coordinator.empty())
+      return fail("--start-daemon needs --coordinator HOST:PORT (or $GRADSYNC_COORDINATOR)");
     if (o.node_rank >= o.nnodes) return fail("--node-rank must be below --nnodes");
     if (o.job_id.empty()) o.job_id = env_or("GRADSYNC_JOB_ID", "");
     if (o.job_id.empty())
-      return fail("a multi-node job needs --job-id (or $GRADSYNC_JOB_ID), the same on every node");
+      return fail("a job on the nodes' daemons needs --job-id (or $GRADSYNC_JOB_ID), the same on every node");
     auto token = token_from(o.token_file);
     if (!token.ok()) return fail(token.status().message());
     o.token = *token;
@@ -80,14 +106,22 @@ std::string usage() {
   return R"(usage: gradsyncrun [options] PROGRAM [ARGS...]
 
 Runs PROGRAM once per local rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-GRADSYNC_DAEMON, GRADSYNC_JOB_ID, GRADSYNC_JOB_TOKEN and GRADSYNC_COORDINATOR set.
+GRADSYNC_DAEMON, GRADSYNC_JOB_ID, GRADSYNC_JOB_TOKEN, GRADSYNC_COORDINATOR and
+GRADSYNC_LAUNCHER=gradsyncrun set. Without --standalone or --start-daemon the ranks use the
+node's running gradsyncd: --daemon SOCKET, else $GRADSYNC_DAEMON, else the first socket found
+of /run/gradsync/gradsyncd.sock (gradsyncd.service), $XDG_RUNTIME_DIR/gradsync/gradsyncd.sock,
+/tmp/gradsync-UID/gradsyncd.sock. Under srun --ntasks-per-node=1, mpirun --map-by
+ppr:1:node, a PyTorchJob (PET_NODE_RANK, PET_NNODES) or a JobSet (JOBSET_JOB_GLOBAL_INDEX...),
+--nnodes and --node-rank default to the launcher's (docs/launchers.md).
 
   --standalone              start a coordinator and a daemon for a one-node job
   -n, --nproc-per-node N    ranks on this node (default 1)
-  --coordinator HOST:PORT   coordinator of a multi-node job
-  --nnodes M                nodes in the job (default 1)
-  --node-rank I             this node's index, 0..M-1 (default 0)
-  --daemon SOCKET           use a running gradsyncd instead of starting one
+  --coordinator HOST:PORT   the coordinator (default $GRADSYNC_COORDINATOR); needed with
+                            --start-daemon, else passed to the ranks only
+  --nnodes M                nodes in the job (default 1, or the launcher's)
+  --node-rank I             this node's index, 0..M-1 (default 0, or the launcher's)
+  --daemon SOCKET           the running gradsyncd to use
+  --start-daemon            start a gradsyncd for this job (a node without the service)
   --job-id ID               job name (default $GRADSYNC_JOB_ID; generated in standalone)
   --token-file PATH         job token: the file's first line (default $GRADSYNC_JOB_TOKEN;
                             random in standalone; a multi-node job must have one). Never
@@ -107,6 +141,7 @@ GRADSYNC_DAEMON, GRADSYNC_JOB_ID, GRADSYNC_JOB_TOKEN and GRADSYNC_COORDINATOR se
 
 ParseOutcome parse_options(int argc, char** argv) {
   Options o;
+  bool nnodes_given = false, node_rank_given = false;
   int i = 1;
   // Value of "--flag V" or "--flag=V"; nullopt when missing.
   auto value_of = [&](const std::string& arg,
@@ -127,6 +162,10 @@ ParseOutcome parse_options(int argc, char** argv) {
     if (arg == "-h" || arg == "--help") return {std::nullopt, usage(), 0};
     if (arg == "--standalone") {
       o.standalone = true;
+      continue;
+    }
+    if (arg == "--start-daemon") {
+      o.start_daemon = true;
       continue;
     }
     if (arg == "--no-prefix") {
@@ -157,8 +196,10 @@ ParseOutcome parse_options(int argc, char** argv) {
       if (!parse_int(*value, 1, &o.nproc_per_node)) return fail(flag + " needs an integer >= 1");
     } else if (flag == "--nnodes") {
       if (!parse_int(*value, 1, &o.nnodes)) return fail("--nnodes needs an integer >= 1");
+      nnodes_given = true;
     } else if (flag == "--node-rank") {
       if (!parse_int(*value, 0, &o.node_rank)) return fail("--node-rank needs an integer >= 0");
+      node_rank_given = true;
     } else if (flag == "--timeout-s") {
       char* end = nullptr;
       const double s = std::strtod(value->c_str(), &end);
@@ -185,7 +226,7 @@ ParseOutcome parse_options(int argc, char** argv) {
     }
   }
   for (; i < argc; ++i) o.program.emplace_back(argv[i]);
-  return finish(std::move(o));
+  return finish(std::move(o), nnodes_given, node_rank_given);
 }
 
 }  // namespace gradsync::launcher

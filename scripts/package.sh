@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Builds the Debian packages gradsync and gradsync-dev (CPack; docs/packaging.md) into
+# ${GRADSYNC_PACKAGE_DIR:-build-package}/. CUDA kernels, where nvcc is found, for sm_80, 86, 89,
+# 90, 100 and compute_100 PTX (GRADSYNC_CUDA_ARCHS overrides; every architecture is a full
+# compile of each kernel unit). GRADSYNC_WITH_CUDA=OFF builds host-only packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GRADSYNC_BUILD_DIR=${GRADSYNC_PACKAGE_DIR:-build-package}
+archs=${GRADSYNC_CUDA_ARCHS:-"80-real;86-real;89-real;90-real;100-real;100-virtual"}
+export GRADSYNC_BUILD_DIR
+# setup.sh installs the build dependencies, configures and builds (tests are not packaged).
+GRADSYNC_CMAKE_ARGS="-DCMAKE_INSTALL_PREFIX=/usr -DGRADSYNC_BUILD_TESTS=OFF -DGRADSYNC_CUDA_ARCHS=$archs \
+  -DGRADSYNC_WITH_CUDA=${GRADSYNC_WITH_CUDA:-AUTO} ${GRADSYNC_CMAKE_ARGS:-}" ./scripts/setup.sh
+command -v dpkg-shlibdeps >/dev/null || apt-get install -y -qq dpkg-dev >/dev/null
+(cd "$GRADSYNC_BUILD_DIR" && cpack -G DEB >cpack.log 2>&1) || { tail -30 "$GRADSYNC_BUILD_DIR/cpack.log"; exit 1; }
+for deb in "$GRADSYNC_BUILD_DIR"/gradsync*.deb; do
+  echo "== $deb"
+  dpkg-deb --field "$deb" Package Version Depends
+done
