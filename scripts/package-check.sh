@@ -9,7 +9,9 @@
 #                                               (the CTest package_install_check; ~1 min)
 #   scripts/package-check.sh chroot DEB_DIR     a fresh Debian 12 chroot (debootstrap), then
 #                                               apt-get install ./gradsync_*.deb ./gradsync-dev_*.deb
-#                                               (needs root and the network; ~10 min)
+#                                               (needs root and the network; ~10 min;
+#                                               GRADSYNC_CHROOT_BASE=DIR copies a debootstrap'ed
+#                                               tree instead of making one)
 #   scripts/package-check.sh installed PREFIX   the check itself, against PREFIX (used by both)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -103,9 +105,14 @@ chroot_mode() {
   command -v debootstrap >/dev/null || apt-get install -y -qq debootstrap >/dev/null
   local root
   root=$(mktemp -d /var/tmp/gradsync-chroot.XXXXXX)
-  say "debootstrap bookworm into $root"
-  debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian >"$root.log" 2>&1 \
-    || { tail -20 "$root.log"; die "debootstrap"; }
+  if [ -n "${GRADSYNC_CHROOT_BASE:-}" ]; then  # a fresh debootstrap made earlier, copied
+    say "copying the fresh Debian 12 tree $GRADSYNC_CHROOT_BASE to $root"
+    cp -a "$GRADSYNC_CHROOT_BASE/." "$root/"
+  else
+    say "debootstrap bookworm into $root"
+    debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian >"$root.log" 2>&1 \
+      || { tail -20 "$root.log"; die "debootstrap"; }
+  fi
   mount -t proc proc "$root/proc"
   mount --bind /dev "$root/dev"
   trap 'umount "$root/dev" "$root/proc" 2>/dev/null || true' EXIT
