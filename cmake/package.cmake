@@ -3,8 +3,7 @@
 #   gradsync-dev  component dev: headers, libgradsync.so link, CMake package, gradsync.pc
 # Dependencies come from dpkg-shlibdeps on the built binaries (Debian 12 library packages).
 # A CUDA build links the shared CUDA runtime, which Debian 12 does not package in version 13:
-# dpkg-shlibdeps cannot name it unless NVIDIA's cuda-cudart package owns the file, so that build
-# lists the dependencies itself (the same Debian packages plus NVIDIA's cuda-cudart-X-Y).
+# that build adds NVIDIA's cuda-cudart-X-Y (NVIDIA's apt repository) by name.
 set(CPACK_PACKAGE_NAME gradsync)
 set(CPACK_PACKAGE_VENDOR "gradsync")
 set(CPACK_PACKAGE_CONTACT "gradsync maintainers <gradsync@localhost>")
@@ -24,17 +23,15 @@ set(CPACK_DEBIAN_DEV_DESCRIPTION
 set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS "gradsync (= ${PROJECT_VERSION})")
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_CONTROL_EXTRA
     ${CMAKE_SOURCE_DIR}/packaging/debian/postinst ${CMAKE_SOURCE_DIR}/packaging/debian/prerm)
+set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)  # CPack runs dpkg-shlibdeps --ignore-missing-info
+set(CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS "adduser")  # postinst; shlibdeps adds the libraries
 if(GRADSYNC_HAVE_CUDA)
+  # libcudart.so.13 is in no Debian 12 package, so shlibdeps names nothing for it: NVIDIA's.
   find_package(CUDAToolkit REQUIRED)
-  set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS OFF)
   string(REPLACE "." ";" cuda_version "${CUDAToolkit_VERSION}")
   list(GET cuda_version 0 cuda_major)
   list(GET cuda_version 1 cuda_minor)
-  set(CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS
-      "libc6 (>= 2.36), libgcc-s1, libstdc++6 (>= 12), libspdlog1.10, libfmt9, libssl3, libprotobuf32, libgrpc++1.51, libgrpc29, adduser, cuda-cudart-${cuda_major}-${cuda_minor}")
-else()
-  set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
-  set(CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS "adduser")  # postinst; shlibdeps adds the libraries
+  string(APPEND CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS ", cuda-cudart-${cuda_major}-${cuda_minor}")
 endif()
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_SUGGESTS "systemd")
 include(CPack)

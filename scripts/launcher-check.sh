@@ -24,9 +24,11 @@ fi
 work=$(mktemp -d /tmp/gradsync-launchers.XXXXXX)
 chmod 0755 "$work"
 pids=()
+started_munge=0
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  if [ "$started_munge" = 1 ] && [ -s /run/munge/munged.pid ]; then kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true; fi
   rm -rf "$work"
 }
 trap cleanup EXIT
@@ -92,6 +94,7 @@ export SLURM_CONF=$work/slurm/slurm.conf
 if ! pgrep -x munged >/dev/null; then
   mkdir -p /run/munge && chown munge:munge /run/munge
   runuser -u munge -- /usr/sbin/munged || die "munged did not start"
+  started_munge=1
 fi
 slurmctld -D -f "$SLURM_CONF" >"$work/slurm/slurmctld.out" 2>&1 &
 pids+=($!)
@@ -116,12 +119,13 @@ expect_error "mpirun -n 4 with a stale RANK=1 WORLD_SIZE=4" "$work/mpirun-bad.ou
 
 # --- torchrun's variables ---------------------------------------------------------------------
 torchrun_style() {  # JOB EXTRA_ENV...
-  local job=$1 r
+  local job=$1 r ranks=()
   shift
   for r in 0 1 2 3; do
     env GRADSYNC_JOB_ID="$job" RANK=$r WORLD_SIZE=4 LOCAL_RANK=$r LOCAL_WORLD_SIZE=4 "$@" timeout 60 "$consumer" &
+    ranks+=($!)
   done
-  wait
+  wait "${ranks[@]}" || true  # only the ranks: the coordinator and daemons run on
 }
 torchrun_style torchrun-ok >"$work/torchrun.out" 2>&1 || true
 expect_ok "RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE" "$work/torchrun.out"
