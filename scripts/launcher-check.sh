@@ -33,7 +33,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# Coordinator and daemon (what gradsyncd.service runs), in a scratch directory.
+# Coordinator and daemon (what gradsyncd.service runs), in a scratch directory, with the node
+# credential the coordinator requires (coordinator/authz.h).
+export GRADSYNC_CLUSTER_SECRET
+GRADSYNC_CLUSTER_SECRET=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 "$bin/gradsync-coordinator" --listen 127.0.0.1:0 --port-file "$work/port" >"$work/coordinator.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$work/port" ] && break; sleep 0.1; done

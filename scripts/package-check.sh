@@ -68,11 +68,16 @@ installed() {
     as_trainer=(runuser -u trainer --)
     say "daemon as $(id gradsync); ranks as $(id trainer)"
   fi
-  "${as_daemon[@]}" "$bin/gradsync-coordinator" --listen 127.0.0.1:0 --port-file "$run/port" >"$work/coordinator.log" 2>&1 &
+  # The node credential the coordinator requires (coordinator/authz.h), as the units pass it.
+  local secret=$work/cluster-secret
+  head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$secret"
+  chmod 0600 "$secret"
+  if [ "${GRADSYNC_CHECK_USERS:-0}" = 1 ]; then chown gradsync:gradsync "$secret"; fi
+  "${as_daemon[@]}" "$bin/gradsync-coordinator" --cluster-secret-file "$secret" --listen 127.0.0.1:0 --port-file "$run/port" >"$work/coordinator.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do [ -s "$run/port" ] && break; sleep 0.1; done
   [ -s "$run/port" ] || { cat "$work/coordinator.log"; die "coordinator did not start"; }
-  "${as_daemon[@]}" "$bin/gradsyncd" --coordinator "127.0.0.1:$(cat "$run/port")" --socket "$run/gradsyncd.sock" \
+  "${as_daemon[@]}" "$bin/gradsyncd" --cluster-secret-file "$secret" --coordinator "127.0.0.1:$(cat "$run/port")" --socket "$run/gradsyncd.sock" \
     --ready-file "$run/ready" >"$work/daemon.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do [ -e "$run/ready" ] && break; sleep 0.1; done
