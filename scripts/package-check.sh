@@ -31,7 +31,11 @@ installed() {
 
   say "headers: $(cd "$prefix/include" && find gradsync -type f | sort | tr '\n' ' ')"
   local stray
-  stray=$(cd "$prefix/include" && find . -type f ! -path './gradsync/*.h' | head -5)
+  if [ "$prefix" = /usr ]; then  # the packages' headers, among the system's
+    stray=$(dpkg -L gradsync gradsync-dev | grep '^/usr/include/.*\.' | grep -v '^/usr/include/gradsync/[a-z_]*\.h$' | head -5 || true)
+  else
+    stray=$(cd "$prefix/include" && find . -type f ! -path './gradsync/*.h' | head -5)
+  fi
   [ -z "$stray" ] || die "files other than the public headers under $prefix/include: $stray"
   say "SONAME: $(objdump -p "$libdir/libgradsync.so" | awk '/SONAME/{print $2}')"
   ! objdump -p "$libdir/libgradsync.so" | grep -q 'NEEDED.*grpc' || die "libgradsync.so needs gRPC"
@@ -103,12 +107,12 @@ prefix_mode() {
   rm -rf "$prefix"
 }
 
+root=""  # chroot_mode's tree; global for the EXIT trap
 chroot_mode() {
   local debs
   debs=$(cd "$1" && pwd)
   [ "$(id -u)" = 0 ] || die "chroot mode needs root"
   command -v debootstrap >/dev/null || apt-get install -y -qq debootstrap >/dev/null
-  local root
   root=$(mktemp -d /var/tmp/gradsync-chroot.XXXXXX)
   if [ -n "${GRADSYNC_CHROOT_BASE:-}" ]; then  # a fresh debootstrap made earlier, copied
     say "copying the fresh Debian 12 tree $GRADSYNC_CHROOT_BASE to $root"
@@ -120,7 +124,7 @@ chroot_mode() {
   fi
   mount -t proc proc "$root/proc"
   mount --bind /dev "$root/dev"
-  trap 'umount "$root/dev" "$root/proc" 2>/dev/null || true' EXIT
+  trap 'umount "$root/dev" "$root/proc" 2>/dev/null || true; echo "package-check: the chroot stays in $root" >&2' EXIT
   mkdir -p "$root/debs" "$root/gradsync/scripts" "$root/gradsync/examples"
   cp "$debs"/gradsync*.deb "$root/debs/"
   cp "$here/scripts/package-check.sh" "$root/gradsync/scripts/"

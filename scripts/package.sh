@@ -12,6 +12,7 @@ export GRADSYNC_BUILD_DIR GRADSYNC_FUZZ_BUILD=0
 GRADSYNC_CMAKE_ARGS="-DCMAKE_INSTALL_PREFIX=/usr -DGRADSYNC_BUILD_TESTS=OFF -DGRADSYNC_CUDA_ARCHS=$archs \
   -DGRADSYNC_WITH_CUDA=${GRADSYNC_WITH_CUDA:-AUTO} ${GRADSYNC_CMAKE_ARGS:-}" ./scripts/setup.sh
 command -v dpkg-shlibdeps >/dev/null || apt-get install -y -qq dpkg-dev >/dev/null
+rm -rf "$GRADSYNC_BUILD_DIR/_CPack_Packages"  # no stale staging from an interrupted run
 (cd "$GRADSYNC_BUILD_DIR" && cpack -G DEB >cpack.log 2>&1) || { tail -30 "$GRADSYNC_BUILD_DIR/cpack.log"; exit 1; }
 for deb in "$GRADSYNC_BUILD_DIR"/gradsync*.deb; do
   echo "== $deb"
