@@ -233,22 +233,32 @@ Result<JoinTicket> JobTable::join(const JoinRequest& r, TimePoint now) {
   auto jit = jobs_.find(r.job_id);
   std::set<JoinTicket> superseded;
   if (jit != jobs_.end()) {
-    const Job& job = jit->second;
+    Job& job = jit->second;
     const Generation& g = job.gen;
     bool open = g.state == GenState::kForming || g.state == GenState::kActive;
+    // A join that cannot be part of a forming generation (another token or world size) fails
+    // it for every node at once: their ranks would otherwise wait for their join deadline.
+    auto refuse_forming = [&](Status why) {
+      if (g.state == GenState::kForming) {
+        const std::string reason = why.message() + "; the join of " + label(job) + " is refused for every node";
+        fail(job, {why.code(), reason}, reason, -1, r.node_id, false);
+      }
+      return why;
+    };
     if (open && !g.claims.empty()) {
       const Claim& first = g.claims.begin()->second;
       if (!same_secret(g.token, r.token)) {
-        return Status(Code::kPermissionDenied,
-                      "wrong token for job " + job.id + " (gen " + std::to_string(g.number) +
-                          "): " + node_label(first.node_id, first.hostname) +
-                          " joined with a different token; every node must use the job's token");
+        return refuse_forming(Status(Code::kPermissionDenied,
+                                     "wrong token for job " + job.id + " (gen " + std::to_string(g.number) +
+                                         ") from " + node_label(r.node_id) + ": " +
+                                         node_label(first.node_id, first.hostname) +
+                                         " joined with a different token; every node must use the job's token"));
       }
       if (g.world_size != r.world_size) {
-        return invalid(where + "world_size " + std::to_string(r.world_size) +
-                       " does not match world_size " + std::to_string(g.world_size) + " of " +
-                       label(job) + " set by " + node_label(first.node_id, first.hostname) +
-                       "; every node must be started with the same WORLD_SIZE");
+        return refuse_forming(invalid(where + "world_size " + std::to_string(r.world_size) +
+                                      " does not match world_size " + std::to_string(g.world_size) + " of " +
+                                      label(job) + " set by " + node_label(first.node_id, first.hostname) +
+                                      "; every node must be started with the same WORLD_SIZE"));
       }
       for (uint32_t rank : r.ranks) {
         auto c = g.claims.find(rank);

@@ -46,9 +46,15 @@ inline void cpu_relax() {
 
 // Waits until `ready(word value)` holds. Returns kAborted or kDeadlineExceeded otherwise.
 // With a driver (the rank also owns sockets), sleeps in short slices and pokes it in between.
+// `gone`: the flag the other end's rank sets when it leaves the job (null: not watched).
 template <typename Ready>
 Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, const WaitContext& ctx,
-                ChannelDriver* driver, Ready ready) {
+                ChannelDriver* driver, Ready ready, const std::atomic<uint32_t>* gone = nullptr) {
+  // The leaver set `gone` after its last publish or release: once it is seen, one more look
+  // at the counter tells for good whether anything will ever come.
+  auto left = [&] {
+    return gone && gone->load(std::memory_order_acquire) != 0 && !ready(word.load(std::memory_order_acquire));
+  };
   const auto start = Clock::now();
   const auto spin_until = start + ctx.spin, yield_until = spin_until + ctx.yield_spin;
   for (;;) {
@@ -62,11 +68,13 @@ Status wait_for(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters, con
   while (Clock::now() < yield_until) {
     if (ready(word.load(std::memory_order_acquire))) return Status::Ok();
     if (stopped(ctx)) return aborted_status(ctx);
+    if (left()) return {Code::kMismatch, kPeerLeftMessage};
     if (driver) GS_RETURN_IF_ERROR(driver->poke(ctx));
     sched_yield();
   }
   for (;;) {
     if (stopped(ctx)) return aborted_status(ctx);
+    if (left()) return {Code::kMismatch, kPeerLeftMessage};
     if (driver) GS_RETURN_IF_ERROR(driver->poke(ctx));
     int timeout = poll_timeout_ms(ctx.deadline, kWaitSliceMs);
     if (timeout == 0 && Clock::now() >= ctx.deadline) {
@@ -95,9 +103,13 @@ void advance(std::atomic<uint32_t>& word, std::atomic<uint32_t>& waiters) {
 
 }  // namespace
 
+const char kPeerLeftMessage[] = "the rank at the other end of the channel left the job";
+const char kSiblingFailedMessage[] = "another ring failed";
+
 bool wait_stopped(const WaitContext& ctx) {
   return (ctx.control && ctx.control->aborted.load(std::memory_order_acquire)) ||
-         (ctx.local_abort && ctx.local_abort->load(std::memory_order_acquire));
+         (ctx.local_abort && ctx.local_abort->load(std::memory_order_acquire)) ||
+         (ctx.call_stop && ctx.call_stop->load(std::memory_order_acquire));
 }
 
 std::chrono::microseconds spin_for(int local_ranks) {
@@ -133,11 +145,11 @@ Status check_job_control(const void* base, const ShmLayout& layout) {
   return Status::Ok();
 }
 
-void abort_job(void* base, const ShmLayout& layout, int failed_rank, const std::string& reason) {
+bool abort_job(void* base, const ShmLayout& layout, int failed_rank, const std::string& reason) {
   auto* control = static_cast<JobControl*>(base);
-  if (control->aborted.load(std::memory_order_acquire) == 0) {
-    // Racing aborters may interleave their reasons only if both write; the daemon calls this
-    // under its job lock, so there is one writer.
+  // One writer of the reason: the daemon and the job's trainers may race here.
+  const bool won = control->claimed.exchange(1, std::memory_order_acq_rel) == 0;
+  if (won) {
     size_t n = std::min(reason.size(), kAbortReasonBytes - 1);
     std::memcpy(control->reason, reason.data(), n);
     control->reason[n] = '\0';
@@ -145,6 +157,7 @@ void abort_job(void* base, const ShmLayout& layout, int failed_rank, const std::
     control->aborted.store(1, std::memory_order_release);
   }
   for (uint32_t ch = 0; ch < layout.num_channels; ++ch) Channel(base, layout, ch).wake_all();
+  return won;
 }
 
 Status aborted_status(const WaitContext& ctx) {
@@ -154,6 +167,9 @@ Status aborted_status(const WaitContext& ctx) {
   }
   // The reason is written before the flag is raised, and only read after it was seen.
   const bool local = ctx.local_abort && ctx.local_abort->load(std::memory_order_acquire);
+  if (!local && ctx.call_stop && ctx.call_stop->load(std::memory_order_acquire)) {
+    return {Code::kAborted, kSiblingFailedMessage};
+  }
   return {Code::kAborted, local && ctx.local_abort_reason ? *ctx.local_abort_reason : "aborted"};
 }
 
@@ -170,7 +186,7 @@ Status Channel::wait_head(uint32_t tail, const WaitContext& ctx) {
     return driver_->progress_until([&] { return credit(c_->head.load(std::memory_order_acquire)); }, ctx,
                                    int(index_));
   }
-  return wait_for(c_->head, c_->head_waiters, ctx, driver_, credit);
+  return wait_for(c_->head, c_->head_waiters, ctx, driver_, credit, ctx.peers_leave ? &c_->consumer_left : nullptr);
 }
 
 Status Channel::wait_tail(uint32_t head, const WaitContext& ctx) {
@@ -179,7 +195,7 @@ Status Channel::wait_tail(uint32_t head, const WaitContext& ctx) {
     return driver_->progress_until([&] { return landed(c_->tail.load(std::memory_order_acquire)); }, ctx,
                                    int(index_));
   }
-  return wait_for(c_->tail, c_->tail_waiters, ctx, driver_, landed);
+  return wait_for(c_->tail, c_->tail_waiters, ctx, driver_, landed, ctx.peers_leave ? &c_->producer_left : nullptr);
 }
 
 Result<uint8_t*> Channel::acquire_send(const WaitContext& ctx) {
@@ -239,6 +255,11 @@ uint32_t Channel::in_flight() const {
 void Channel::wake_all() {
   futex_wake(&c_->tail);
   futex_wake(&c_->head);
+}
+
+void Channel::mark_left(bool producer) {
+  (producer ? c_->producer_left : c_->consumer_left).store(1, std::memory_order_release);
+  wake_all();
 }
 
 }  // namespace gradsync

@@ -43,6 +43,10 @@ struct alignas(64) JobControl {
   uint32_t slot_bytes;
   alignas(64) std::atomic<uint32_t> aborted;  // 0 or 1; `reason` is valid once it is 1
   std::atomic<int32_t> failed_rank;            // -1 when not about one rank
+  // The first aborter claims this (0 -> 1) before it writes `reason`: the daemon and any
+  // trainer of the job may abort it at once (a rank whose collective failed writes the abort
+  // here itself, so its node's ranks stop even when the daemon is paused or dead).
+  std::atomic<uint32_t> claimed;
   char reason[kAbortReasonBytes];
 };
 
@@ -51,6 +55,10 @@ struct alignas(64) ChannelCounters {
   std::atomic<uint32_t> tail_waiters;              // consumers asleep on `tail`
   alignas(64) std::atomic<uint32_t> head;          // advanced by the consumer
   std::atomic<uint32_t> head_waiters;              // producers asleep on `head`
+  // Set (to 1) by a rank that left the job, on the channel ends it owned: a rank still
+  // waiting on such a channel made more collective calls than that rank (Channel::mark_left).
+  alignas(64) std::atomic<uint32_t> producer_left;
+  std::atomic<uint32_t> consumer_left;
   alignas(64) SlotMeta meta[kMaxSlots];
 };
 
@@ -75,8 +83,9 @@ void init_job_control(void* base, const ShmLayout& layout);
 // Checks a mapped region against the layout the daemon announced.
 Status check_job_control(const void* base, const ShmLayout& layout);
 
-// Marks the job aborted (first reason wins) and wakes every waiter of every channel.
-void abort_job(void* base, const ShmLayout& layout, int failed_rank, const std::string& reason);
+// Marks the job aborted (first reason wins) and wakes every waiter of every channel. Safe to
+// call from several processes at once (JobControl::claimed). True when this call's reason won.
+bool abort_job(void* base, const ShmLayout& layout, int failed_rank, const std::string& reason);
 
 // Why a wait should stop early, besides its deadline: the job's abort flag in shared memory
 // and a process-local flag (e.g. the trainer lost its daemon).
@@ -84,6 +93,12 @@ struct WaitContext {
   const JobControl* control = nullptr;
   const std::atomic<bool>* local_abort = nullptr;
   const std::string* local_abort_reason = nullptr;
+  // Set by a sibling thread of the same call (a ring lane) that failed: every wait of the call
+  // stops at once, not only between its positions.
+  const std::atomic<bool>* call_stop = nullptr;
+  // A collective's waits (not the daemon's pumps): a channel whose other end's rank left the
+  // job (ChannelCounters::producer_left / consumer_left) ends the wait with kMismatch.
+  bool peers_leave = false;
   Deadline deadline = Deadline::max();
   // How long to spin before sleeping on the futex: about a sleep/wake pair when every waiter
   // has a core of its own; short when ranks outnumber cores, where spinning only steals the
@@ -131,6 +146,11 @@ class ChannelDriver {
   // Waits until every published slot is in the kernel's hands (the end of a collective).
   // Inside lanes (below): only the slots of the calling thread's lane.
   virtual Status flush(const WaitContext& ctx) = 0;
+  // The rank whose connection broke first, or -1 (none broke, or not known).
+  virtual int failed_peer() const { return -1; }
+  // The rank leaves the job healthy, its last slots sent: tells each peer it sends to, so that
+  // one still waiting for data fails with kMismatch (kPeerLeftMessage) instead of a lost peer.
+  virtual void goodbye(Deadline /*deadline*/) {}
 
   // Lanes: several threads of one rank drive disjoint sets of channels at once (the ring's
   // threads, ring.cc). After begin_lanes() returns true, assign_lane() gives channels to
@@ -183,6 +203,9 @@ class Channel {
   Status wait_published(uint32_t seen, const WaitContext& ctx);
   // Wakes everybody asleep on this channel (after an abort).
   void wake_all();
+  // This rank left the job: marks its end of the channel (`producer`: it sent on it) so that
+  // a peer still waiting on it learns it will never get another slot or credit, and wakes it.
+  void mark_left(bool producer);
 
   // The rank's socket driver. `driven`: this channel's other end is one of its sockets, and
   // its waits are the driver's progress; otherwise the channel is in shared memory and its
@@ -208,5 +231,11 @@ class Channel {
 
 // Status for a wait that stopped because of an abort (reason from the control block).
 Status aborted_status(const WaitContext& ctx);
+
+// The message of the kMismatch a wait returns when the rank at the channel's other end left
+// the job (link_error turns it into one that names that rank and the call).
+extern const char kPeerLeftMessage[];
+// The message of the kAborted a wait returns when a sibling thread of its call failed.
+extern const char kSiblingFailedMessage[];
 
 }  // namespace gradsync

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <unistd.h>
 
 #include <condition_variable>
 #include <cstdlib>
@@ -19,6 +20,7 @@
 #include "common/framing.h"
 #include "collectives/collective.h"
 #include "collectives/cost_model.h"
+#include "common/limits.h"
 #include "common/log.h"
 #include "gradsync/gradsync.h"
 #include "gpu/timeline.h"
@@ -132,6 +134,7 @@ class CommunicatorImpl {
     wait_.control = static_cast<const JobControl*>(shm_.data());
     wait_.local_abort = &lost_daemon_;
     wait_.local_abort_reason = &lost_daemon_reason_;
+    wait_.peers_leave = true;
     wait_.spin = spin_for(opts_.local_world_size);
     if (const char* s = std::getenv("GRADSYNC_SPIN_US"); s && *s) wait_.spin = std::chrono::microseconds(std::atol(s));
     // Where gradsyncd's pumps move some of this rank's cross-node slots (verbs, --proxy-tcp),
@@ -201,6 +204,9 @@ class CommunicatorImpl {
       cv_.notify_all();
     }
     if (worker_.joinable()) worker_.join();
+    // A peer still waiting on one of this rank's channels made more calls: it learns now.
+    mark_left(links_);
+    if (failed_.ok() && links_.driver) links_.driver->goodbye(deadline_after(std::chrono::seconds(1)));
     uint64_t one = 1;
     if (::write(wake_.get(), &one, sizeof(one)) < 0) { /* monitor also stops on EOF */ }
     if (monitor_.joinable()) monitor_.join();
@@ -373,8 +379,40 @@ class CommunicatorImpl {
       failed_ = s;
       log_->error("job={} gen={} rank={}: {}", opts_.job, join_.generation(), opts_.rank,
                   s.to_string());
+      fail_together(s);
     }
     return s;
+  }
+
+  // A collective of this rank failed on its own (not by the job's abort): the whole job stops
+  // with this reason. The rank writes the abort into the job's shared memory itself, so the
+  // ranks of its node stop at once even when the daemon is paused or gone, and tells the
+  // daemon, which tells the coordinator and so the other nodes.
+  void fail_together(const Status& s) {
+    if (s.code() == Code::kAborted) return;  // the job's abort (or this rank's): already everywhere
+    const int culprit = failed_peer(links_, s);
+    const std::string me = "rank " + std::to_string(opts_.rank) + " (pid " + std::to_string(::getpid()) +
+                           ", host " + host_of(opts_.rank) + ")";
+    std::string reason = "job=" + opts_.job + " gen=" + std::to_string(join_.generation()) + ": ";
+    if (culprit >= 0) {
+      reason += me + " lost its connection to " + links_.name(culprit) + ": " + s.message();
+    } else {
+      reason += me + " failed: " + s.message();
+    }
+    abort_job(shm_.data(), layout_, culprit, reason);
+    if (lost_daemon_.load(std::memory_order_acquire)) return;
+    v1::ClientMessage req;
+    req.mutable_abort()->set_reason(reason);
+    req.mutable_abort()->set_failure(true);
+    req.mutable_abort()->set_culprit(culprit);
+    std::lock_guard lock(send_mu_);
+    if (Status sent = send_frame(daemon_.fd(), req); !sent.ok()) {
+      log_->warn("job={} rank={}: telling gradsyncd about the failure: {}", opts_.job, opts_.rank, sent.to_string());
+    }
+  }
+
+  std::string host_of(int rank) const {
+    return size_t(rank) < links_.hosts.size() ? links_.hosts[size_t(rank)] : std::string("?");
   }
 
   Algorithm resolve(const CollectiveCall& call) const {
@@ -686,6 +724,10 @@ Result<Session> Session::connect(const std::string& socket_path) {
 const std::string& Session::node_name() const { return impl_->node_name; }
 
 Result<Communicator> Session::join(const JoinOptions& o) {
+  // Bad input is refused here, before the daemon sees anything; a bad job id is not echoed.
+  if (Status id = check_job_id(o.job); !id.ok()) {
+    return Status(Code::kInvalidArgument, "join refused: " + id.message() + " (GRADSYNC_JOB_ID or JoinOptions::job)");
+  }
   std::string who = "job=" + o.job + " rank " + std::to_string(o.rank) + ": join refused: ";
   if (o.rank < 0 && o.world_size <= 0) {
     // No rank given: say what the launcher's variables lacked or got wrong.

@@ -45,8 +45,8 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
     if (!driver) driver = std::make_shared<SocketDriver>("job=" + job + " " + l.name(rank));
     Channel ch(base, layout, ref.index());
     Fd sock = std::move(sockets[ref.socket() - 1]);
-    if (ref.send()) driver->add_sender(ch, std::move(sock), l.name(int(ref.peer())));
-    else driver->add_receiver(ch, std::move(sock), l.name(int(ref.peer())));
+    if (ref.send()) driver->add_sender(ch, std::move(sock), l.name(int(ref.peer())), int(ref.peer()));
+    else driver->add_receiver(ch, std::move(sock), l.name(int(ref.peer())), int(ref.peer()));
     driven.insert(ref.index());
   }
   auto find = [&](uint32_t tag, int peer, bool send, Channel* out) -> Status {
@@ -95,6 +95,22 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
     }
   }
   return l;
+}
+
+void mark_left(const RankLinks& l) {
+  auto mark = [](Channel ch, bool producer) {
+    if (ch.slots() != 0 && !ch.driven()) ch.mark_left(producer);
+  };
+  for (const Channel& ch : l.ring_send) mark(ch, true);
+  for (const Channel& ch : l.ring_recv) mark(ch, false);
+  for (uint32_t t = 0; t < kNumTrees; ++t) {
+    mark(l.up_send[t], true);
+    mark(l.down_recv[t], false);
+    for (int c = 0; c < 2; ++c) {
+      mark(l.up_recv[t][c], false);
+      mark(l.down_send[t][c], true);
+    }
+  }
 }
 
 }  // namespace gradsync

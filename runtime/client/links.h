@@ -15,4 +15,9 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
                               const std::vector<std::string>& hosts, const v1::ChannelSetup& setup,
                               void* base, const ShmLayout& layout, std::vector<Fd> sockets = {});
 
+// This rank leaves the job: marks every shared-memory channel end it owns (Channel::mark_left),
+// so that a local peer still waiting on one (it made more calls) fails at once with kMismatch.
+// Socket channels need nothing: the peer sees the socket close with data still owed.
+void mark_left(const RankLinks& links);
+
 }  // namespace gradsync

@@ -156,11 +156,24 @@ Status link_error(const RunContext& rc, const Status& s, bool sending, int peer,
   std::string who = "job=" + l.job + " rank " + std::to_string(l.rank);
   if (s.code() == Code::kDeadlineExceeded) {
     std::string what = sending ? "a free slot at " + l.name(peer) : "data from " + l.name(peer);
+    // The rank waited for may itself be waiting for the one that stopped: name it as the one
+    // waited for, never as the culprit.
     return {Code::kDeadlineExceeded,
             who + " timed out waiting for " + what + " at step " + std::to_string(step) + " of " +
-                describe(rc.call) + "; that rank may be stuck, not calling this collective, or dead"};
+                describe(rc.call) + "; that rank, or one it waits for in turn, is stuck, not calling "
+                                    "this collective, or dead (which one is not known here)"};
+  }
+  if (s.code() == Code::kMismatch && s.message() == kPeerLeftMessage) {
+    return {Code::kMismatch, who + " is in " + describe(rc.call) + " but " + l.name(peer) +
+                                 " left the job after its last collective: the ranks made different numbers "
+                                 "of collective calls (this rank one or more than " + l.name(peer) + ")"};
   }
   return {s.code(), who + ": " + describe(rc.call) + " failed: " + s.message()};
+}
+
+int failed_peer(const RankLinks& links, const Status& s) {
+  if (s.code() != Code::kUnavailable || !links.driver) return -1;
+  return links.driver->failed_peer();
 }
 
 Result<uint8_t*> SendLink::acquire() {
@@ -214,7 +227,11 @@ Result<const uint8_t*> RecvLink::acquire_into(size_t elems, uint8_t* dst) {
 Status run_collective(const RankLinks& links, const WaitContext& wait, const CollectiveCall& call) {
   size_t esize = element_size(call.type);
   size_t slot_bytes = links.world_size > 1 ? links.ring_send[0].slot_bytes() : 4096;
-  RunContext rc{links, wait, call, collective_signature(call), esize, slot_bytes / esize};
+  // The call's own stop flag, raised by whichever of its threads fails first (ring lanes).
+  std::atomic<bool> call_stop{false};
+  WaitContext call_wait = wait;
+  call_wait.call_stop = &call_stop;
+  RunContext rc{links, call_wait, call, collective_signature(call), esize, slot_bytes / esize, &call_stop};
   Status s = call.algorithm == Algorithm::kTree && links.world_size > 1 ? run_tree(rc) : run_ring(rc);
   // Slots this rank published on its own sockets leave before it returns: a peer may be
   // waiting for them while this rank computes.

@@ -76,4 +76,9 @@ struct RankLinks {
 // Runs one resolved call (algorithm ring or tree) to completion or failure.
 Status run_collective(const RankLinks& links, const WaitContext& wait, const CollectiveCall& call);
 
+// The culprit of a failed call as far as this rank knows it: the peer whose connection broke,
+// or -1 when it is not known (a deadline: the peer waited for may itself be waiting; a
+// mismatch: either side may be the odd one).
+int failed_peer(const RankLinks& links, const Status& s);
+
 }  // namespace gradsync

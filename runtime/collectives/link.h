@@ -14,6 +14,9 @@ struct RunContext {
   uint32_t signature;
   size_t esize;
   size_t slot_elems;
+  // `wait.call_stop`: a thread of this call that failed raises it, and every wait of the
+  // call's other threads (ring lanes) stops at once.
+  std::atomic<bool>* call_stop = nullptr;
 };
 
 class SendLink {

@@ -250,12 +250,13 @@ class RingRunner {
     const int active = std::max(1, int(send_.empty() ? 1 : l_.ring_send[0].slots()) / 2);
     const int skew = (steps + active - 1) / active;
     const long last_t = long(max_iters == 0 ? -1 : (max_iters - 1) * size_t(skew) + size_t(last_step));
-    // Drives rings r0, r0 + stride, ... through every position; `stop` ends it early when
-    // another thread failed (its own waits also end by the abort flag or the deadline).
-    std::atomic<bool> stop{false};
+    // Drives rings r0, r0 + stride, ... through every position; the call's stop flag ends it
+    // when another thread failed: between positions, and inside any wait (WaitContext::call_stop).
+    std::atomic<bool> own_stop{false};
+    std::atomic<bool>& stop = rc_.call_stop ? *rc_.call_stop : own_stop;
     auto drive = [&](uint32_t r0, uint32_t stride) -> Status {
       for (long t = 0; t <= last_t; ++t) {
-        if (stop.load(std::memory_order_relaxed)) return {Code::kAborted, "another ring failed"};
+        if (stop.load(std::memory_order_relaxed)) return {Code::kAborted, kSiblingFailedMessage};
         for (uint32_t r = r0; r < l_.rings; r += stride) {
           long k_hi = std::min<long>(long(iters[r].size()) - 1, t / skew);
           for (long k = std::max<long>(0, (t - last_step + skew - 1) / skew); k <= k_hi; ++k) {
@@ -290,12 +291,12 @@ class RingRunner {
       // Slots of this lane still queued leave before its thread is done, beside the other
       // lanes, instead of after them all (the collective's flush).
       if (driver && st.ok()) st = driver->flush(rc_.wait);
-      if (!st.ok()) stop = true;
+      if (!st.ok()) stop.store(true, std::memory_order_release);
     });
     if (driver) driver->end_lanes();
     // The first real failure, not the "another ring failed" of those that stopped for it.
     for (const Status& st : results) {
-      if (!st.ok() && st.message() != "another ring failed") return st;
+      if (!st.ok() && st.message().find(kSiblingFailedMessage) == std::string::npos) return st;
     }
     for (const Status& st : results) {
       if (!st.ok()) return st;

@@ -123,6 +123,7 @@ void CoordinatorLink::heartbeat_loop() {
     if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
       log->warn("coordinator {} forgot node={} (restarted or lease expired); re-registering",
                 address_, id);
+      if (on_forgotten_) on_forgotten_(id);
       (void)register_node();
     } else if (!s.ok()) {
       log->warn("heartbeat to coordinator {} failed: {}", address_, s.error_message());

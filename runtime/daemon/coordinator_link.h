@@ -32,6 +32,10 @@ class CoordinatorLink {
   // Registers (retrying until `timeout`), then keeps the lease and the event stream alive in
   // background threads, re-registering if the coordinator forgot this node.
   Status start(std::chrono::milliseconds timeout);
+  // Called (on the heartbeat thread, before re-registering) when the coordinator no longer
+  // knows this node: its lease expired (the daemon was paused or cut off) or it restarted.
+  // Set before start().
+  void set_on_forgotten(std::function<void(const std::string& node_id)> fn) { on_forgotten_ = std::move(fn); }
   void stop();
 
   std::string node_id() const;
@@ -54,6 +58,7 @@ class CoordinatorLink {
   const v1::NodeInfo node_;
   const EventHandler on_event_;
   const std::shared_ptr<CallAuth> auth_;
+  std::function<void(const std::string&)> on_forgotten_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Coordinator::Stub> stub_;
 

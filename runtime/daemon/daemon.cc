@@ -233,6 +233,7 @@ Status Daemon::start() {
   link_ = std::make_unique<CoordinatorLink>(cfg_.coordinator, *credentials,
                                             std::make_shared<CallAuth>(cfg_.cluster_secret, ""), node,
                                             [this](const v1::Event& ev) { on_event(ev); });
+  link_->set_on_forgotten([this](const std::string& node_id) { forgotten(node_id); });
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
 
   trainer_acceptor_ = std::thread([this] {
@@ -436,6 +437,16 @@ void Daemon::serve_trainer(Fd sock) {
           log->warn("{} rank {}: {}", job->ids(), rank, r.message());
         }
       }
+    } else if (msg.has_abort() && msg.abort().failure()) {
+      // The rank's collective failed: it wrote this reason into the job's memory already (any
+      // rank of the job may), so it is passed on as it is; only the culprit is checked.
+      if (job) {
+        int culprit = msg.abort().culprit();
+        if (culprit < -1 || culprit >= static_cast<int>(job->world_size)) culprit = -1;
+        std::string reason = msg.abort().reason().substr(0, kAbortReasonBytes - 1);
+        if (reason.empty()) reason = job->ids() + ": rank " + std::to_string(rank) + " failed (no reason given)";
+        abort(job, culprit, reason, true);
+      }
     } else if (msg.has_abort()) {
       if (job) {
         abort(job, static_cast<int>(rank),
@@ -477,12 +488,24 @@ Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint3
                                             std::to_string(job->local_world_size) +
                                             " local ranks on this node and is running");
   }
-  if (!same_secret(job->token, req.token())) return Status(Code::kPermissionDenied, who + "wrong token for job " + req.job_id());
+  // A join that cannot be part of this job fails it for the local ranks already waiting too:
+  // they would otherwise wait for their join deadline. Later joins start afresh.
+  auto refuse_all = [&](Status why) {
+    if (!job->members.empty()) {
+      job->state = LocalJob::State::kFailed;
+      job->failure = Status(why.code(), why.message() + "; the job's join is refused for every local rank");
+      cv_.notify_all();
+    }
+    return why;
+  };
+  if (!same_secret(job->token, req.token())) {
+    return refuse_all(Status(Code::kPermissionDenied, who + "wrong token for job " + req.job_id()));
+  }
   if (job->world_size != req.world_size() || job->local_world_size != req.local_world_size()) {
-    return Status(Code::kInvalidArgument,
-                  who + "world size " + std::to_string(req.world_size()) + " / local world size " +
-                      std::to_string(req.local_world_size()) + " differ from the other local ranks' " +
-                      std::to_string(job->world_size) + " / " + std::to_string(job->local_world_size));
+    return refuse_all(Status(Code::kInvalidArgument,
+                             who + "world size " + std::to_string(req.world_size()) + " / local world size " +
+                                 std::to_string(req.local_world_size()) + " differ from the other local ranks' " +
+                                 std::to_string(job->world_size) + " / " + std::to_string(job->local_world_size)));
   }
   if (auto it = job->members.find(req.rank()); it != job->members.end()) {
     return Status(Code::kAlreadyExists, who + "rank " + std::to_string(req.rank()) +
@@ -908,6 +931,25 @@ void Daemon::on_event(const v1::Event& ev) {
     if (job->generation == 0 && job->state == LocalJob::State::kCollecting) return;
   }
   abort(job, ev.failed_rank(), ev.reason(), false);
+}
+
+void Daemon::forgotten(const std::string& node_id) {
+  std::vector<std::shared_ptr<LocalJob>> running;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [id, job] : jobs_) {
+      if (job->generation != 0 && !job->aborted && job->state != LocalJob::State::kDone) running.push_back(job);
+    }
+  }
+  for (auto& job : running) {
+    // The coordinator aborted these generations when it dropped the node (and the other nodes
+    // heard it then); this node's ranks hear it now instead of waiting for their op timeout.
+    abort(job, -1,
+          job->ids() + ": gradsyncd on " + hostname_ + " (node " + node_id + ") was forgotten by the coordinator at " +
+              link_->address() + ": it was paused or cut off from it for longer than its lease, and the coordinator "
+              "gave up the node's jobs",
+          false);
+  }
 }
 
 }  // namespace gradsync

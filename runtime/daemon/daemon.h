@@ -94,6 +94,9 @@ class Daemon {
   void abort(const std::shared_ptr<LocalJob>& job, int failed_rank, const std::string& reason,
              bool tell);
   void on_event(const v1::Event& ev);
+  // The coordinator forgot this node (CoordinatorLink::set_on_forgotten): it has aborted the
+  // node's running jobs, so their local ranks are aborted here too.
+  void forgotten(const std::string& node_id);
   PumpFailure pump_failure(const std::shared_ptr<LocalJob>& job);
 
   DaemonConfig cfg_;

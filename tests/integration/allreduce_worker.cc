@@ -10,8 +10,13 @@
 //                  unknown type/op), each printed as "refused WHAT: STATUS"; then `check 1000`
 //   rawjoin        joins by talking the daemon protocol directly, skipping the library's own
 //                  argument checks, to test the daemon's; prints "join: STATUS" on failure
+//   calls N R      N allreduces of 1000 elements, checked; rank R makes one call more (the
+//                  others leave meanwhile); a failure is printed as "FAILED after MS ms: STATUS"
+//   odd N R        allreduces of 4096 elements until one fails; rank R's call number N has 4095
+//                  (a different call): every rank prints its "FAILED after MS ms: STATUS"
 // Exit code 0 on success, 1 on any failure; errors go to stderr with the Status text
 // (e.g. "join: INVALID_ARGUMENT: ...").
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -84,6 +89,42 @@ int loop(gradsync::Communicator& comm, size_t count, int iters) {
   }
   std::printf("PASS\n");
   return 0;
+}
+
+// One allreduce, timed; a failure is printed the way `loop` prints it.
+bool timed_allreduce(gradsync::Communicator& comm, float* buf, size_t count) {
+  auto t0 = std::chrono::steady_clock::now();
+  gradsync::Status s = comm.allreduce(buf, count, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
+  if (s.ok()) return true;
+  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::fprintf(stderr, "FAILED after %.0f ms: %s\n", ms, s.to_string().c_str());
+  return false;
+}
+
+int calls(gradsync::Communicator& comm, int n, int extra_rank) {
+  const int total = n + (comm.rank() == extra_rank ? 1 : 0);
+  std::vector<float> buf(1000);
+  for (int i = 0; i < total; ++i) {
+    std::fill(buf.begin(), buf.end(), 1.0f);
+    if (!timed_allreduce(comm, buf.data(), buf.size())) return 1;
+    if (buf[0] != static_cast<float>(comm.world_size())) {
+      std::fprintf(stderr, "call %d: got %g, expected %d\n", i, buf[0], comm.world_size());
+      return 1;
+    }
+  }
+  std::printf("PASS\n");
+  return 0;
+}
+
+int odd_call(gradsync::Communicator& comm, int at, int odd_rank) {
+  std::vector<float> buf(4096, 1.0f);
+  for (int i = 0; i < 100000; ++i) {
+    const size_t count = (i == at && comm.rank() == odd_rank) ? buf.size() - 1 : buf.size();
+    if (!timed_allreduce(comm, buf.data(), count)) return 1;
+    if (i == 0) std::printf("LOOPING\n");
+  }
+  std::printf("never failed\n");
+  return 1;
 }
 
 int bad_input(gradsync::Communicator& comm) {
@@ -180,6 +221,8 @@ int main(int argc, char** argv) {
   if (mode == "check" && argc >= 3) rc = check(*comm, parse_counts(argv[2]));
   else if (mode == "loop" && argc >= 4) rc = loop(*comm, std::stoull(argv[2]), std::atoi(argv[3]));
   else if (mode == "badinput") rc = bad_input(*comm);
+  else if (mode == "calls" && argc >= 4) rc = calls(*comm, std::atoi(argv[2]), std::atoi(argv[3]));
+  else if (mode == "odd" && argc >= 4) rc = odd_call(*comm, std::atoi(argv[2]), std::atoi(argv[3]));
   else if (mode == "abort") rc = abort_job(*comm);
   else if (mode == "idle") {
     // Rank 0 enters a 1-element allreduce that nobody else joins until stdin closes.

@@ -139,18 +139,56 @@ TEST_F(BadJoin, TwoTrainersClaimOneRank) {
   EXPECT_TRUE(c_.daemon(0).alive()) << c_.report(ranks);
 }
 
+// WORLD_SIZE beyond an int is an error, not truncated (4294967297 would become 1 and run);
+// a job id too long for a memfd name is refused by the library with a clear error.
+TEST_F(BadJoin, OutOfRangeEnvironmentAndLongJobId) {
+  Process big = start("ws-big", {"check", "1"}, {{"WORLD_SIZE", "4294967297"}});
+  std::string line = expect_join_error(big, "INVALID_ARGUMENT");
+  EXPECT_TRUE(has(line, "WORLD_SIZE='4294967297' is not an integer")) << line;
+  Process junk = start("rank-junk", {"check", "1"}, {{"RANK", "1x"}});
+  line = expect_join_error(junk, "INVALID_ARGUMENT");
+  EXPECT_TRUE(has(line, "RANK='1x' is not an integer")) << line;
+  JobSpec spec;
+  spec.job = std::string(300, 'j');
+  spec.world = 2;
+  Process long_id = c_.spawn("trainer long-id", {binary("allreduce_worker"), "check", "1"}, c_.rank_env(spec, 0, 0, 0, 1));
+  line = expect_join_error(long_id, "INVALID_ARGUMENT");
+  EXPECT_TRUE(has(line, "job id of 300 bytes")) << line;
+  EXPECT_FALSE(has(line, "memfd")) << line;
+  EXPECT_FALSE(has(c_.coordinator().output(), "ws-big")) << c_.report();
+}
+
+// Two local ranks of one node, the second with another token: both are refused at once (the
+// first does not wait for its 60 s join deadline).
+TEST_F(BadJoin, WrongTokenOnOneNodeRefusesBothRanksAtOnce) {
+  JobSpec spec;
+  spec.job = "tokens-local";
+  spec.world = 2;
+  spec.ranks_per_daemon = {2};
+  spec.args = {"check", "1"};
+  spec.env = {{"GRADSYNC_JOIN_TIMEOUT_MS", "60000"}};
+  spec.per_rank = [](int rank, Env& env) { env["GRADSYNC_JOB_TOKEN"] = rank == 0 ? "a" : "b"; };
+  auto ranks = c_.spawn_ranks(spec);
+  ASSERT_TRUE(wait_all_exit(ranks, 10s)) << "a rank still waits for its join deadline" << c_.report(ranks);
+  for (auto& p : ranks) {
+    std::string line = line_with(p.output(), "join:");
+    EXPECT_TRUE(has(line, "PERMISSION_DENIED")) << p.name() << ": " << line << c_.report(ranks);
+    EXPECT_TRUE(has(line, "wrong token")) << line;
+  }
+}
+
 // Rank 0 (node 0) joins with token "a", rank 1 (node 1) with "b": whichever comes second is
-// refused by the coordinator.
+// refused by the coordinator, and so is the node already waiting, at once.
 TEST_F(BadJoin, WrongToken) {
   JobSpec spec;
   spec.job = "tokens";
   spec.world = 2;
   spec.ranks_per_daemon = {1, 1};
   spec.args = {"check", "1"};
-  spec.env = {{"GRADSYNC_JOIN_TIMEOUT_MS", "2000"}};
+  spec.env = {{"GRADSYNC_JOIN_TIMEOUT_MS", "60000"}};
   spec.per_rank = [](int rank, Env& env) { env["GRADSYNC_JOB_TOKEN"] = rank == 0 ? "a" : "b"; };
   auto ranks = c_.spawn_ranks(spec);
-  wait_all_exit(ranks, 20s);
+  ASSERT_TRUE(wait_all_exit(ranks, 10s)) << "a rank still waits for its join deadline" << c_.report(ranks);
   int denied = 0;
   for (auto& p : ranks) {
     ASSERT_TRUE(p.exit_status().has_value()) << p.name() << " still running" << c_.report(ranks);
@@ -163,7 +201,7 @@ TEST_F(BadJoin, WrongToken) {
           << "the error leaks a token: '" << line << "'";
     }
   }
-  EXPECT_EQ(denied, 1) << c_.report(ranks);
+  EXPECT_EQ(denied, 2) << c_.report(ranks);
 }
 
 }  // namespace

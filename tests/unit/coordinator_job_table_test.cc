@@ -235,12 +235,26 @@ TEST_F(JobTableTest, RankPathsAreKeptForDescribe) {
 TEST_F(JobTableTest, TokenSizeAndRankConflicts) {
   std::string a = add_node("hostA");
   std::string b = add_node("hostB");
-  ASSERT_TRUE(table.join(req(a, {0, 1}), t0).ok());
+  // A wrong token or world size fails the forming generation for the node already in, at once
+  // (not at its join deadline).
+  auto first = table.join(req(a, {0, 1}), t0);
+  ASSERT_TRUE(first.ok());
   auto wrong_token = table.join(req(b, {2, 3}, 4, "other"), t0);
   EXPECT_EQ(wrong_token.status().code(), Code::kPermissionDenied);
   EXPECT_NE(wrong_token.status().message().find("wrong token for job train"), std::string::npos);
+  auto told = table.take_join_result(*first);
+  ASSERT_TRUE(told.has_value());
+  EXPECT_EQ(told->status().code(), Code::kPermissionDenied);
+  EXPECT_NE(told->status().message().find("refused for every node"), std::string::npos) << told->status().message();
+  auto second = table.join(req(a, {0, 1}), t0);
+  ASSERT_TRUE(second.ok());
   auto wrong_size = table.join(req(b, {2, 3}, 8), t0);
   EXPECT_EQ(wrong_size.status().code(), Code::kInvalidArgument);
+  told = table.take_join_result(*second);
+  ASSERT_TRUE(told.has_value());
+  EXPECT_EQ(told->status().code(), Code::kInvalidArgument);
+  // A rank claimed twice is refused for the late node only.
+  ASSERT_TRUE(table.join(req(a, {0, 1}), t0).ok());
   auto taken = table.join(req(b, {1, 2}), t0);
   EXPECT_EQ(taken.status().code(), Code::kAlreadyExists);
   EXPECT_NE(taken.status().message().find("rank 1"), std::string::npos);

@@ -23,6 +23,10 @@ constexpr int kSliceMs = 100;
 // How long a rank whose socket broke waits for the job's abort flag before it reports the
 // socket (progress_until).
 constexpr std::chrono::milliseconds kAbortGrace{500};
+// The frame a rank sends on each of its send sockets when it leaves the job healthy (goodbye):
+// a meta whose byte count no slot can have. A receiver still waiting then knows the peer left
+// after its last call (a mismatch in the number of calls), not that it died.
+constexpr uint32_t kByeBytes = 0xFFFFFFFFu;
 constexpr size_t kMetaBytes = sizeof(SlotMeta);
 // Channel ends one rank can own: rings x 2 plus 2 trees x 6 is far below.
 constexpr size_t kMaxPorts = 256;
@@ -108,7 +112,7 @@ void SocketDriver::end_lanes() {
   t_lane = 0;
 }
 
-void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer) {
+void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer, int peer_rank) {
   if (ports_.size() >= kMaxPorts) throw std::length_error("SocketDriver: too many channel ends");
   int flags = ::fcntl(sock.get(), F_GETFL);
   if (flags >= 0) ::fcntl(sock.get(), F_SETFL, flags | O_NONBLOCK);
@@ -117,18 +121,23 @@ void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer) {
   p.ch.set_driver(nullptr, false);  // the driver's own view: plain counters
   // The peer's name with the far end of this very connection: "rank 1 (host b) at 10.0.0.2:41234".
   p.peer = std::move(peer) + " at " + peer_address(sock.get());
+  p.peer_rank = peer_rank;
   p.sock = std::move(sock);
   p.send = send;
   ports_.push_back(std::move(p));
 }
 
-void SocketDriver::add_sender(Channel ch, Fd sock, std::string peer) { add(ch, std::move(sock), true, std::move(peer)); }
+void SocketDriver::add_sender(Channel ch, Fd sock, std::string peer, int peer_rank) {
+  add(ch, std::move(sock), true, std::move(peer), peer_rank);
+}
 
-void SocketDriver::add_receiver(Channel ch, Fd sock, std::string peer) {
-  add(ch, std::move(sock), false, std::move(peer));
+void SocketDriver::add_receiver(Channel ch, Fd sock, std::string peer, int peer_rank) {
+  add(ch, std::move(sock), false, std::move(peer), peer_rank);
 }
 
 Status SocketDriver::broken(const Port& p, const std::string& what) const {
+  int none = -1;
+  broken_peer_.compare_exchange_strong(none, p.peer_rank, std::memory_order_acq_rel);
   return {Code::kUnavailable, who_ + ": the TCP connection " + (p.send ? "to " : "from ") + p.peer + " " + what +
                                   ": that rank's process exited, or its node or the network failed"};
 }
@@ -192,6 +201,11 @@ Status SocketDriver::pump_recv(Port& p, bool* moved) {
     }
     *moved = true;
     p.done += size_t(r);
+    if (p.done == kMetaBytes && p.meta.bytes == kByeBytes) {
+      p.done = 0;
+      p.closed = p.left = true;
+      return Status::Ok();
+    }
     if (p.done == kMetaBytes && p.meta.bytes > p.ch.slot_bytes()) {
       return {Code::kInternal, who_ + ": protocol error: " + p.peer + " sent a slot of " +
                                    std::to_string(p.meta.bytes) + " bytes into slots of " +
@@ -341,7 +355,10 @@ Status SocketDriver::progress(const std::function<bool()>& ready, const WaitCont
     if (moved) continue;
     if (channel >= 0) {
       for (const Port& p : ports_) {
-        if (p.closed && int(p.ch.index()) == channel && mine(p)) return broken(p, "was closed");
+        if (p.closed && int(p.ch.index()) == channel && mine(p)) {
+          // A peer that said goodbye left the job after its last call: this rank made more.
+          return p.left ? Status(Code::kMismatch, kPeerLeftMessage) : broken(p, "was closed");
+        }
       }
     }
     if (wait_stopped(ctx)) return aborted_status(ctx);
@@ -369,6 +386,32 @@ Status SocketDriver::flush(const WaitContext& ctx) {
         });
       },
       ctx, -1);
+}
+
+void SocketDriver::goodbye(Deadline deadline) {
+  SlotMeta bye{};
+  bye.bytes = kByeBytes;
+  for (Port& p : ports_) {
+    if (!p.send || p.closed || failure().code() != Code::kOk) continue;
+    size_t done = 0;
+    while (done < kMetaBytes) {
+      ssize_t r = ::send(p.sock.get(), reinterpret_cast<const char*>(&bye) + done, kMetaBytes - done,
+                         MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (r > 0) {
+        done += size_t(r);
+        continue;
+      }
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && would_block(errno)) {
+        pollfd pfd{p.sock.get(), POLLOUT, 0};
+        int timeout = poll_timeout_ms(deadline, 100);
+        if (timeout == 0 && Clock::now() >= deadline) break;
+        (void)::poll(&pfd, 1, timeout);
+        continue;
+      }
+      break;  // the peer is gone already: nothing to tell it
+    }
+  }
 }
 
 }  // namespace gradsync

@@ -35,8 +35,9 @@ class SocketDriver : public ChannelDriver {
   // Takes one channel end. `ch` is a view without a driver (the driver's own side of it);
   // `peer` names the rank at the other end: "rank 1 (host h)"; errors add the address and
   // port of the connection's far end.
-  void add_sender(Channel ch, Fd sock, std::string peer);
-  void add_receiver(Channel ch, Fd sock, std::string peer);
+  // `peer_rank`: that rank's number, for failed_peer() (-1: not known).
+  void add_sender(Channel ch, Fd sock, std::string peer, int peer_rank = -1);
+  void add_receiver(Channel ch, Fd sock, std::string peer, int peer_rank = -1);
   size_t size() const { return ports_.size(); }
 
   Status progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) override;
@@ -47,6 +48,8 @@ class SocketDriver : public ChannelDriver {
   const uint8_t* landed_at(uint32_t channel, uint32_t seq) override;
   void abandon(const Status& why) override;
   Status flush(const WaitContext& ctx) override;
+  int failed_peer() const override { return broken_peer_.load(std::memory_order_acquire); }
+  void goodbye(Deadline deadline) override;
   bool begin_lanes() override;
   void assign_lane(bool send, uint32_t channel, int lane) override;
   void enter_lane(int lane) override;
@@ -58,9 +61,11 @@ class SocketDriver : public ChannelDriver {
     Fd sock;
     bool send = false;
     std::string peer;
+    int peer_rank = -1;
     size_t done = 0;       // bytes of the current frame (meta + payload) moved so far
     SlotMeta meta{};       // receive side: the frame being read
     bool closed = false;   // the peer closed its end (at a frame boundary)
+    bool left = false;     // ... after its goodbye frame: it left the job healthy
     // Send side: the payload of slot seq % kMaxSlots when it is not in the slot (send_from).
     std::array<const uint8_t*, kMaxSlots> external{};
     // Receive side: where the next frame may land instead of its slot (recv_into) ...
@@ -72,7 +77,7 @@ class SocketDriver : public ChannelDriver {
     int lane = -1;  // inside lanes: the thread that moves this socket (-1: lane 0)
   };
 
-  void add(Channel ch, Fd sock, bool send, std::string peer);
+  void add(Channel ch, Fd sock, bool send, std::string peer, int peer_rank);
   Status progress(const std::function<bool()>& ready, const WaitContext& ctx, int channel);
   // A broken socket's error (kUnavailable), or the job's abort when it arrives within
   // kAbortGrace: the abort names the cause; other statuses pass through.
@@ -97,6 +102,7 @@ class SocketDriver : public ChannelDriver {
   std::atomic<bool> has_failed_{false};
   mutable std::mutex failed_mu_;
   Status failed_;  // the first broken socket: every later wait reports it
+  mutable std::atomic<int> broken_peer_{-1};  // the rank of the first socket found broken
 };
 
 }  // namespace gradsync
