@@ -20,7 +20,9 @@
 
 namespace gradsync {
 
-constexpr uint32_t kShmMagic = 0x47534331;  // "GSC1"
+// Changes with every change of the shared region's layout (JobControl, the channel counters):
+// a daemon and a library of different layouts refuse each other instead of misreading.
+constexpr uint32_t kShmMagic = 0x47534332;  // "GSC2"
 constexpr uint32_t kMaxSlots = 64;
 constexpr uint32_t kDefaultSlots = 8;
 constexpr uint32_t kDefaultSlotBytes = 1u << 20;  // 1 MiB: large enough to amortise a wake-up
