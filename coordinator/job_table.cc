@@ -484,6 +484,7 @@ void JobTable::tick(TimePoint now) {
       expired.emplace_back(id, to_ms(now - node.last_heartbeat));
     }
   }
+  leases_expired_ += expired.size();
   for (const auto& [id, silent_ms] : expired) {
     lose_node(id, "no heartbeat for " + std::to_string(silent_ms) + " ms (lease " +
                       std::to_string(options_.lease.count()) + " ms)");

@@ -69,6 +69,9 @@ class JobTable {
   Result<std::string> register_node(const v1::NodeInfo& info, TimePoint now);
   Status heartbeat(const std::string& node_id, TimePoint now);  // NOT_FOUND: re-register
   bool has_node(const std::string& node_id) const;
+  size_t node_count() const { return nodes_.size(); }
+  // Nodes dropped because their lease expired, since start (for /metrics).
+  uint64_t leases_expired() const { return leases_expired_; }
   Millis lease() const { return options_.lease; }
 
   // --- jobs ----------------------------------------------------------------------------
@@ -162,6 +165,7 @@ class JobTable {
   std::map<JoinTicket, Result<JoinResult>> outcomes_;
   std::vector<Delivery> events_;
   std::vector<std::string> removed_nodes_;
+  uint64_t leases_expired_ = 0;
 };
 
 }  // namespace gradsync::coordinator

@@ -23,6 +23,8 @@ constexpr const char* kUsage =
     "  --port-file PATH        write the bound port number to PATH once listening\n"
     "  --lease-ms N            a node with no heartbeat for N ms is lost (default 5000)\n"
     "  --join-timeout-ms N     JoinJob wait when the request gives none (default 60000)\n"
+    "  --metrics-listen HOST:PORT  serve Prometheus /metrics there (default off; port 0: any\n"
+    "                          free port, logged)\n"
     "  --log-level LEVEL       trace|debug|info|warn|error|off (default info, or\n"
     "                          $GRADSYNC_LOG_LEVEL)\n"
     "  --help                  print this and exit\n"
@@ -36,6 +38,7 @@ struct Flags {
   uint64_t lease_ms = 5000;
   uint64_t join_timeout_ms = 60000;
   std::string log_level;
+  std::string metrics_listen;
   gradsync::TlsOptions tls;
   gradsync::AuthOptions auth;
 };
@@ -75,7 +78,7 @@ int parse_flags(int argc, char** argv, Flags& f) {
       continue;
     }
     const bool known = arg == "--listen" || arg == "--port-file" || arg == "--lease-ms" ||
-                       arg == "--join-timeout-ms" || arg == "--log-level";
+                       arg == "--join-timeout-ms" || arg == "--log-level" || arg == "--metrics-listen";
     if (!known) return usage_error("unknown flag '" + arg + "'");
     if (!has_value) {
       if (i + 1 >= argc) return usage_error(arg + " needs a value");
@@ -86,6 +89,8 @@ int parse_flags(int argc, char** argv, Flags& f) {
         return usage_error("--listen wants HOST:PORT, got '" + value + "'");
       }
       f.listen = value;
+    } else if (arg == "--metrics-listen") {
+      f.metrics_listen = value;
     } else if (arg == "--port-file") {
       f.port_file = value;
     } else if (arg == "--lease-ms") {
@@ -142,6 +147,7 @@ int main(int argc, char** argv) {
   options.lease = gradsync::coordinator::Millis(flags.lease_ms);
   options.default_join_timeout = gradsync::coordinator::Millis(flags.join_timeout_ms);
   options.tls = flags.tls;
+  options.metrics_listen = flags.metrics_listen;
   options.tls.add_env();
   // Who may call what (coordinator/authz.h): nodes need the cluster secret unless mTLS names
   // them; operators need the operator token. A coordinator that would check nothing does not start.

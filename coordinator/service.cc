@@ -6,11 +6,15 @@
 #include <condition_variable>
 #include <deque>
 #include <map>
+#include <set>
 #include <thread>
 
 #include "common/call_auth.h"
 #include "common/log.h"
 #include "coordinator.grpc.pb.h"
+#include "common/metrics_server.h"
+#include "coordinator/coordinator_metrics.h"
+#include "coordinator/trace_gather.h"
 
 namespace gradsync::coordinator {
 namespace {
@@ -25,6 +29,11 @@ constexpr Millis kShutdownGrace{2000};
 constexpr int kKeepaliveTimeMs = 30000;
 constexpr int kKeepaliveTimeoutMs = 10000;
 constexpr int kMinClientPingIntervalMs = 5000;  // daemons may ping this often
+// TraceJob: how long to wait for the daemons by default and at most, and the records per rank.
+constexpr Millis kTraceDefaultWait{3000};
+constexpr Millis kTraceMaxWait{30000};
+constexpr uint32_t kTraceMaxRecords = 1u << 20;
+constexpr uint32_t kTraceDefaultRecords = 2000;
 
 grpc::Status to_grpc(const Status& s) {
   using grpc::StatusCode;
@@ -158,6 +167,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
     if (call_left < timeout) wake = start + std::chrono::duration_cast<Millis>(call_left);
     for (;;) {
       if (auto outcome = table_.take_join_result(*ticket)) {
+        metrics_.join(std::chrono::duration<double>(Clock::now() - start).count(), outcome->ok());
         if (!outcome->ok()) return to_grpc(outcome->status());
         resp->set_generation((*outcome)->generation);
         resp->set_world_size((*outcome)->world_size);
@@ -259,6 +269,62 @@ class CoordinatorService final : public v1::Coordinator::Service {
     return to_grpc(table_.report_path(req->node_id(), req->job_id(), req->generation(), req->path()));
   }
 
+  // gradsyncctl trace: asks every member node's daemon for its ranks' flight recorders
+  // (coordinator/trace_gather.h) and returns what came in time.
+  grpc::Status TraceJob(grpc::ServerContext* ctx, const v1::TraceJobRequest* req,
+                        v1::TraceJobResponse* resp) override {
+    if (Status a = authz_.operator_call(*ctx, "TraceJob"); !a.ok()) return to_grpc(a);
+    const Millis wait = req->timeout_ms() ? std::min(Millis(req->timeout_ms()), kTraceMaxWait) : kTraceDefaultWait;
+    const uint32_t max_records = req->max_records() ? std::min(req->max_records(), kTraceMaxRecords) : kTraceDefaultRecords;
+    uint64_t id = 0;
+    uint32_t world = 0;
+    {
+      std::lock_guard lock(mu_);
+      if (stopping_) return shutting_down();
+      auto d = table_.describe(req->job_id());
+      if (!d.ok()) return to_grpc(d.status());
+      *resp->mutable_summary() = d->summary();
+      world = d->summary().world_size();
+      std::map<std::string, std::set<uint32_t>> nodes;
+      for (const auto& p : d->peers()) nodes[p.node_id()].insert(p.rank());
+      id = traces_.open(req->job_id(), d->summary().generation(), nodes, max_records);
+      for (const auto& [node, ranks] : nodes) {
+        auto q = queues_.find(node);
+        if (q == queues_.end() || !table_.has_node(node)) {
+          traces_.unreachable(id, node, "not registered any more (its lease expired?)");
+          continue;
+        }
+        v1::Event ev;
+        ev.set_kind(v1::Event::TRACE_REQUESTED);
+        ev.set_job_id(req->job_id());
+        ev.set_generation(d->summary().generation());
+        ev.set_request_id(id);
+        ev.set_max_records(max_records);
+        ev.set_quiet(req->quiet());
+        q->second.events.push_back(std::move(ev));
+      }
+      event_cv_.notify_all();
+    }
+    auto got = traces_.wait(id, Clock::now() + wait, [ctx] { return ctx->IsCancelled(); });
+    std::sort(got.ranks.begin(), got.ranks.end(), [](const auto& a, const auto& b) { return a.rank() < b.rank(); });
+    for (auto& t : got.ranks) {
+      if (t.rank() < world) *resp->add_ranks() = std::move(t);
+    }
+    for (auto& m : got.missing) resp->add_missing_nodes(std::move(m));
+    for (auto& p : got.dumps) resp->add_dumps(std::move(p));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReportTrace(grpc::ServerContext* ctx, const v1::ReportTraceRequest* req,
+                           v1::ReportTraceResponse*) override {
+    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "ReportTrace"); !a.ok()) return to_grpc(a);
+    {
+      std::lock_guard lock(mu_);
+      if (!table_.has_node(req->node_id())) return to_grpc(lost_or_unknown(req->node_id()));
+    }
+    return to_grpc(traces_.report(*req));
+  }
+
   grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest*,
                         v1::ListJobsResponse* resp) override {
     if (Status a = authz_.operator_call(*ctx, "ListJobs"); !a.ok()) return to_grpc(a);
@@ -275,6 +341,13 @@ class CoordinatorService final : public v1::Coordinator::Service {
     if (!d.ok()) return to_grpc(d.status());
     *resp = std::move(*d);
     return grpc::Status::OK;
+  }
+
+  CoordinatorMetrics& metrics() { return metrics_; }
+  // /metrics (coordinator/coordinator_metrics.h): the table's part read under mu_.
+  std::string render_metrics() {
+    std::lock_guard lock(mu_);
+    return metrics_.render(table_.node_count(), table_.leases_expired(), table_.list_jobs());
   }
 
  private:
@@ -335,6 +408,8 @@ class CoordinatorService final : public v1::Coordinator::Service {
   std::condition_variable ticker_cv_;  // only to stop the ticker early
   JobTable table_;
   std::map<std::string, NodeQueue> queues_;
+  TraceGather traces_;  // open TraceJob requests (own mutex)
+  CoordinatorMetrics metrics_;  // own mutex
   bool stopping_ = false;
   std::thread ticker_;
 };
@@ -370,6 +445,7 @@ Status CoordinatorServer::start(const std::string& listen_addr) {
   }
   builder.AddListeningPort(listen_addr, *credentials, &port_);
   builder.RegisterService(service_.get());
+  builder.experimental().SetInterceptorCreators(service_->metrics().interceptors());
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {
     server_.reset();
@@ -380,6 +456,19 @@ Status CoordinatorServer::start(const std::string& listen_addr) {
                                     "machine, or the address is not HOST:PORT"};
   }
   service_->start();
+  if (!options_.metrics_listen.empty()) {
+    metrics_ = std::make_unique<MetricsServer>();
+    CoordinatorService* service = service_.get();
+    if (Status s = metrics_->start(options_.metrics_listen, [service] { return service->render_metrics(); }); !s.ok()) {
+      metrics_.reset();
+      server_->Shutdown();
+      server_.reset();
+      service_.reset();
+      port_ = 0;
+      return s;
+    }
+    log::get("coordinator")->info("metrics on {}", metrics_->url());
+  }
   log::get("coordinator")
       ->info("listening on {} (port {}), lease {} ms, join timeout {} ms", listen_addr, port_,
              options_.lease.count(), options_.default_join_timeout.count());
@@ -392,10 +481,13 @@ void CoordinatorServer::shutdown() {
   shut_down_ = true;
   if (!server_) return;
   log::get("coordinator")->info("shutting down");
+  if (metrics_) metrics_->stop();
   // Ending blocked calls first lets Shutdown() complete without waiting out the grace.
   service_->stop();
   server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
 }
+
+int CoordinatorServer::metrics_port() const { return metrics_ ? metrics_->port() : 0; }
 
 void CoordinatorServer::wait() {
   grpc::Server* server = nullptr;

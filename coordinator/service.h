@@ -21,6 +21,10 @@ namespace grpc {
 class Server;
 }
 
+namespace gradsync {
+class MetricsServer;
+}
+
 namespace gradsync::coordinator {
 
 struct CoordinatorOptions {
@@ -31,6 +35,7 @@ struct CoordinatorOptions {
   // Who may call what (authz.h); with tls.require_client_cert a verified certificate is a
   // node's credential.
   AuthzOptions authz;
+  std::string metrics_listen;          // Prometheus /metrics on HOST:PORT; empty: off
 };
 
 class CoordinatorService;  // the gRPC handlers, in service.cc
@@ -46,6 +51,8 @@ class CoordinatorServer {
   Status start(const std::string& listen_addr);
   // The bound port; 0 before a successful start().
   int port() const { return port_; }
+  // The /metrics port (--metrics-listen), 0 when off.
+  int metrics_port() const;
   // Ends blocked calls (UNAVAILABLE), stops the server and the ticker. Idempotent; any thread.
   void shutdown();
   // Blocks until the server has shut down.
@@ -55,6 +62,7 @@ class CoordinatorServer {
   CoordinatorOptions options_;
   std::unique_ptr<CoordinatorService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsServer> metrics_;
   int port_ = 0;
   std::mutex mu_;  // guards the start/shutdown sequence
   bool shut_down_ = false;

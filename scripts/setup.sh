@@ -8,6 +8,8 @@ packages=(build-essential cmake pkg-config libgrpc++-dev protobuf-compiler-grpc 
           protobuf-compiler libspdlog-dev libgtest-dev libgmock-dev libibverbs-dev
           # deploy/ manifest check (tests/deploy/check_manifests.py)
           python3-yaml
+          # /metrics of gradsyncd and the coordinator (docs/observability.md)
+          libcivetweb-dev
           # LibTorch (examples/train_mlp_libtorch.cc) and torch for /usr/bin/python3 with the
           # headers its extensions build with (integrations/torch): about 1 min 45 s to install
           # on the 2-core VM (178 packages), docs/training-loop.md.

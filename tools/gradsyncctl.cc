@@ -4,6 +4,8 @@
 //               [--operator-token-file F] jobs
 //   gradsyncctl [--coordinator HOST:PORT] describe JOB
 //   gradsyncctl [--coordinator HOST:PORT] abort JOB [--reason TEXT]
+//   gradsyncctl [--coordinator HOST:PORT] trace JOB [--last N] [--wait-ms MS]
+//   gradsyncctl [--coordinator HOST:PORT] top [--once] [--interval-ms N] [JOB]
 //   gradsyncctl doctor [--require-gdr] [--sysfs-root DIR]   (no coordinator needed)
 //   gradsyncctl topology [--topo-file PATH]                   (no coordinator needed)
 //
@@ -21,7 +23,9 @@
 #include "common/grpc_security.h"
 #include "coordinator.grpc.pb.h"
 #include "doctor/doctor.h"
+#include "top/top.h"
 #include "topology/topology_summary.h"
+#include "trace/trace_report.h"
 
 namespace {
 
@@ -33,6 +37,14 @@ int usage(FILE* out, int rc) {
                "  jobs                      list jobs: id, generation, state, joined/world, reason\n"
                "  describe JOB              ring order, ranks with their nodes, node details (GPU topology)\n"
                "  abort JOB [--reason TEXT] abort the job's current generation\n"
+               "  trace JOB [--last N] [--wait-ms MS]\n"
+               "                            every rank's flight recorder, through the daemons: the ranks\n"
+               "                            behind, the collective they never entered, who waits for them,\n"
+               "                            and each rank's last N collectives (default 8); each daemon also\n"
+               "                            writes its ranks' recorders to its log directory\n"
+               "  top [--once] [--interval-ms N] [JOB]\n"
+               "                            running jobs (or JOB): each rank's path, collectives and MB per\n"
+               "                            second, and its last collective, refreshed (--once: one screen)\n"
                "  topology [--topo-file F]  this node's GPUs, links, NICs and rails (no coordinator)\n"
                "%s  --operator-token-file F   the operator credential ($GRADSYNC_OPERATOR_TOKEN); jobs,\n"
                "                            describe and abort need it\n%s",
@@ -70,6 +82,32 @@ int topology_command(const std::vector<std::string>& args) {
   return 0;
 }
 
+// gradsyncctl trace JOB: the coordinator asks the job's daemons for their ranks' flight
+// recorders and answers with what came within `wait_ms`.
+int trace_command(gradsync::v1::Coordinator::Stub& stub, const std::string& job, size_t last, uint32_t wait_ms,
+                  const std::string& address) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(wait_ms) + kCallTimeout);
+  gradsync::v1::TraceJobRequest req;
+  req.set_job_id(job);
+  req.set_timeout_ms(wait_ms);
+  gradsync::v1::TraceJobResponse resp;
+  const auto t0 = std::chrono::steady_clock::now();
+  grpc::Status s = stub.TraceJob(&ctx, req, &resp);
+  if (!s.ok()) return fail("trace " + job, s, address);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  const auto& j = resp.summary();
+  std::printf("job %s generation %llu: %s, %u ranks; flight recorders of %d rank(s) gathered in %.0f ms\n",
+              j.job_id().c_str(), static_cast<unsigned long long>(j.generation()), j.state().c_str(), j.world_size(),
+              resp.ranks_size(), ms);
+  for (const auto& m : resp.missing_nodes()) std::printf("missing: %s\n", m.c_str());
+  std::vector<gradsync::v1::RankTrace> ranks(resp.ranks().begin(), resp.ranks().end());
+  std::fputs(gradsync::trace::render(ranks, j.world_size(), last).c_str(), stdout);
+  if (resp.dumps_size() > 0) std::printf("\n");
+  for (const auto& d : resp.dumps()) std::printf("dump: %s\n", d.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -90,6 +128,8 @@ int main(int argc, char** argv) {
   std::string reason = "aborted by an operator (gradsyncctl)";
   gradsync::TlsOptions tls;
   gradsync::AuthOptions auth;
+  size_t last = 8;
+  uint32_t wait_ms = 3000;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     std::string tls_error;
@@ -102,6 +142,13 @@ int main(int argc, char** argv) {
     }
     if (a == "--coordinator" && i + 1 < argc) address = argv[++i];
     else if (a == "--reason" && i + 1 < argc) reason = argv[++i];
+    else if (a == "--last" && i + 1 < argc) last = std::strtoul(argv[++i], nullptr, 10);
+    else if (a == "--wait-ms" && i + 1 < argc) wait_ms = uint32_t(std::strtoul(argv[++i], nullptr, 10));
+    else if (a == "--once") args.push_back(a);  // top's
+    else if (a == "--interval-ms" && i + 1 < argc) {
+      args.push_back(a);
+      args.push_back(argv[++i]);
+    }
     else if (a == "--help" || a == "-h") return usage(stdout, 0);
     else if (a.rfind("--", 0) == 0) return usage(stderr, 2);
     else args.push_back(a);
@@ -180,5 +227,9 @@ int main(int argc, char** argv) {
     std::printf("aborted job %s\n", args[1].c_str());
     return 0;
   }
+  if (args[0] == "top") {
+    return gradsync::top::run(*stub, std::vector<std::string>(args.begin() + 1, args.end()), stdout, stderr);
+  }
+  if (args[0] == "trace" && args.size() == 2) return trace_command(*stub, args[1], last, wait_ms, address);
   return usage(stderr, 2);
 }

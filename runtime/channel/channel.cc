@@ -181,6 +181,7 @@ Channel::Channel(void* base, const ShmLayout& layout, uint32_t index)
       slot_bytes_(layout.slot_bytes) {}
 
 Status Channel::wait_head(uint32_t tail, const WaitContext& ctx) {
+  if (ctx.waiting_for) ctx.waiting_for->store(peer_, std::memory_order_relaxed);
   auto credit = [&](uint32_t head) { return tail - head < slots_; };
   if (driven_) {
     return driver_->progress_until([&] { return credit(c_->head.load(std::memory_order_acquire)); }, ctx,
@@ -190,6 +191,7 @@ Status Channel::wait_head(uint32_t tail, const WaitContext& ctx) {
 }
 
 Status Channel::wait_tail(uint32_t head, const WaitContext& ctx) {
+  if (ctx.waiting_for) ctx.waiting_for->store(peer_, std::memory_order_relaxed);
   auto landed = [&](uint32_t tail) { return tail != head; };
   if (driven_) {
     return driver_->progress_until([&] { return landed(c_->tail.load(std::memory_order_acquire)); }, ctx,

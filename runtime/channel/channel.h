@@ -16,13 +16,14 @@
 #include <functional>
 #include <string>
 
+#include "channel/flight_recorder.h"
 #include "common/fd.h"
 
 namespace gradsync {
 
-// Changes with every change of the shared region's layout (JobControl, the channel counters):
+// Changes with every change of the shared region's layout (JobControl, the channel counters, the flight recorders):
 // a daemon and a library of different layouts refuse each other instead of misreading.
-constexpr uint32_t kShmMagic = 0x47534332;  // "GSC2"
+constexpr uint32_t kShmMagic = 0x47534333;  // "GSC3"
 constexpr uint32_t kMaxSlots = 64;
 constexpr uint32_t kDefaultSlots = 8;
 constexpr uint32_t kDefaultSlotBytes = 1u << 20;  // 1 MiB: large enough to amortise a wake-up
@@ -69,6 +70,9 @@ struct ShmLayout {
   uint32_t num_channels = 0;
   uint32_t slots = kDefaultSlots;
   uint32_t slot_bytes = kDefaultSlotBytes;
+  // Flight recorders (channel/flight_recorder.h): one per local rank, after the slot data.
+  uint32_t recorders = 0;
+  uint32_t recorder_entries = 0;
 
   static constexpr size_t kPage = 4096;
   size_t control_offset() const { return 0; }
@@ -76,7 +80,12 @@ struct ShmLayout {
   size_t data_offset(uint32_t ch) const {
     return round_up(counters_offset(num_channels)) + size_t{ch} * slots * slot_bytes;
   }
-  size_t total_bytes() const { return data_offset(num_channels); }
+  size_t recorder_offset(uint32_t i) const {
+    return round_up(data_offset(num_channels)) + size_t{i} * round_up(recorder_bytes(recorder_entries));
+  }
+  size_t total_bytes() const {
+    return recorders == 0 ? data_offset(num_channels) : recorder_offset(recorders);
+  }
   static size_t round_up(size_t n) { return (n + kPage - 1) / kPage * kPage; }
 };
 
@@ -111,6 +120,9 @@ struct WaitContext {
   // and it sees the peer's answer without the wake-up of a sleeper (tens of microseconds on a
   // virtual machine whose idle cores halt).
   std::chrono::microseconds yield_spin{0};
+  // Where a wait that may block stores the rank it waits for (the flight recorder's entry of
+  // the running collective), or null.
+  std::atomic<int32_t>* waiting_for = nullptr;
 };
 
 // The spin a rank should use when `local_ranks` share this node's cores.
@@ -217,6 +229,9 @@ class Channel {
     driven_ = driven;
   }
   bool driven() const { return driven_; }
+  // The rank at the other end, for the flight recorder (-1: not told).
+  void set_peer(int rank) { peer_ = rank; }
+  int peer() const { return peer_; }
 
  private:
   Status wait_head(uint32_t tail, const WaitContext& ctx);
@@ -224,6 +239,7 @@ class Channel {
 
   ChannelDriver* driver_ = nullptr;
   bool driven_ = false;
+  int peer_ = -1;
   ChannelCounters* c_ = nullptr;
   uint8_t* data_ = nullptr;
   uint32_t index_ = 0;

@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "channel/channel.h"
+#include "channel/flight_recorder.h"
 #include "channel/shared_memory.h"
 #include "client/daemon_client.h"
 #include "common/launch_env.h"
@@ -146,6 +147,13 @@ class CommunicatorImpl {
                                     [](const v1::ChannelRef& r) { return r.remote() && r.socket() == 0; });
     wait_.yield_spin = std::chrono::microseconds(
         std::max(0L, env_long("GRADSYNC_YIELD_US", pumped ? 0 : long(kYieldSpin.count()))));
+    const auto& setup = join_.setup();
+    if (layout_.recorders != 0) {
+      recorder_ = std::make_unique<FlightRecorder>(
+          static_cast<char*>(shm_.data()) + layout_.recorder_offset(setup.recorder_index()), layout_.recorder_entries);
+    } else {
+      recorder_ = std::make_unique<FlightRecorder>();
+    }
     wake_.reset(::eventfd(0, EFD_CLOEXEC));
     monitor_ = std::thread([this] { monitor_daemon(); });
   }
@@ -162,6 +170,7 @@ class CommunicatorImpl {
       work->finish(already_left());
     } else {
       work->call.seq = next_seq_++;
+      recorder_->queued(record_of(work->call, 0));
       queue_.push_back(work);
       cv_.notify_all();
     }
@@ -182,7 +191,8 @@ class CommunicatorImpl {
     busy_ = true;
     call.seq = next_seq_++;
     lock.unlock();
-    Status s = run(call);
+    recorder_->queued(record_of(call, 0));
+    Status s = run(call, 0, true);
     lock.lock();
     busy_ = false;
     cv_.notify_all();
@@ -257,7 +267,7 @@ class CommunicatorImpl {
     HostOps ops;
     ops.allreduce_now = [this](const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
       CollectiveCall c{CollectiveKind::kAllreduce, send, recv, count, type, op, 0, Algorithm::kRing, next_seq_++};
-      return run(c);
+      return run(c, kRecordGpuStaged | kRecordInternal);
     };
     ops.run_on_worker = [this](const CollectiveCall& call) {
       CollectiveCall c = call;  // its algorithm: kAuto, or what the GPU call forced
@@ -266,7 +276,7 @@ class CommunicatorImpl {
         std::lock_guard lock(mu_);
         c.seq = next_seq_++;
       }
-      return run(c);
+      return run(c, kRecordGpuStaged);
     };
     ops.enqueue = [this](std::function<Status()> task) {
       auto work = std::make_shared<WorkImpl>(std::move(task));
@@ -347,7 +357,7 @@ class CommunicatorImpl {
         queue_.pop_front();
         busy_ = true;
       }
-      Status s = work->task ? work->task() : run(work->call);
+      Status s = work->task ? work->task() : run(work->call, 0, true);
       {
         std::lock_guard lock(mu_);
         busy_ = false;
@@ -366,20 +376,28 @@ class CommunicatorImpl {
     return {Code::kFailedPrecondition, "communicator already left job " + opts_.job};
   }
 
-  Status run(CollectiveCall call) {
+  // Runs one host collective. `flags`: the flight recorder's (kRecordInternal, ...);
+  // `queued`: the recorder has its entry already (enqueue/execute).
+  Status run(CollectiveCall call, uint8_t flags = kRecordInternal, bool queued = false) {
+    if (!queued) recorder_->queued(record_of(call, flags));
     if (!failed_.ok()) {
+      recorder_->ended(call.seq, false, uint8_t(Code::kFailedPrecondition));
       return {Code::kFailedPrecondition, "communicator failed earlier: " + failed_.to_string()};
     }
     call.algorithm = resolve(call);
     WaitContext wait = wait_;
     wait.deadline = deadline_after(opts_.op_timeout);
+    wait.waiting_for = recorder_->waiting_slot(call.seq);
+    recorder_->started(call.seq, uint8_t(call.algorithm));
     Status s = run_collective(links_, wait, call);
+    recorder_->ended(call.seq, s.ok(), uint8_t(s.code()));
     if (!s.ok()) {
       // A failed collective leaves channels mid-stream: the communicator stays failed.
       failed_ = s;
       log_->error("job={} gen={} rank={}: {}", opts_.job, join_.generation(), opts_.rank,
                   s.to_string());
       fail_together(s);
+      request_trace_dump(s);
     }
     return s;
   }
@@ -413,6 +431,30 @@ class CommunicatorImpl {
 
   std::string host_of(int rank) const {
     return size_t(rank) < links_.hosts.size() ? links_.hosts[size_t(rank)] : std::string("?");
+  }
+
+  Record record_of(const CollectiveCall& call, uint8_t flags) const {
+    Record r;
+    r.seq = call.seq;
+    r.kind = uint8_t(call.kind);
+    r.type = uint8_t(call.type);
+    r.op = uint8_t(call.op);
+    r.algorithm = uint8_t(call.algorithm);
+    r.root = call.root;
+    r.count = call.count;
+    r.path = record_path_;
+    r.flags = flags;
+    return r;
+  }
+
+  // After a failed collective: gradsyncd writes the job's local flight recorders to its log
+  // directory. No reply; without a daemon there is nobody to ask.
+  void request_trace_dump(const Status& why) {
+    if (!recorder_->enabled() || lost_daemon_.load()) return;
+    v1::ClientMessage req;
+    req.mutable_trace_dump()->set_reason(why.to_string().substr(0, 1024));
+    std::lock_guard lock(send_mu_);
+    (void)send_frame(daemon_.fd(), req);
   }
 
   Algorithm resolve(const CollectiveCall& call) const {
@@ -467,6 +509,10 @@ class CommunicatorImpl {
   }
 
   void start_worker() { worker_ = std::thread([this] { run_worker(); }); }
+  void set_record_path(RecordPath p) {
+    record_path_ = p;
+    recorder_->set_path(p);
+  }
 
   Communicator::Prediction predict(size_t count, DataType type) const {
     size_t bytes = count * element_size(type);
@@ -519,6 +565,8 @@ class CommunicatorImpl {
   std::mutex send_mu_;  // one writer at a time on the daemon connection
   Fd wake_;
   Status failed_;  // worker thread only
+  std::unique_ptr<FlightRecorder> recorder_;  // this rank's, in the job's memory (disabled: none)
+  RecordPath record_path_ = RecordPath::kLocal;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -771,6 +819,15 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   layout.slots = setup.slots();
   layout.slot_bytes = setup.slot_bytes();
   layout.num_channels = setup.num_channels();
+  layout.recorders = setup.recorders();
+  layout.recorder_entries = setup.recorder_entries();
+  if ((layout.recorders != 0) != (layout.recorder_entries != 0) || layout.recorder_entries > kMaxRecorderEntries ||
+      (layout.recorders != 0 && setup.recorder_index() >= layout.recorders)) {
+    return Status(Code::kInternal, "gradsyncd's flight recorder set-up is inconsistent (recorders " +
+                                       std::to_string(layout.recorders) + ", entries " +
+                                       std::to_string(layout.recorder_entries) + ", index " +
+                                       std::to_string(setup.recorder_index()) + ")");
+  }
   if (layout.total_bytes() != setup.shm_bytes()) {
     return Status(Code::kInternal, "gradsyncd's channel set-up does not match its layout");
   }
@@ -788,13 +845,17 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   if (!links.ok()) return links.status();
   auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon).value(), std::move(shm).value(),
                                                  layout, jr, std::move(links).value());
+  // Where this rank's slots go: cross-node send channels the daemon still pumps (RDMA, or a
+  // peer node that keeps TCP in its proxy); the others are sockets this rank moves itself.
+  const int others = o.world_size - o.local_world_size;
+  const int proxied = int(std::count_if(setup.channels().begin(), setup.channels().end(),
+                                        [](const v1::ChannelRef& r) { return r.remote() && r.socket() == 0; }));
+  impl->set_record_path(others == 0        ? RecordPath::kLocal
+                        : own_sockets == 0 ? RecordPath::kDaemon
+                        : proxied == 0     ? RecordPath::kRankSockets
+                                           : RecordPath::kMixed);
   GS_RETURN_IF_ERROR(impl->calibrate());
   if (o.device == JoinOptions::kNoDevice) {
-    const int others = o.world_size - o.local_world_size;
-    // Cross-node send channels the daemon still pumps (RDMA, or a peer node that keeps TCP in
-    // its proxy); the others are sockets this rank moves itself.
-    const int proxied = int(std::count_if(setup.channels().begin(), setup.channels().end(),
-                                          [](const v1::ChannelRef& r) { return r.remote() && r.socket() == 0; }));
     const std::string via_daemon =
         std::string("through gradsyncd over ") + (jr.has_verbs() ? "RDMA where their node has it, else TCP" : "TCP");
     const std::string own = "TCP sockets this rank moves itself (" + std::to_string(own_sockets) + " channel(s)";

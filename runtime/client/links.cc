@@ -57,6 +57,7 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
                                    " for peer " + std::to_string(peer) + " (daemon of another version?)"};
     }
     *out = Channel(base, layout, f->second);
+    out->set_peer(peer);
     return Status::Ok();
   };
   l.ring_send.resize(l.rings);

@@ -8,6 +8,8 @@ namespace {
 
 // Deadline of one short control call (register, heartbeat, peer table, leave, abort).
 constexpr std::chrono::milliseconds kCallTimeout{5'000};
+// Deadline of a ReportTrace call: past it, gradsyncctl trace has stopped waiting anyway.
+constexpr std::chrono::milliseconds kTraceCallTimeout{3'000};
 // Pause before re-opening a broken event stream or retrying registration.
 constexpr std::chrono::milliseconds kRetryPause{500};
 
@@ -206,6 +208,15 @@ Status CoordinatorLink::report_path(const std::string& job, uint64_t generation,
   *req.mutable_path() = path;
   v1::ReportPathResponse resp;
   return from_grpc(stub_->ReportPath(&ctx, req, &resp), "path report of job " + job);
+}
+
+Status CoordinatorLink::report_trace(v1::ReportTraceRequest req) {
+  grpc::ClientContext ctx;
+  set_deadline(ctx, kTraceCallTimeout);
+  auth_->add_job_token(ctx, req.job_id());
+  req.set_node_id(node_id());
+  v1::ReportTraceResponse resp;
+  return from_grpc(stub_->ReportTrace(&ctx, req, &resp), "flight recorders of job " + req.job_id());
 }
 
 Status CoordinatorLink::abort(const std::string& job, uint64_t generation, int failed_rank,

@@ -45,6 +45,9 @@ class CoordinatorLink {
   Result<v1::PeerTableResponse> peer_table(const std::string& job, uint64_t generation);
   Status leave(const std::string& job, uint64_t generation);
   Status report_path(const std::string& job, uint64_t generation, const v1::RankPath& path);
+  // The answer to a TRACE_REQUESTED event (node_id is filled in here). Runs on the event
+  // stream's thread, so its deadline is short: gradsyncctl trace waits only a few seconds.
+  Status report_trace(v1::ReportTraceRequest req);
   Status abort(const std::string& job, uint64_t generation, int failed_rank,
                const std::string& reason);
 

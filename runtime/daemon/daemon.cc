@@ -19,6 +19,7 @@
 #include "common/socket_path.h"
 #include "common/secret.h"
 #include "daemon/ring_count.h"
+#include "daemon/trace_dump.h"
 #include "daemon/trainer_request.h"
 #include "daemon/transport_choice.h"
 #include "topology/node_info.h"
@@ -244,8 +245,50 @@ Status Daemon::start() {
   });
   log->info("gradsyncd node={} serving trainers on {} proxy on {} topology: {}",
             cfg_.node_name, cfg_.socket_path, endpoint_, topology::describe(topo));
+  if (!cfg_.metrics_listen.empty()) {
+    metrics_server_ = std::make_unique<MetricsServer>();
+    GS_RETURN_IF_ERROR(metrics_server_->start(cfg_.metrics_listen, [this] { return render_metrics(); }));
+    log->info("metrics on {}", metrics_server_->url());
+  }
   if (!cfg_.ready_file.empty()) GS_RETURN_IF_ERROR(write_file_atomically(cfg_.ready_file, endpoint_));
   return Status::Ok();
+}
+
+std::vector<RankCounters> Daemon::rank_counters(const LocalJob& job) const {
+  std::vector<RankCounters> out;
+  if (!job.shm || job.layout.recorders == 0) return out;
+  for (uint32_t i = 0; i < job.local_ranks.size() && i < job.layout.recorders; ++i) {
+    RankCounters r;
+    r.job = job.id;
+    r.generation = job.generation;
+    r.rank = job.local_ranks[i];
+    r.transport = transport_;
+    const void* at = static_cast<const char*>(job.shm->data()) + job.layout.recorder_offset(i);
+    if (read_stats(at, job.layout.recorder_entries, r.rank, &r.stats)) out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::string Daemon::render_metrics() {
+  std::lock_guard lock(mu_);
+  std::vector<RankCounters> live;
+  std::vector<JobGauge> gauges;
+  for (const auto& [id, job] : jobs_) {
+    for (auto& r : rank_counters(*job)) live.push_back(std::move(r));
+    JobGauge g;
+    g.job = id;
+    g.state = job->aborted                                  ? "aborted"
+              : job->state == LocalJob::State::kCollecting ? "collecting"
+              : job->state == LocalJob::State::kJoining    ? "joining"
+              : job->state == LocalJob::State::kReady      ? "ready"
+              : job->state == LocalJob::State::kFailed     ? "failed"
+                                                            : "done";
+    g.incoming = uint32_t(job->incoming.size());
+    g.staging = uint32_t(job->staging.size());
+    g.transport = transport_;
+    gauges.push_back(std::move(g));
+  }
+  return metrics_.render(live, gauges);
 }
 
 void Daemon::stop() {
@@ -254,6 +297,7 @@ void Daemon::stop() {
     if (stopping_) return;
     stopping_ = true;
   }
+  if (metrics_server_) metrics_server_->stop();
   if (stop_event_.valid()) {
     uint64_t one = 1;
     if (::write(stop_event_.get(), &one, sizeof(one)) < 0) { /* acceptors also see shutdown */ }
@@ -447,8 +491,17 @@ void Daemon::serve_trainer(Fd sock) {
         if (reason.empty()) reason = job->ids() + ": rank " + std::to_string(rank) + " failed (no reason given)";
         abort(job, culprit, reason, true);
       }
+    } else if (msg.has_trace_dump()) {
+      if (job) {
+        // The reason is the trainer's text: bounded and only written into the file.
+        std::string path = dump_traces(job, "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
+                                                ") reported a failed collective: " +
+                                                msg.trace_dump().reason().substr(0, 1024));
+        if (!path.empty()) log->warn("{} rank {} failed a collective; flight recorders in {}", job->ids(), rank, path);
+      }
     } else if (msg.has_abort()) {
       if (job) {
+        metrics_.error("rank_abort", "rank " + std::to_string(rank));
         abort(job, static_cast<int>(rank),
               job->ids() + ": rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
                   ", host " + hostname_ + ") aborted the job: " + msg.abort().reason(),
@@ -519,6 +572,7 @@ Result<std::shared_ptr<LocalJob>> Daemon::join(const v1::JoinRequest& req, uint3
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     Status s = connect_job(job, std::max(left, kMinCoordinatorJoin));
     if (!s.ok()) {
+      metrics_.error("join", "");
       abort(job, -1, s.message(), false);
     }
     lock.lock();
@@ -611,7 +665,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
     job->rings = *rings;
     job->table = std::move(table).value();
     job->endpoints = std::move(endpoints);
-    job->plan_channels(cfg_.slots, cfg_.slot_bytes);
+    job->plan_channels(cfg_.slots, cfg_.slot_bytes, cfg_.recorder_entries);
   }
   auto shm = SharedMemory::create("gradsync-" + job->id, job->layout.total_bytes());
   if (!shm.ok()) return shm.status();
@@ -634,6 +688,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
     job->verbs_mr = mr;
 #endif
     job->shm = std::make_shared<SharedMemory>(std::move(shm).value());
+    job->init_recorders();
     job->generation = joined->generation();
     cv_.notify_all();  // peer daemons waiting to attach their channels
   }
@@ -676,12 +731,13 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
       local = job->member_name(src, hostname_);
     }
     PumpContext ctx{job->shm, job->layout, index, &job->stop, &job->drain, job->peer_name(dst),
-                    job->ids() + " ch=" + std::to_string(index), static_cast<int>(src), local};
+                    job->ids() + " ch=" + std::to_string(index), static_cast<int>(src), local,
+                    metrics_.pumped(job->endpoints[dst].proxy(), true)};
     std::unique_ptr<ChannelPump> pump;
 #if GRADSYNC_HAVE_VERBS
     if (via == ChannelTransport::kVerbs) {
       auto started = VerbsPump::start_sender(verbs_, job->verbs_mr, std::move(ctx), tag, std::move(sock).value(),
-                                             pump_failure(job), deadline_after(kPeerAcceptTimeout));
+                                             pump_failure(job, job->endpoints[dst].proxy()), deadline_after(kPeerAcceptTimeout));
       if (!started.ok()) {
         return {started.status().code(), job->ids() + " rank " + std::to_string(src) + " -> " +
                                               job->peer_name(dst) + ": " + started.status().message()};
@@ -689,7 +745,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
       pump = std::move(started).value();
     }
 #endif
-    if (!pump) pump = Pump::start_sender(std::move(ctx), std::move(sock).value(), pump_failure(job));
+    if (!pump) pump = Pump::start_sender(std::move(ctx), std::move(sock).value(), pump_failure(job, job->endpoints[dst].proxy()));
     std::lock_guard lock(mu_);
     job->pumps.push_back(std::move(pump));
   }
@@ -792,7 +848,8 @@ void Daemon::serve_peer(Fd sock) {
   }
   const Mac accept = hello_proof(job->token, *hello, *challenge, HelloRole::kAcceptor);
   PumpContext ctx{job->shm, job->layout, static_cast<uint32_t>(idx), &job->stop, &job->drain,
-                  job->peer_name(hello->src_rank), job->ids() + " ch=" + std::to_string(idx), -1, ""};
+                  job->peer_name(hello->src_rank), job->ids() + " ch=" + std::to_string(idx), -1, "",
+                  metrics_.pumped(job->endpoints[hello->src_rank].proxy(), false)};
   if (agreed == ChannelTransport::kVerbs) {
 #if GRADSYNC_HAVE_VERBS
     if (verbs_ && job->verbs_mr) {
@@ -800,7 +857,8 @@ void Daemon::serve_peer(Fd sock) {
       lock.unlock();  // the set-up talks to the peer; pump_failure takes mu_
       if (!hello_accept(sock.get(), accept).ok()) return;
       auto started = VerbsPump::start_receiver(verbs_, std::move(vmr), std::move(ctx), hello->tag, std::move(sock),
-                                               pump_failure(job), deadline_after(kPeerAcceptTimeout));
+                                               pump_failure(job, job->endpoints[hello->src_rank].proxy()),
+                                               deadline_after(kPeerAcceptTimeout));
       if (!started.ok()) {
         abort(job, -1, job->ids() + " on " + hostname_ + ": " + started.status().message(), true);
         return;
@@ -821,14 +879,16 @@ void Daemon::serve_peer(Fd sock) {
     cv_.notify_all();  // connect_job waits for every incoming one
     return;
   }
-  job->pumps.push_back(Pump::start_receiver(std::move(ctx), std::move(sock), pump_failure(job)));
+  job->pumps.push_back(Pump::start_receiver(std::move(ctx), std::move(sock),
+                                            pump_failure(job, job->endpoints[hello->src_rank].proxy())));
 }
 
-PumpFailure Daemon::pump_failure(const std::shared_ptr<LocalJob>& job) {
+PumpFailure Daemon::pump_failure(const std::shared_ptr<LocalJob>& job, const std::string& peer_daemon) {
   std::weak_ptr<LocalJob> weak = job;
-  return [this, weak](int rank, const std::string& why) {
+  return [this, weak, peer_daemon](int rank, const std::string& why) {
     auto j = weak.lock();
     if (!j) return;
+    metrics_.error(rank < 0 ? "peer_channel" : "rank_slot", rank < 0 ? "gradsyncd " + peer_daemon : "rank " + std::to_string(rank));
     if (rank < 0) {
       // A connection the peer closed is most often the echo of an abort its daemon has just told
       // the coordinator (a hostile slot, a crashed rank there): give that named reason time to
@@ -858,6 +918,61 @@ void Daemon::abort(const std::shared_ptr<LocalJob>& job, int failed_rank, const 
     Status s = link_->abort(job->id, generation, failed_rank, reason);
     if (!s.ok()) dlog()->warn("{} could not tell the coordinator: {}", job->ids(), s.message());
   }
+  if (std::string path = dump_traces(job, "the job was aborted: " + reason); !path.empty()) {
+    dlog()->info("{} flight recorders in {}", job->ids(), path);
+  }
+}
+
+std::string Daemon::log_dir() const {
+  if (!cfg_.log_dir.empty()) return cfg_.log_dir;
+  auto slash = cfg_.socket_path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : slash == 0 ? std::string("/") : cfg_.socket_path.substr(0, slash);
+}
+
+std::string Daemon::dump_traces(const std::shared_ptr<LocalJob>& job, const std::string& why) {
+  std::vector<v1::RankTrace> traces;
+  {
+    std::lock_guard lock(mu_);
+    if (!job->shm || job->layout.recorders == 0) return "";
+    traces = read_local_traces(*job, hostname_, cfg_.node_name, cfg_.recorder_entries);
+  }
+  auto path = gradsync::dump_traces(log_dir(), *job, cfg_.node_name, traces, why);
+  if (!path.ok()) {
+    dlog()->warn("{}: {}", job->ids(), path.status().message());
+    return "";
+  }
+  return *path;
+}
+
+void Daemon::report_traces(const v1::Event& ev) {
+  v1::ReportTraceRequest req;
+  req.set_request_id(ev.request_id());
+  req.set_job_id(ev.job_id());
+  req.set_generation(ev.generation());
+  std::shared_ptr<LocalJob> job;
+  {
+    std::lock_guard lock(mu_);
+    auto it = jobs_.find(ev.job_id());
+    if (it != jobs_.end() && it->second->generation == ev.generation()) job = it->second;
+    if (!job) {
+      req.set_error("gradsyncd on " + hostname_ + " has no generation " + std::to_string(ev.generation()) +
+                    " of job " + ev.job_id() + " (its ranks here left, or it was torn down)");
+    } else if (!job->shm || job->layout.recorders == 0) {
+      req.set_error("gradsyncd on " + hostname_ + " keeps no flight recorders (--trace-entries 0)");
+    } else {
+      const uint32_t max = ev.max_records() ? std::min(ev.max_records(), cfg_.recorder_entries) : cfg_.recorder_entries;
+      for (auto& t : read_local_traces(*job, hostname_, cfg_.node_name, max)) *req.add_ranks() = std::move(t);
+    }
+  }
+  if (job && req.ranks_size() > 0 && !ev.quiet()) {
+    std::vector<v1::RankTrace> all(req.ranks().begin(), req.ranks().end());
+    auto path = gradsync::dump_traces(log_dir(), *job, cfg_.node_name, all, "gradsyncctl trace (on demand)");
+    if (path.ok()) req.set_dump_path(*path);
+    else dlog()->warn("{}: {}", job->ids(), path.status().message());
+  }
+  if (Status s = link_->report_trace(std::move(req)); !s.ok()) {
+    dlog()->warn("job={}: sending the flight recorders to the coordinator: {}", ev.job_id(), s.message());
+  }
 }
 
 void Daemon::member_gone(const std::shared_ptr<LocalJob>& job, uint32_t rank) {
@@ -873,6 +988,7 @@ void Daemon::member_gone(const std::shared_ptr<LocalJob>& job, uint32_t rank) {
     last = job->all_disconnected();
   }
   if (crashed) {
+    metrics_.error("rank_exit", "rank " + std::to_string(rank));
     abort(job, static_cast<int>(rank),
           "job=" + job->id + " gen=" + std::to_string(job->generation) + ": rank " +
               std::to_string(rank) + " (pid " + std::to_string(pid) + ", host " + hostname_ +
@@ -911,6 +1027,8 @@ void Daemon::teardown(const std::shared_ptr<LocalJob>& job) {
   }
   {
     std::lock_guard lock(mu_);
+    // Its ranks' counters outlive the memory (under mu_: a scrape sees them live or kept, once).
+    metrics_.retire(rank_counters(*job));
     job->state = LocalJob::State::kDone;
     auto it = jobs_.find(job->id);
     if (it != jobs_.end() && it->second == job) jobs_.erase(it);
@@ -920,6 +1038,7 @@ void Daemon::teardown(const std::shared_ptr<LocalJob>& job) {
 }
 
 void Daemon::on_event(const v1::Event& ev) {
+  if (ev.kind() == v1::Event::TRACE_REQUESTED) return report_traces(ev);
   if (ev.kind() != v1::Event::JOB_ABORTED) return;
   std::shared_ptr<LocalJob> job;
   {
@@ -930,6 +1049,7 @@ void Daemon::on_event(const v1::Event& ev) {
     if (job->generation != 0 && job->generation != ev.generation()) return;
     if (job->generation == 0 && job->state == LocalJob::State::kCollecting) return;
   }
+  metrics_.error("coordinator_abort", ev.failed_rank() >= 0 ? "rank " + std::to_string(ev.failed_rank()) : ev.failed_node());
   abort(job, ev.failed_rank(), ev.reason(), false);
 }
 

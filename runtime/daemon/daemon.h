@@ -12,7 +12,9 @@
 
 #include "common/grpc_security.h"
 #include "common/log.h"
+#include "common/metrics_server.h"
 #include "daemon/coordinator_link.h"
+#include "daemon/daemon_metrics.h"
 #include "daemon/local_job.h"
 #include "topology/node_info.h"
 
@@ -53,6 +55,13 @@ struct DaemonConfig {
   // Connections served at once on each of the trainer socket and the data port; more are
   // closed at once and logged (--max-connections, GRADSYNC_MAX_CONNECTIONS).
   uint32_t max_connections = 512;
+  // Flight recorder entries per rank (--trace-entries, GRADSYNC_TRACE_ENTRIES; 0: none).
+  uint32_t recorder_entries = kDefaultRecorderEntries;
+  // Where flight recorder dumps go (--log-dir, GRADSYNC_LOG_DIR, systemd's $LOGS_DIRECTORY);
+  // empty: the trainer socket's directory.
+  std::string log_dir;
+  // Serve Prometheus /metrics on HOST:PORT (--metrics-listen); empty: off.
+  std::string metrics_listen;
   TlsOptions tls;  // how to reach the coordinator (--tls-ca, --tls-cert, --tls-key, --insecure)
   // What this node proves to the coordinator without mTLS (--cluster-secret-file,
   // $GRADSYNC_CLUSTER_SECRET); empty with mTLS, and for an in-process coordinator that checks none.
@@ -97,7 +106,17 @@ class Daemon {
   // The coordinator forgot this node (CoordinatorLink::set_on_forgotten): it has aborted the
   // node's running jobs, so their local ranks are aborted here too.
   void forgotten(const std::string& node_id);
-  PumpFailure pump_failure(const std::shared_ptr<LocalJob>& job);
+  // Reads the job's local flight recorders and writes them to the log directory; returns the
+  // path ("" when there was nothing to write). Takes mu_.
+  std::string dump_traces(const std::shared_ptr<LocalJob>& job, const std::string& why);
+  // Answers the coordinator's TRACE_REQUESTED event.
+  void report_traces(const v1::Event& ev);
+  std::string log_dir() const;
+  // Aborts the job when one of its pumps to or from `peer_daemon` fails.
+  PumpFailure pump_failure(const std::shared_ptr<LocalJob>& job, const std::string& peer_daemon);
+  // The counters of the job's local ranks (from their recorder regions); call under mu_.
+  std::vector<RankCounters> rank_counters(const LocalJob& job) const;
+  std::string render_metrics();  // /metrics; takes mu_
 
   DaemonConfig cfg_;
   std::string hostname_;
@@ -119,6 +138,9 @@ class Daemon {
   int trainer_threads_ = 0;  // of those, serving the trainer socket
   int peer_threads_ = 0;     // and the data port
   log::RateLimit trainer_cap_log_, peer_cap_log_, trainer_log_, peer_log_;
+
+  DaemonMetrics metrics_;
+  std::unique_ptr<MetricsServer> metrics_server_;
 
   std::thread trainer_acceptor_;
   std::thread peer_acceptor_;

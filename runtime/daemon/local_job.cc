@@ -8,7 +8,7 @@ bool LocalJob::is_local(uint32_t rank) const {
   return std::binary_search(local_ranks.begin(), local_ranks.end(), rank);
 }
 
-void LocalJob::plan_channels(uint32_t slots, uint32_t slot_bytes) {
+void LocalJob::plan_channels(uint32_t slots, uint32_t slot_bytes, uint32_t recorder_entries) {
   std::vector<uint32_t> ring(table.ring().begin(), table.ring().end());
   uint32_t next = 0;
   incoming.clear();
@@ -21,6 +21,14 @@ void LocalJob::plan_channels(uint32_t slots, uint32_t slot_bytes) {
   layout.num_channels = next;
   layout.slots = slots;
   layout.slot_bytes = slot_bytes;
+  layout.recorders = recorder_entries == 0 ? 0 : uint32_t(local_ranks.size());
+  layout.recorder_entries = layout.recorders == 0 ? 0 : recorder_entries;
+}
+
+void LocalJob::init_recorders() const {
+  for (uint32_t i = 0; i < layout.recorders; ++i) {
+    init_recorder(static_cast<char*>(shm->data()) + layout.recorder_offset(i), layout.recorder_entries, local_ranks[i]);
+  }
 }
 
 v1::ChannelSetup LocalJob::setup_for(uint32_t rank) const {
@@ -30,6 +38,12 @@ v1::ChannelSetup LocalJob::setup_for(uint32_t rank) const {
   s.set_slot_bytes(layout.slot_bytes);
   s.set_num_channels(layout.num_channels);
   s.set_rings(rings);
+  if (layout.recorders != 0) {
+    auto it = std::lower_bound(local_ranks.begin(), local_ranks.end(), rank);
+    s.set_recorders(layout.recorders);
+    s.set_recorder_entries(layout.recorder_entries);
+    s.set_recorder_index(uint32_t(it - local_ranks.begin()));
+  }
   // A local destination owns the channel; the sender writes straight into it. A remote one
   // is reached through this node's staging channel and the proxy.
   auto add = [&](const std::map<EdgeKey, uint32_t>& from, bool remote) {

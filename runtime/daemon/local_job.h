@@ -72,8 +72,11 @@ struct LocalJob {
 
   std::string ids() const { return "job=" + id + " gen=" + std::to_string(generation); }
   bool is_local(uint32_t rank) const;
-  // Lays out the channels of every edge with a local end; needs local_ranks and table.
-  void plan_channels(uint32_t slots, uint32_t slot_bytes);
+  // Lays out the channels of every edge with a local end, then a flight recorder of
+  // `recorder_entries` per local rank (0: none); needs local_ranks and table.
+  void plan_channels(uint32_t slots, uint32_t slot_bytes, uint32_t recorder_entries = 0);
+  // Writes the recorders' headers into fresh (zeroed) shared memory.
+  void init_recorders() const;
   // Channel set-up for one local rank.
   v1::ChannelSetup setup_for(uint32_t rank) const;
   // Marks the channels of `setup` that have a rank socket and moves those sockets out, in

@@ -45,6 +45,12 @@ void usage(FILE* out) {
                "  --ready-file PATH         written with the proxy endpoint once serving\n"
                "  --topo-file PATH          declare this node's GPUs, links and NICs ($GRADSYNC_TOPO_FILE;\n"
                "                            tests: default discovered through NVML, CUDA and sysfs)\n"
+               "  --trace-entries N         flight recorder: the last N collectives per rank (default 2000,\n"
+               "                            $GRADSYNC_TRACE_ENTRIES; 0: none)\n"
+               "  --log-dir DIR             where flight recorder dumps go ($GRADSYNC_LOG_DIR, else systemd's\n"
+               "                            $LOGS_DIRECTORY, else the trainer socket's directory)\n"
+               "  --metrics-listen HOST:PORT  serve Prometheus /metrics there (default off; port 0: any free\n"
+               "                            port, logged)\n"
                "  --log-level LEVEL         trace|debug|info|warn|error (default info)\n"
                "TLS to the coordinator (plaintext is refused off loopback unless --insecure):\n%s"
                "Credentials (--cluster-secret-file, or $GRADSYNC_CLUSTER_SECRET; not with mTLS):\n%s",
@@ -74,6 +80,11 @@ int main(int argc, char** argv) {
     }
     cfg.rings = *rings;
   }
+  if (const char* t = std::getenv("GRADSYNC_TRACE_ENTRIES"); t && *t) {
+    cfg.recorder_entries = static_cast<uint32_t>(std::clamp(std::atol(t), 0L, long(gradsync::kMaxRecorderEntries)));
+  }
+  if (const char* d = std::getenv("LOGS_DIRECTORY"); d && *d) cfg.log_dir = std::string(d).substr(0, std::string(d).find(':'));
+  if (const char* d = std::getenv("GRADSYNC_LOG_DIR"); d && *d) cfg.log_dir = d;
   if (const char* m = std::getenv("GRADSYNC_MAX_CONNECTIONS"); m && *m) cfg.max_connections = static_cast<uint32_t>(std::clamp(std::atol(m), 4L, 65536L));
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -127,6 +138,9 @@ int main(int argc, char** argv) {
     else if (a == "--ready-file") cfg.ready_file = value();
     else if (a == "--topo-file") cfg.topo_file = value();
     else if (a == "--max-connections") cfg.max_connections = static_cast<uint32_t>(number(4, 65536));
+    else if (a == "--trace-entries") cfg.recorder_entries = static_cast<uint32_t>(number(0, gradsync::kMaxRecorderEntries));
+    else if (a == "--log-dir") cfg.log_dir = value();
+    else if (a == "--metrics-listen") cfg.metrics_listen = value();
     else if (a == "--log-level") gradsync::log::set_level(value());
     else if (a == "--help" || a == "-h") { usage(stdout); return 0; }
     else {

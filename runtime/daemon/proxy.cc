@@ -330,6 +330,7 @@ void Pump::send_loop(PumpFailure on_failure) {
       if (!ctx_.stop->load()) on_failure(-1, "lost connection to " + ctx_.peer + ": " + s.message());
       return;
     }
+    if (ctx_.pumped) ctx_.pumped->fetch_add(meta.bytes, std::memory_order_relaxed);
     ch.release();
   }
 }
@@ -357,6 +358,7 @@ void Pump::recv_loop(PumpFailure on_failure) {
     if (!slot.ok()) return;  // aborted
     s = read_all(sock_.get(), *slot, meta.bytes, Deadline::max());
     if (!s.ok()) return fail("connection from " + ctx_.peer + " closed mid-slot (" + s.message() + ")");
+    if (ctx_.pumped) ctx_.pumped->fetch_add(meta.bytes, std::memory_order_relaxed);
     ch.publish(meta);
   }
 }

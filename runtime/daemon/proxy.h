@@ -72,6 +72,8 @@ struct PumpContext {
   // metadata (which that trainer writes) is out of bounds.
   int local_rank = -1;
   std::string local;                         // "rank 0 (pid 123, host h)"
+  // Payload bytes moved on this channel, added to the daemon's per-peer-daemon counter (or null).
+  std::shared_ptr<std::atomic<uint64_t>> pumped;
 };
 
 // One end of a cross-node channel, on its own thread: the transport-independent face that

@@ -306,6 +306,7 @@ void VerbsPump::send_loop(const PumpFailure& on_failure) {
                                     slot_imm(tag_, sent), sent);
       }
       if (!s.ok()) return fail("posting a slot to " + ctx_.peer + ": " + s.message());
+      if (ctx_.pumped) ctx_.pumped->fetch_add(bytes, std::memory_order_relaxed);
       ++next;
       ++sent;
       progress = true;
@@ -378,6 +379,7 @@ void VerbsPump::recv_loop(const PumpFailure& on_failure) {
       if (Status s = check_landed_slot(imm, tag_, arrived, meta, ch.slot_bytes()); !s.ok()) {
         return fail("protocol error from " + ctx_.peer + ": " + s.message());
       }
+      if (ctx_.pumped) ctx_.pumped->fetch_add(meta.bytes, std::memory_order_relaxed);
       ch.publish_landed();
       ++arrived;
       if (Status s = qp_.post_recv(arrived); !s.ok()) {

@@ -8,6 +8,11 @@
 //   badinput       allreduce calls the library must refuse with INVALID_ARGUMENT before
 //                  sending anything (null pointers, overflowing count, misaligned buffer,
 //                  unknown type/op), each printed as "refused WHAT: STATUS"; then `check 1000`
+//   stall COUNT CALLS RANK
+//                  allreduces of COUNT elements; rank RANK makes CALLS of them (collectives
+//                  0..CALLS-1 with GRADSYNC_TUNE=0), prints "STALLED" and reads stdin to EOF;
+//                  the others print "ENTERING n" before call n and go on until one fails
+//                  (flight recorder tests)
 //   rawjoin        joins by talking the daemon protocol directly, skipping the library's own
 //                  argument checks, to test the daemon's; prints "join: STATUS" on failure
 //   calls N R      N allreduces of 1000 elements, checked; rank R makes one call more (the
@@ -164,6 +169,25 @@ int bad_input(gradsync::Communicator& comm) {
   return check(comm, {1000});
 }
 
+// One rank stops calling collectives; the others go on into the next one and wait there.
+int stall(gradsync::Communicator& comm, size_t count, int calls, int stall_rank) {
+  std::vector<float> buf(count, 1.0f);
+  for (int n = 0;; ++n) {
+    if (comm.rank() == stall_rank && n == calls) {
+      std::printf("STALLED after %d calls\n", calls);
+      char c;
+      while (std::fread(&c, 1, 1, stdin) == 1) {}
+      return 0;
+    }
+    if (n >= calls) std::printf("ENTERING %d\n", n);
+    gradsync::Status s = comm.allreduce(buf.data(), count, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
+    if (!s.ok()) {
+      std::printf("FAILED in call %d: %s\n", n, s.to_string().c_str());
+      return 1;
+    }
+  }
+}
+
 // Joins without the library's checks (the daemon must refuse bad requests on its own).
 int raw_join() { return gradsync::testing::raw_join() ? 0 : 1; }
 
@@ -223,6 +247,7 @@ int main(int argc, char** argv) {
   else if (mode == "badinput") rc = bad_input(*comm);
   else if (mode == "calls" && argc >= 4) rc = calls(*comm, std::atoi(argv[2]), std::atoi(argv[3]));
   else if (mode == "odd" && argc >= 4) rc = odd_call(*comm, std::atoi(argv[2]), std::atoi(argv[3]));
+  else if (mode == "stall" && argc >= 5) rc = stall(*comm, std::stoull(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
   else if (mode == "abort") rc = abort_job(*comm);
   else if (mode == "idle") {
     // Rank 0 enters a 1-element allreduce that nobody else joins until stdin closes.
