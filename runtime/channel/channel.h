@@ -21,8 +21,9 @@
 
 namespace gradsync {
 
-// Changes with every change of the shared region's layout (JobControl, the channel counters, the flight recorders):
-// a daemon and a library of different layouts refuse each other instead of misreading.
+// Changes with every change of the shared region's layout (JobControl, the channel counters,
+// the flight recorders): a daemon and a library of different layouts refuse each other
+// instead of misreading.
 constexpr uint32_t kShmMagic = 0x47534333;  // "GSC3"
 constexpr uint32_t kMaxSlots = 64;
 constexpr uint32_t kDefaultSlots = 8;
