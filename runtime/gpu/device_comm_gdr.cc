@@ -1,0 +1,146 @@
+// The GPUDirect RDMA half of the GPU communicator's set-up (gpu/device_comm.h): the flat ring
+// of every rank over the daemons' RDMA devices, and the threshold below which calls stay
+// host-staged, measured at set-up when GRADSYNC_GDR_MIN_BYTES does not give it.
+#include <algorithm>
+#include <cstring>
+
+#include "common/log.h"
+#include "gpu/device_comm.h"
+#include "gpu/device_comm_impl.h"
+#if GRADSYNC_HAVE_GDR
+#include "topology/gpudirect.h"
+#endif
+
+namespace gradsync {
+
+using namespace device_comm_detail;
+
+#if GRADSYNC_HAVE_GDR
+// A GPUDirect RDMA ring of every rank in rank order, on this rank's RDMA device, with the
+// slots of GRADSYNC_GDR_SLOT_BYTES and GRADSYNC_GDR_SLOTS.
+GdrConfig DeviceComm::gdr_config() const {
+  Impl& m = *impl_;
+  GdrConfig g;
+  g.device = cfg_.device;
+  GdrLinkConfig& l = g.link;
+  l.who = who();
+  l.rank = cfg_.rank;
+  l.world_size = cfg_.world_size;
+  l.hosts = cfg_.hosts;
+  l.verbs_device = cfg_.verbs_device;
+  l.verbs_port = cfg_.verbs_port;
+  l.gid_index = cfg_.gid_index;
+  l.verbs_api = cfg_.verbs_api;
+  l.slot_bytes = size_t(env_long("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
+  l.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GDR_SLOTS", 4)));
+  l.op_timeout = cfg_.op_timeout;
+  g.abort_dev = &m.words_dev->abort;
+  g.error_dev = &m.words_dev->error;
+  g.abort_host = &m.words->abort;
+  return g;
+}
+#endif
+
+// GPUDirect RDMA between the nodes, where every rank's daemon has an RDMA device and every
+// rank can register GPU memory with it (gpu/gdr_ring.h); else the host-staged path alone.
+// Collective: every rank of a multi-node communicator calls it.
+Status DeviceComm::setup_gdr() {
+  Impl& m = *impl_;
+#if GRADSYNC_HAVE_GDR
+  auto log = log::get("gpu");
+  // GRADSYNC_GDR_MIN_BYTES checked now (a typo fails the join); measured below when unset.
+  const char* min_env = std::getenv("GRADSYNC_GDR_MIN_BYTES");
+  const bool measure = min_env == nullptr || *min_env == '\0';
+  auto min_bytes = topology::gdr_min_bytes_from_env(0);
+  if (!min_bytes.ok()) return Status(min_bytes.status().code(), who() + ": " + min_bytes.status().message());
+  m.gdr_min_bytes = *min_bytes;
+  // On unless GRADSYNC_GDR=0 (or GRADSYNC_GPU_STAGED) says otherwise.
+  const char* on = std::getenv("GRADSYNC_GDR");
+  const bool asked = on == nullptr || std::strcmp(on, "0") != 0;
+  const bool staged = std::getenv("GRADSYNC_GPU_STAGED") != nullptr;
+  const std::string off = !asked ? "GRADSYNC_GDR=0 is set" : staged ? "GRADSYNC_GPU_STAGED is set" : "";
+  // Still collective when this rank does not want it: the others may. It takes part and
+  // fails locally, and then every rank keeps the host-staged path.
+  GdrConfig g = gdr_config();
+  if (!asked || staged) g.link.verbs_device.clear();
+  if (g.link.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
+  std::string why;
+  auto ring = GdrRing::create(g, ops_, &why);
+  if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
+  m.gdr = std::move(ring).value();
+  if (m.gdr) {
+    if (measure) GS_RETURN_IF_ERROR(measure_gdr_min_bytes());
+    m.why = m.gdr->describe() + "; calls of " + std::to_string(m.gdr_min_bytes) +
+            " bytes and more per segment take it, smaller ones host-staged (GRADSYNC_GDR_MIN_BYTES)";
+    log->info("{}: {}", who(), m.why);
+  } else {
+    const std::string& no = off.empty() ? why : off;
+    m.why += "; no GPUDirect RDMA: " + no;
+    log->info("{}: no GPUDirect RDMA: {}; GPU collectives are host-staged", who(), no);
+  }
+#else
+  (void)m;  // built without the verbs headers: host-staged only
+#endif
+  return Status::Ok();
+}
+
+#if GRADSYNC_HAVE_GDR
+// The small-message threshold (design §3 rule 4), measured once at set-up on every rank in
+// the same order: per size, the best of three float32 sum allreduces on the GPUDirect ring
+// against the host-staged path's work for a one-piece call (copy to pinned memory, the host
+// allreduce, copy back). Every rank takes the slowest rank's times, so all pick one threshold
+// (topology::gdr_min_bytes_from_times).
+Status DeviceComm::measure_gdr_min_bytes() {
+  Impl& m = *impl_;
+  std::vector<size_t> sizes;
+  for (size_t b = 16 << 10; b <= (size_t(1) << 20) && b <= m.slot_bytes; b *= 4) sizes.push_back(b);
+  if (sizes.empty()) return Status::Ok();
+  const size_t n = sizes.size(), biggest = sizes.back();
+  void* dev = nullptr;
+  cudaStream_t st = nullptr;
+  GS_CUDA(cudaMalloc(&dev, biggest), "cudaMalloc (GPUDirect threshold)");
+  Status s = Status::Ok();
+  auto fail = [&](cudaError_t e, const char* what) {
+    if (e != cudaSuccess && s.ok()) s = {Code::kInternal, who() + ": " + what + ": " + cudaGetErrorString(e)};
+  };
+  fail(cudaMemset(dev, 0, biggest), "cudaMemset");
+  fail(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreate");
+  std::vector<double> us(2 * n, 1e30);  // GPUDirect, then host-staged
+  for (size_t i = 0; i < n && s.ok(); ++i) {
+    const size_t bytes = sizes[i], count = bytes / 4;
+    const CollectiveCall c{CollectiveKind::kAllreduce, dev, dev, count, DataType::kFloat32, ReduceOp::kSum, 0,
+                           Algorithm::kRing, 0};
+    for (int rep = 0; rep < 3 && s.ok(); ++rep) {
+      auto t0 = Clock::now();
+      s = m.gdr->enqueue(c, st);
+      fail(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+      us[i] = std::min(us[i], std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (s.ok()) s = async_error();
+      if (!s.ok()) break;
+      t0 = Clock::now();
+      fail(cudaMemcpyAsync(m.staging, dev, bytes, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync");
+      fail(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+      if (s.ok()) s = ops_.allreduce_now(m.staging, m.staging, count, DataType::kFloat32, ReduceOp::kSum);
+      fail(cudaMemcpyAsync(dev, m.staging, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
+      fail(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+      us[n + i] = std::min(us[n + i], std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    }
+  }
+  if (st) (void)cudaStreamDestroy(st);
+  (void)cudaFree(dev);
+  if (!s.ok()) return Status(s.code(), who() + ": measuring GRADSYNC_GDR_MIN_BYTES: " + s.message());
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(us.data(), us.data(), us.size(), DataType::kFloat64, ReduceOp::kMax));
+  m.gdr_min_bytes = topology::gdr_min_bytes_from_times(sizes, std::vector<double>(us.begin(), us.begin() + n),
+                                                       std::vector<double>(us.begin() + n, us.end()));
+  std::string table;
+  for (size_t i = 0; i < n; ++i) {
+    table += (i ? ", " : "") + std::to_string(sizes[i] >> 10) + " KiB " + std::to_string(int(us[i])) + "/" +
+             std::to_string(int(us[n + i])) + " us";
+  }
+  log::get("gpu")->info("{}: GRADSYNC_GDR_MIN_BYTES measured: {} bytes (GPUDirect/host-staged, slowest rank: {})",
+                        who(), m.gdr_min_bytes, table);
+  return Status::Ok();
+}
+#endif
+
+}  // namespace gradsync
