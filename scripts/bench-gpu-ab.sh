@@ -9,6 +9,8 @@
 # present): on a one-GPU machine every rank shares GPU 0 and the processes time-slice it.
 # BENCH_RANGE (default "-b 1M -e 1G -f 2"), ROUNDS (default 2). Tables go to
 # $OUT/ab-{old,new}-N.txt; the last lines print algbw of both per size and round.
+# OLD_BIN: a folder with the old build's gradsyncrun and gradsyncd (and their daemon protocol),
+# where the old and new runtimes cannot talk to each other; default the bundle's.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -20,10 +22,10 @@ export NCCL_NVLS_ENABLE=0
 range=${BENCH_RANGE:--b 1M -e 1G -f 2}
 for round in $(seq "${ROUNDS:-2}"); do
   for which in old new; do
-    exe=$old
-    [ "$which" = new ] && exe=$new
+    exe=$old run=${OLD_BIN:-$bin}
+    [ "$which" = new ] && exe=$new run=$bin
     # shellcheck disable=SC2086
-    timeout 280 "$bin/gradsyncrun" --standalone --no-prefix --timeout-s 270 -n "${NGPUS:-2}" \
+    timeout 280 "$run/gradsyncrun" --standalone --no-prefix --timeout-s 270 -n "${NGPUS:-2}" \
       "$exe" --device cuda $range -w 3 -n 10 "$@" > "$OUT/ab-$which-$round.txt" 2> "$OUT/ab-$which-$round.err"
     echo "ab: $which round $round exit $?"
   done

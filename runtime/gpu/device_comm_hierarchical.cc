@@ -63,14 +63,13 @@ Status DeviceComm::setup_hierarchical() {
   } else if (!m.gdr) {
     not_why = "no GPUDirect RDMA ring between the nodes";
   }
-  // Opt-in (GRADSYNC_GPU_HIERARCHICAL=1) until its tests have passed on a GPU: the first run
-  // on the H200 (ranks as threads sharing GPU 0) hung, before lazy kernel loading was ruled
-  // out there (docs/status.md).
-  int32_t on = 0;
-  if (const char* h = std::getenv("GRADSYNC_GPU_HIERARCHICAL"); h != nullptr && std::strcmp(h, "1") == 0) on = 1;
+  // On unless GRADSYNC_GPU_HIERARCHICAL=0 (or GRADSYNC_GPU_STAGED) on some rank: agreed, as
+  // every rank must run the same steps.
+  int32_t on = 1;
+  if (const char* h = std::getenv("GRADSYNC_GPU_HIERARCHICAL"); h != nullptr && std::strcmp(h, "0") == 0) on = 0;
   if (std::getenv("GRADSYNC_GPU_STAGED") != nullptr) on = 0;
   GS_RETURN_IF_ERROR(ops_.allreduce_now(&on, &on, 1, DataType::kInt32, ReduceOp::kMin));
-  if (not_why.empty() && on == 0) not_why = "off (GRADSYNC_GPU_HIERARCHICAL=1 on every rank turns it on)";
+  if (not_why.empty() && on == 0) not_why = "off (GRADSYNC_GPU_HIERARCHICAL=0 or GRADSYNC_GPU_STAGED on some rank)";
   if (!not_why.empty()) {
     m.why += "; not hierarchical: " + not_why;
     return Status::Ok();
@@ -107,7 +106,7 @@ Status DeviceComm::setup_hierarchical() {
           std::to_string((m.layout.region_bytes() + (1 << 20) - 1) >> 20) + " MiB), between the nodes rail " +
           std::to_string(local) + " (ranks " + members + ") over " + m.rail->describe() +
           "; other collectives and smaller allreduces: " + m.gdr->describe() + " or host-staged "
-          "(GRADSYNC_GPU_HIERARCHICAL=1)";
+          "(GRADSYNC_GPU_HIERARCHICAL=0 turns it off)";
   log::get("gpu")->info("{}: {}", who(), m.why);
   return Status::Ok();
 #else

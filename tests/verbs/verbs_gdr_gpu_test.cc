@@ -33,7 +33,13 @@ namespace {
 // its peer, a GPUDirect step waiting for a message): the first hierarchical allreduce hung
 // that way on the H200. Separate processes (one per GPU) do not share a context; the tests
 // load every kernel at start instead, before CUDA starts.
-const bool kEagerLoading = [] { return ::setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0; }();
+// For the same reason the context gets CUDA's largest number of hardware queues: with the
+// default 8, the streams of 6 or 8 ranks share queues, and a kernel of one rank waits behind
+// another rank's kernel that is waiting for it (2x4 and 3x2 hung in their first call that way
+// on the H200 while 2x2 passed). One process per GPU has a context of its own.
+const bool kEagerLoading = [] {
+  return ::setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0 && ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
+}();
 
 using namespace std::chrono_literals;
 using testing::cuda_status;
@@ -155,8 +161,8 @@ TEST_F(Gdr, CollectivesMatrixThreeNodesTwoSlots) {
   testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
 }
 
-// Two ranks per node, the flat ring (the default; GRADSYNC_GPU_HIERARCHICAL=0 says it): the
-// ring's links inside a node go through the node's own NIC too.
+// Two ranks per node, the flat ring (GRADSYNC_GPU_HIERARCHICAL=0 turns the hierarchical
+// default off): the ring's links inside a node go through the node's own NIC too.
 TEST_F(Gdr, AllreduceMatrixTwoNodesTimesTwoFlat) {
   ::setenv("GRADSYNC_GPU_HIERARCHICAL", "0", 1);
   DaemonCluster cluster({.nodes = 2});
@@ -170,11 +176,16 @@ TEST_F(Gdr, AllreduceMatrixTwoNodesTimesTwoFlat) {
 }
 
 // Several nodes of several GPU ranks (all on this machine's GPUs; each "node" a daemon on its
-// own emulated RDMA device): allreduce hierarchical with GRADSYNC_GPU_HIERARCHICAL=1 (CUDA IPC
-// inside the node, a GPUDirect ring per rail between), tree on request (host-staged tree),
-// ring on request (the flat GPUDirect ring); the other collectives on the flat ring. Every
-// result exact. On the H200 (2026-12-02) 2x1 passed; 2x2, 2x4 and 3x2 hung in their first
-// hierarchical allreduce (before the eager loading above was added; not yet run with it).
+// own emulated RDMA device): allreduce hierarchical by default (CUDA IPC inside the node, a
+// GPUDirect ring per rail between), tree on request (host-staged tree), ring on request (the
+// flat GPUDirect ring); the other collectives on the flat ring. Every result exact. Passed on
+// the H200 (2026-12-02) at 2x1, 2x2, 2x4 and 3x2 once the context had eager loading and 32
+// hardware queues (above).
+// Test names of the shapes: x<nodes>_<ranks per node>.
+std::string shape_name(const ::testing::TestParamInfo<std::pair<int, int>>& info) {
+  return "x" + std::to_string(info.param.first) + "_" + std::to_string(info.param.second);
+}
+
 class GdrShapes : public Gdr, public ::testing::WithParamInterface<std::pair<int, int>> {};
 
 TEST_P(GdrShapes, CollectivesMatrix) {
@@ -182,7 +193,6 @@ TEST_P(GdrShapes, CollectivesMatrix) {
   // The ranks share one GPU: few blocks each, so that the emulated NIC's copies and the
   // GPUDirect steps' waits always find an SM beside the node kernels.
   ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
-  ::setenv("GRADSYNC_GPU_HIERARCHICAL", "1", 1);
   const auto [nodes, per] = GetParam();
   DaemonCluster cluster({.nodes = nodes});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
@@ -197,31 +207,77 @@ TEST_P(GdrShapes, CollectivesMatrix) {
   testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kAuto);
 }
 
+// A few float32 sums (the tail alone, then shards and tails), every rank's outcome reported
+// and checked, with a short op timeout: the matrix above stops at its first failing rank.
+TEST_P(GdrShapes, FirstAllreducesEveryRankReports) {
+  ASSERT_TRUE(kEagerLoading);
+  ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
+  const auto [nodes, per] = GetParam();
+  const int n = nodes * per;
+  DaemonCluster cluster({.nodes = nodes});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, nodes, per, "first-" + std::to_string(nodes) + "x" + std::to_string(per), 8s,
+                    on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  GpuWorld gpus(world);
+  for (size_t count : {size_t(1), size_t(13), size_t(1031), size_t(5003)}) {
+    std::vector<std::vector<float>> in(static_cast<size_t>(n), std::vector<float>(count));
+    std::vector<std::vector<float>> out = in;
+    std::vector<CollectiveCall> calls(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < count; ++i) in[size_t(r)][i] = float(r + 1 + int(i % 7));
+      calls[size_t(r)] = {CollectiveKind::kAllreduce, in[size_t(r)].data(), out[size_t(r)].data(), count,
+                          DataType::kFloat32, ReduceOp::kSum, 0, Algorithm::kAuto, 0};
+    }
+    auto st = gpus.collective(calls);
+    int failed = 0;
+    for (int r = 0; r < n; ++r) {
+      size_t bad = count;
+      for (size_t i = 0; i < count && st[size_t(r)].ok(); ++i) {
+        if (out[size_t(r)][i] != float(n * (n + 1) / 2 + n * int(i % 7))) {
+          bad = i;
+          break;
+        }
+      }
+      if (!st[size_t(r)].ok() || bad != count) ++failed;
+      EXPECT_TRUE(st[size_t(r)].ok()) << "count " << count << " rank " << r << ": " << st[size_t(r)].to_string();
+      EXPECT_EQ(bad, count) << "count " << count << " rank " << r << ": element " << bad << " wrong";
+    }
+    if (failed > 0) break;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, GdrShapes,
                          ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4}, std::pair{3, 2}),
-                         [](const auto& info) {
-                           return "x" + std::to_string(info.param.first) + "_" + std::to_string(info.param.second);
-                         });
+                         shape_name);
 
 // The same shapes with TCP between the nodes (no RDMA device): host-staged, ring and tree.
-TEST_F(Gdr, HostStagedOverTcpTwoNodesTimesTwoRingAndTree) {
-  DaemonCluster cluster({.nodes = 2, .transport = {"tcp", "tcp"}});
+class StagedShapes : public Gdr, public ::testing::WithParamInterface<std::pair<int, int>> {};
+
+TEST_P(StagedShapes, OverTcpRingAndTree) {
+  const auto [nodes, per] = GetParam();
+  DaemonCluster cluster({.nodes = nodes, .transport = std::vector<std::string>(size_t(nodes), "tcp")});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
-  DaemonWorld world(cluster, 2, 2, "staged-2x2", 60s, on_gpus);
+  const std::string job = "staged-" + std::to_string(nodes) + "x" + std::to_string(per);
+  DaemonWorld world(cluster, nodes, per, job, 60s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
   expect_path(world, "host-staged");
   GpuWorld gpus(world);
   testing::allreduce_matrix(gpus, Algorithm::kRing);
   testing::allreduce_matrix(gpus, Algorithm::kTree);
   testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kTree);
 }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, StagedShapes,
+                         ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4}, std::pair{3, 2}),
+                         shape_name);
 
 // The bytes of the hierarchical path inside the node, counted by the IPC kernels: 2 (L-1)/L
 // of the buffer per rank (reduce_scatter then all_gather), at 2 nodes x 4.
 TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
   ASSERT_TRUE(kEagerLoading);
   ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
-  ::setenv("GRADSYNC_GPU_HIERARCHICAL", "1", 1);
   ::setenv("GRADSYNC_GDR_SLOT_BYTES", "1048576", 1);
   DaemonCluster cluster({.nodes = 2});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
