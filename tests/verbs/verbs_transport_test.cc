@@ -43,7 +43,8 @@ TEST_P(VerbsCollectives, MatrixOverRcQueuePairs) {
 INSTANTIATE_TEST_SUITE_P(Shapes, VerbsCollectives,
                          ::testing::Values(Shape{2, 1, Algorithm::kRing, 1}, Shape{2, 1, Algorithm::kTree, 1},
                                            Shape{2, 2, Algorithm::kRing, 2}, Shape{2, 2, Algorithm::kTree, 1},
-                                           Shape{3, 1, Algorithm::kRing, 1}, Shape{3, 1, Algorithm::kTree, 1}),
+                                           Shape{3, 1, Algorithm::kRing, 1}, Shape{3, 1, Algorithm::kTree, 1},
+                                           Shape{3, 2, Algorithm::kRing, 1}, Shape{3, 2, Algorithm::kTree, 1}),
                          [](const auto& info) {
                            const Shape& p = info.param;
                            return std::to_string(std::get<0>(p)) + "nodes_x" + std::to_string(std::get<1>(p)) +
