@@ -69,23 +69,7 @@ size_t wrong_reduced(const DataSpec& d, size_t first, size_t count, const T* got
       double acc = op == ReduceOp::kProd ? 1 : 0, mag = 0;
       for (int r = 0; r < d.world; ++r) {
         double x = Codec<T>::decode(input<T>(keys[r], e, op));
-        if (r == 0 && (op == ReduceOp::kMin || op == ReduceOp::kMax)) acc = x;
-        switch (op) {
-          case ReduceOp::kSum:
-          case ReduceOp::kAvg:
-            acc += x;
-            mag += std::abs(x);
-            break;
-          case ReduceOp::kProd:
-            acc *= x;
-            break;
-          case ReduceOp::kMin:
-            acc = std::min(acc, x);
-            break;
-          case ReduceOp::kMax:
-            acc = std::max(acc, x);
-            break;
-        }
+        fold_reference(op, r, x, acc, mag);
       }
       if (op == ReduceOp::kAvg) acc /= d.world, mag /= d.world;
       if (op == ReduceOp::kProd) mag = std::abs(acc);

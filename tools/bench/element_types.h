@@ -3,6 +3,7 @@
 // GPU bench (gpu.cc).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -90,6 +91,27 @@ auto with_type(gradsync::DataType t, F&& f) {
       return f(int64_t{});
   }
   return f(float{});
+}
+
+// One rank's step of a reference reduction in double: acc becomes the fold of the first r + 1
+// values (rank 0's value itself for min and max); mag sums |x|, which bounds a sum's rounding.
+inline void fold_reference(gradsync::ReduceOp op, int r, double x, double& acc, double& mag) {
+  switch (op) {
+    case gradsync::ReduceOp::kSum:
+    case gradsync::ReduceOp::kAvg:
+      acc += x;
+      mag += std::abs(x);
+      break;
+    case gradsync::ReduceOp::kProd:
+      acc *= x;
+      break;
+    case gradsync::ReduceOp::kMin:
+      acc = r == 0 ? x : std::min(acc, x);
+      break;
+    case gradsync::ReduceOp::kMax:
+      acc = r == 0 ? x : std::max(acc, x);
+      break;
+  }
 }
 
 }  // namespace bench

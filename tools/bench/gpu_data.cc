@@ -106,22 +106,7 @@ void make_data(Row& w, int rank, int n) {
       for (int r = 0; r < n; ++r) {
         const double x = value(w.type, w.op, r, n, k);
         if (r == rank) mine[k] = Codec<T>::encode(x);
-        switch (w.op) {
-          case ReduceOp::kSum:
-          case ReduceOp::kAvg:
-            acc += x;
-            mag += std::abs(x);
-            break;
-          case ReduceOp::kProd:
-            acc *= x;
-            break;
-          case ReduceOp::kMin:
-            acc = r == 0 ? x : std::min(acc, x);
-            break;
-          case ReduceOp::kMax:
-            acc = r == 0 ? x : std::max(acc, x);
-            break;
-        }
+        fold_reference(w.op, r, x, acc, mag);
       }
       if (w.op == ReduceOp::kAvg) {
         acc /= n;
