@@ -15,6 +15,7 @@
 #include "common/metrics_server.h"
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/trace_gather.h"
+#include "coordinator/regroup.h"
 
 namespace gradsync::coordinator {
 namespace {
@@ -103,6 +104,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
       std::lock_guard lock(mu_);
       stopping_ = true;
     }
+    regroup_.stop();
     join_cv_.notify_all();
     event_cv_.notify_all();
     ticker_cv_.notify_all();
@@ -262,6 +264,36 @@ class CoordinatorService final : public v1::Coordinator::Service {
     return to_grpc(s);
   }
 
+  // Elastic membership (coordinator/regroup.h): its own table and lock, apart from the jobs'.
+  grpc::Status Regroup(grpc::ServerContext* ctx, const v1::RegroupRequest* req, v1::RegroupResponse* resp) override {
+    // The base job's token: the same for every generation of the job.
+    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "Regroup"); !a.ok()) return to_grpc(a);
+    RegroupCall c;
+    c.node_id = req->node_id();
+    c.job = req->job_id();
+    c.token = req->token();
+    c.from_generation = req->from_generation();
+    c.old_world_size = req->old_world_size();
+    c.old_rank = req->old_rank();
+    c.failed.assign(req->failed().begin(), req->failed().end());
+    c.newcomer = req->newcomer();
+    c.newcomers = req->newcomers();
+    c.wait = Millis(req->wait_ms());
+    // The caller's deadline, at most a little past the longest wait (no deadline: "forever").
+    const auto call_left = std::min<std::chrono::system_clock::duration>(
+        ctx->deadline() - std::chrono::system_clock::now(), std::chrono::minutes(11));
+    auto outcome = regroup_.run(c, Clock::now() + std::chrono::duration_cast<Millis>(call_left),
+                                [ctx] { return ctx->IsCancelled(); });
+    if (!outcome.ok()) return to_grpc(outcome.status());
+    resp->set_generation(outcome->generation);
+    resp->set_world_size(outcome->world_size);
+    resp->set_rank(outcome->rank);
+    resp->set_local_rank(outcome->local_rank);
+    resp->set_local_world_size(outcome->local_world_size);
+    for (int32_t r : outcome->old_ranks) resp->add_old_ranks(r);
+    return grpc::Status::OK;
+  }
+
   grpc::Status ReportPath(grpc::ServerContext* ctx, const v1::ReportPathRequest* req,
                           v1::ReportPathResponse*) override {
     if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "ReportPath"); !a.ok()) return to_grpc(a);
@@ -407,6 +439,7 @@ class CoordinatorService final : public v1::Coordinator::Service {
   std::condition_variable event_cv_;   // an event queue changed
   std::condition_variable ticker_cv_;  // only to stop the ticker early
   JobTable table_;
+  RegroupService regroup_;
   std::map<std::string, NodeQueue> queues_;
   TraceGather traces_;  // open TraceJob requests (own mutex)
   CoordinatorMetrics metrics_;  // own mutex

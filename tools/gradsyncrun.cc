@@ -50,7 +50,7 @@ bool read_file(const std::string& path, std::string* text) {
 
 class Launcher {
  public:
-  explicit Launcher(Options o) : o_(std::move(o)) {
+  explicit Launcher(Options o) : o_(std::move(o)), replacements_left_(o_.replace_failed) {
     if (o_.timeout_s)
       deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                      std::chrono::duration<double>(*o_.timeout_s));
@@ -187,6 +187,18 @@ class Launcher {
     if (!path.ok()) return fail(path.status().message());
     const int n = o_.nproc_per_node;
     for (int local = 0; local < n; ++local) {
+      if (int rc = start_rank(*path, local, false); rc != 0) return rc;
+    }
+    log::get("launcher")
+        ->debug("job {}: started ranks {}..{} of {}", o_.job_id, o_.node_rank * n,
+                o_.node_rank * n + n - 1, o_.nnodes * n);
+    return 0;
+  }
+
+  // One rank process; a replacement (--replace-failed) takes the place of the one that died.
+  int start_rank(const std::string& path, int local, bool replacement) {
+    const int n = o_.nproc_per_node;
+    {
       const int rank = o_.node_rank * n + local;
       std::vector<std::string> vars = {
           "RANK=" + std::to_string(rank),        "WORLD_SIZE=" + std::to_string(o_.nnodes * n),
@@ -197,16 +209,18 @@ class Launcher {
           // launched this gradsyncrun (common/launch_env.h).
           "GRADSYNC_LAUNCHER=gradsyncrun"};
       if (!o_.log_level.empty()) vars.push_back("GRADSYNC_LOG_LEVEL=" + o_.log_level);
-      Command cmd{*path, o_.program, environment_with(vars), !o_.no_prefix};
-      const std::string label = "rank " + std::to_string(rank);
+      if (replacement) vars.push_back("GRADSYNC_REPLACEMENT=1");
+      Command cmd{path, o_.program, environment_with(vars), !o_.no_prefix};
+      const std::string label = (replacement ? "replacement " : "rank ") + std::to_string(rank);
       auto idx =
           sup_.start(label, std::move(cmd), "[" + label + "] ", STDOUT_FILENO, STDERR_FILENO);
       if (!idx.ok()) return fail("cannot start " + label + ": " + idx.status().message());
-      ranks_.push_back(*idx);
+      if (replacement) {
+        ranks_[size_t(local)] = *idx;
+      } else {
+        ranks_.push_back(*idx);
+      }
     }
-    log::get("launcher")
-        ->debug("job {}: started ranks {}..{} of {}", o_.job_id, o_.node_rank * n,
-                o_.node_rank * n + n - 1, o_.nnodes * n);
     return 0;
   }
 
@@ -269,6 +283,16 @@ class Launcher {
     for (const ChildExit& e : sup_.take_exits()) {
       const bool is_rank = std::find(ranks_.begin(), ranks_.end(), e.child) != ranks_.end();
       if (is_rank && e.status == 0) continue;
+      if (is_rank && replacements_left_ > 0) {
+        --replacements_left_;
+        const int local = int(std::find(ranks_.begin(), ranks_.end(), e.child) - ranks_.begin());
+        say(sup_.name(e.child) + " " + describe_wait_status(e.status) + "; starting a replacement (" +
+            std::to_string(replacements_left_) + " more allowed)");
+        auto path = find(o_.program[0]);
+        if (!path.ok()) return fail(path.status().message());
+        if (int rc = start_rank(*path, local, true); rc != 0) return rc;
+        continue;
+      }
       if (is_rank) return fail(sup_.name(e.child) + " " + describe_wait_status(e.status));
       const auto [waited, what] = waiting_for_;
       const std::string when = waited < 0 ? "while ranks were running"
@@ -334,6 +358,7 @@ class Launcher {
   Options o_;
   Supervisor sup_;
   Deadline deadline_ = Deadline::max();  // --timeout-s
+  int replacements_left_;                // --replace-failed
   std::string tmpdir_;
   std::string coordinator_addr_;
   std::vector<std::string> server_env_;  // NAME=VALUE for the coordinator and daemon started here

@@ -15,6 +15,7 @@
 #include "channel/channel.h"
 #include "channel/flight_recorder.h"
 #include "channel/shared_memory.h"
+#include "client/communicator_internals.h"
 #include "client/daemon_client.h"
 #include "common/launch_env.h"
 #include "client/links.h"
@@ -343,7 +344,21 @@ class CommunicatorImpl {
     gpu_.reset();
   }
 #endif
-  uint64_t generation() const { return join_.generation(); }
+  uint64_t generation() const { return lineage_.generation; }
+  void set_lineage(Lineage l) { lineage_ = std::move(l); }
+
+  CommunicatorInternals::State elastic_state() {
+    CommunicatorInternals::State st;
+    st.options = opts_;
+    st.socket_path = daemon_.socket_path();
+    st.lineage = lineage_;
+    st.aborted = wait_.control->aborted.load(std::memory_order_acquire) || lost_daemon_.load(std::memory_order_acquire);
+    st.culprit = st.aborted ? wait_.control->failed_rank.load(std::memory_order_acquire) : -1;
+    std::lock_guard lock(mu_);
+    st.idle = queue_.empty() && !busy_;
+    st.left = left_;
+    return st;
+  }
 
  private:
   void run_worker() {
@@ -554,6 +569,7 @@ class CommunicatorImpl {
   SharedMemory shm_;
   ShmLayout layout_;
   v1::JoinResponse join_;
+  Lineage lineage_;
   std::shared_ptr<spdlog::logger> log_;
   RankLinks links_;
   CostModel model_;
@@ -711,9 +727,6 @@ Result<uint64_t> Communicator::gpu_bytes_sent() const {
   return gpu ? gpu->bytes_sent() : Result<uint64_t>(uint64_t{0});
 }
 // gpu/timeline.h: the bench's and the tests' way to the DeviceComm's timeline.
-struct CommunicatorInternals {
-  static CommunicatorImpl* impl(Communicator& c) { return c.impl_.get(); }
-};
 Result<gpu::Timeline> gpu::last_timeline(Communicator& comm) {
   CommunicatorImpl* impl = CommunicatorInternals::impl(comm);
   DeviceComm* d = impl != nullptr ? impl->gpu() : nullptr;
@@ -794,9 +807,21 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   }
   if (o.job.empty()) return Status(Code::kInvalidArgument, who + "empty job id");
 
-  Deadline deadline = deadline_after(o.join_timeout + std::chrono::seconds(5));
-  auto daemon = DaemonClient::connect(impl_->socket_path, deadline);
+  auto daemon = DaemonClient::connect(impl_->socket_path, deadline_after(o.join_timeout + std::chrono::seconds(5)));
   if (!daemon.ok()) return daemon.status();
+  return CommunicatorInternals::join(std::move(daemon).value(), o, nullptr);
+}
+
+Result<CommunicatorInternals::State> CommunicatorInternals::state(Communicator& c) {
+  if (!c.impl_) return Status(Code::kFailedPrecondition, "an empty communicator (moved from)");
+  return c.impl_->elastic_state();
+}
+
+Result<Communicator> CommunicatorInternals::join(DaemonClient daemon_client, const JoinOptions& o,
+                                                 const Lineage* lineage) {
+  const std::string who = "job=" + o.job + " rank " + std::to_string(o.rank) + ": join refused: ";
+  Deadline deadline = deadline_after(o.join_timeout + std::chrono::seconds(5));
+  DaemonClient* daemon = &daemon_client;
   v1::ClientMessage req;
   auto* j = req.mutable_join();
   j->set_job_id(o.job);
@@ -831,7 +856,10 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   if (layout.total_bytes() != setup.shm_bytes()) {
     return Status(Code::kInternal, "gradsyncd's channel set-up does not match its layout");
   }
-  auto shm = SharedMemory::map(std::move(shm_fd), setup.shm_bytes(), /*populate=*/true);
+  // A first join pre-faults the region (its first calls then run at full speed); a new
+  // elastic generation is wanted at once: its pages fault in as its calls first touch them
+  // (MAP_POPULATE of 248 MiB for 7 ranks took about 1 s of the 1.3 s of a shrink on the VM).
+  auto shm = SharedMemory::map(std::move(shm_fd), setup.shm_bytes(), /*populate=*/lineage == nullptr);
   if (!shm.ok()) return shm.status();
   GS_RETURN_IF_ERROR(check_job_control(shm->data(), layout));
   const v1::JoinResponse& jr = reply->join();
@@ -843,7 +871,7 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   const size_t own_sockets = fds.size();
   auto links = build_links(o.job, o.rank, ring, hosts, setup, shm->data(), layout, std::move(fds));
   if (!links.ok()) return links.status();
-  auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon).value(), std::move(shm).value(),
+  auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon_client), std::move(shm).value(),
                                                  layout, jr, std::move(links).value());
   // Where this rank's slots go: cross-node send channels the daemon still pumps (RDMA, or a
   // peer node that keeps TCP in its proxy); the others are sockets this rank moves itself.
@@ -854,7 +882,8 @@ Result<Communicator> Session::join(const JoinOptions& o) {
                         : own_sockets == 0 ? RecordPath::kDaemon
                         : proxied == 0     ? RecordPath::kRankSockets
                                            : RecordPath::kMixed);
-  GS_RETURN_IF_ERROR(impl->calibrate());
+  impl->set_lineage(lineage ? *lineage : Lineage{o.job, jr.generation()});
+  if (lineage == nullptr) GS_RETURN_IF_ERROR(impl->calibrate());
   if (o.device == JoinOptions::kNoDevice) {
     const std::string via_daemon =
         std::string("through gradsyncd over ") + (jr.has_verbs() ? "RDMA where their node has it, else TCP" : "TCP");

@@ -234,4 +234,18 @@ Status CoordinatorLink::abort(const std::string& job, uint64_t generation, int f
   return from_grpc(stub_->AbortJob(&ctx, req, &resp), "abort of job " + job);
 }
 
+Result<v1::RegroupResponse> CoordinatorLink::regroup(v1::RegroupRequest req) {
+  grpc::ClientContext ctx;
+  // The coordinator answers by the request's wait; our deadline is a backstop.
+  set_deadline(ctx, std::chrono::milliseconds(req.wait_ms()) + kCallTimeout);
+  req.set_node_id(node_id());
+  // The caller's own token, not the one this daemon keeps for the job's calls: a newcomer
+  // with a wrong one must not replace it.
+  if (!req.token().empty()) ctx.AddMetadata(kJobTokenHeader, req.token());
+  v1::RegroupResponse resp;
+  Status s = from_grpc(stub_->Regroup(&ctx, req, &resp), "regroup of job " + req.job_id());
+  if (!s.ok()) return s;
+  return resp;
+}
+
 }  // namespace gradsync

@@ -50,6 +50,8 @@ class CoordinatorLink {
   Status report_trace(v1::ReportTraceRequest req);
   Status abort(const std::string& job, uint64_t generation, int failed_rank,
                const std::string& reason);
+  // Elastic membership of one rank (RegroupRequest): blocks until the coordinator decided.
+  Result<v1::RegroupResponse> regroup(v1::RegroupRequest req);
 
  private:
   Status register_node();

@@ -461,6 +461,27 @@ void Daemon::serve_trainer(Fd sock) {
       for (const Fd& f : rank_socks) fds.push_back(f.get());
       s = send_frame(sock.get(), reply, fds);
       rank_socks.clear();
+    } else if (msg.has_regroup()) {
+      // Elastic membership (gradsync/elastic.h), before this connection joins the next
+      // generation: one rank's call, passed to the coordinator, which answers once decided.
+      if (job) {
+        s = send_frame(sock.get(), error_message({Code::kFailedPrecondition,
+                                                  "regroup on a connection that already joined job " + job->id}));
+        continue;
+      }
+      if (Status bad = check_regroup_request(msg.regroup(), pid, hostname_); !bad.ok()) {
+        s = send_frame(sock.get(), error_message(bad));
+        continue;
+      }
+      auto decided = link_->regroup(msg.regroup());
+      if (!decided.ok()) {
+        s = send_frame(sock.get(), error_message(decided.status()));
+        continue;
+      }
+      log->info("job={} rank {} (pid {}) regrouped: rank {} of {} in generation {}", msg.regroup().job_id(),
+                msg.regroup().old_rank(), pid, decided->rank(), decided->world_size(), decided->generation());
+      *reply.mutable_regroup() = std::move(decided).value();
+      s = send_frame(sock.get(), reply);
     } else if (msg.has_leave()) {
       if (job) {
         std::lock_guard lock(mu_);

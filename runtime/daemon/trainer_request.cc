@@ -45,4 +45,18 @@ Status check_join_request(const v1::JoinRequest& req, uint32_t pid, const std::s
   return Status::Ok();
 }
 
+Status check_regroup_request(const v1::RegroupRequest& req, uint32_t pid, const std::string& host) {
+  const std::string caller = "regroup of pid " + std::to_string(pid) + " on " + host;
+  if (Status id = check_job_id(req.job_id()); !id.ok()) return {id.code(), caller + ": " + id.message()};
+  const std::string who = "job=" + req.job_id() + " " + caller + ": ";
+  auto invalid = [&](const std::string& what) { return Status(Code::kInvalidArgument, who + what); };
+  if (req.token().size() > kMaxTokenBytes) return invalid("token longer than " + std::to_string(kMaxTokenBytes) + " bytes");
+  if (req.newcomer()) return Status::Ok();
+  if (req.old_world_size() == 0 || req.old_world_size() > kMaxWorldSize) return invalid("old world size out of range");
+  if (req.old_rank() < 0 || uint32_t(req.old_rank()) >= req.old_world_size()) return invalid("old rank out of range");
+  if (uint32_t(req.failed_size()) > req.old_world_size()) return invalid("more failed ranks than the world");
+  if (req.from_generation() == 0) return invalid("generation 0");
+  return Status::Ok();
+}
+
 }  // namespace gradsync

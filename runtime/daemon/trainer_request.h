@@ -23,4 +23,7 @@ Status read_trainer_request(int sock, v1::ClientMessage* msg, Deadline deadline)
 // `pid` and `host` name the caller in the error.
 Status check_join_request(const v1::JoinRequest& req, uint32_t pid, const std::string& host);
 
+// Checks an elastic regroup (gradsync/elastic.h) the same way: job id, token, sizes, waits.
+Status check_regroup_request(const v1::RegroupRequest& req, uint32_t pid, const std::string& host);
+
 }  // namespace gradsync

@@ -135,6 +135,9 @@ ppr:1:node, a PyTorchJob (PET_NODE_RANK, PET_NNODES) or a JobSet (JOBSET_JOB_GLO
   --log-level L             trace|debug|info|warn|error|off, for the launcher and children
   --timeout-s S             stop everything after S seconds and exit 124
   --no-prefix               do not prefix rank output with "[rank R] "
+  --replace-failed N        elastic jobs: start a replacement for a rank process that dies
+                            (at most N in all), with GRADSYNC_REPLACEMENT=1; the survivors
+                            admit it at their next grow (gradsync/elastic.h)
   -h, --help                this text
 )";
 }
@@ -185,7 +188,7 @@ ParseOutcome parse_options(int argc, char** argv) {
     static const char* kValueFlags[] = {
         "-n",       "--nproc-per-node", "--coordinator", "--nnodes",    "--node-rank", "--daemon",
         "--job-id", "--token-file",     "--node-name",   "--log-level", "--timeout-s",
-        "--tls-cert", "--tls-key",      "--tls-ca",      "--cluster-secret-file"};
+        "--tls-cert", "--tls-key",      "--tls-ca",      "--cluster-secret-file", "--replace-failed"};
     bool known = false;
     for (const char* f : kValueFlags) known = known || flag == f;
     if (!known) return fail("unknown option " + arg);
@@ -205,6 +208,8 @@ ParseOutcome parse_options(int argc, char** argv) {
       const double s = std::strtod(value->c_str(), &end);
       if (value->empty() || *end != '\0' || !(s > 0)) return fail("--timeout-s needs seconds > 0");
       o.timeout_s = std::min(s, kMaxTimeoutS);
+    } else if (flag == "--replace-failed") {
+      if (!parse_int(*value, 0, &o.replace_failed)) return fail("--replace-failed needs an integer >= 0");
     } else if (flag == "--coordinator") {
       o.coordinator = *value;
     } else if (flag == "--daemon") {

@@ -25,6 +25,10 @@ struct Options {
   std::string node_name;
   std::optional<double> timeout_s;
   bool no_prefix = false;
+  // --replace-failed N: a rank process that dies is replaced by a new one (same variables,
+  // plus GRADSYNC_REPLACEMENT=1), at most N times in all; it joins the job at the survivors'
+  // next grow (gradsync/elastic.h). 0: a dead rank ends the job, as before.
+  int replace_failed = 0;
   // --tls-cert F, --tls-key F, --tls-ca F, --insecure, --cluster-secret-file F as given:
   // passed on to the gradsyncd this launcher starts (its link to the coordinator;
   // common/grpc_security.h, common/call_auth.h).
