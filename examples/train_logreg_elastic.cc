@@ -7,7 +7,7 @@
 //
 //   gradsyncrun --standalone -n 4 --replace-failed 1 build/bin/train_logreg_elastic
 //       [--steps 40] [--kill-step 20] [--grow-step 30] [--kill-rank N-1] [--batch 128]
-//       [--samples 8192] [--features 64]
+//       [--samples 8192] [--features 64] [--slow-rank R --slow-ms 2500 --shrink-wait-ms 5000]
 //
 // Each step takes a mini-batch of --batch samples per rank from a cursor that advances by
 // the world's batch, so the world size changes the training: a run that did not shrink or
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gradsync/elastic.h"
@@ -33,6 +34,12 @@ struct Plan {
   int kill_step = 20;
   int grow_step = 30;
   int kill_rank = -1;  // default: the last rank
+  // A survivor that calls shrink() --slow-ms late, past the others' --shrink-wait-ms: it is
+  // left out, its shrink fails naming the set it missed, and it exits 3 (gradsyncrun
+  // --replace-failed 2 then replaces it too, and the grow admits both replacements).
+  int slow_rank = -1;
+  int slow_ms = 2500;
+  int shrink_wait_ms = 5000;
   int batch = 128;
 };
 
@@ -109,6 +116,9 @@ int main(int argc, char** argv) {
   p.kill_step = logreg::arg_int(argc, argv, "--kill-step", p.kill_step);
   p.grow_step = logreg::arg_int(argc, argv, "--grow-step", p.grow_step);
   p.kill_rank = logreg::arg_int(argc, argv, "--kill-rank", p.kill_rank);
+  p.slow_rank = logreg::arg_int(argc, argv, "--slow-rank", p.slow_rank);
+  p.slow_ms = logreg::arg_int(argc, argv, "--slow-ms", p.slow_ms);
+  p.shrink_wait_ms = logreg::arg_int(argc, argv, "--shrink-wait-ms", p.shrink_wait_ms);
   p.batch = logreg::arg_int(argc, argv, "--batch", p.batch);
   if (!(0 < p.kill_step && p.kill_step < p.grow_step && p.grow_step < p.steps) || p.batch < 1) {
     return fail("need 0 < --kill-step < --grow-step < --steps and --batch >= 1");
@@ -135,6 +145,9 @@ int main(int argc, char** argv) {
     st.initial_world = comm.world_size();
     if (p.kill_rank < 0) p.kill_rank = comm.world_size() - 1;
     if (comm.world_size() < 2 || p.kill_rank >= comm.world_size()) return fail("needs 2 ranks or more and --kill-rank < N");
+    if (p.slow_rank == p.kill_rank || p.slow_rank >= comm.world_size() || (p.slow_rank >= 0 && comm.world_size() < 3)) {
+      return fail("--slow-rank must be another rank of a world of 3 or more");
+    }
   }
   const int original_rank = newcomer ? -1 : comm.rank();
   const uint64_t first_generation = comm.generation();
@@ -160,7 +173,9 @@ int main(int argc, char** argv) {
     if (st.step == p.grow_step && !grew) {
       grew = true;
       auto t0 = Clock::now();
-      auto bigger = gradsync::grow(comm);
+      gradsync::GrowOptions g;
+      g.newcomers = int(st.initial_world) - comm.world_size();
+      auto bigger = gradsync::grow(comm, g);
       if (!bigger.ok()) return fail("grow: " + bigger.status().to_string());
       const double grow_ms = ms_since(t0);
       auto t_release = Clock::now();
@@ -187,7 +202,22 @@ int main(int argc, char** argv) {
     if (!s.ok()) {
       const double failed_ms = ms_since(t0);
       auto t1 = Clock::now();
-      auto smaller = gradsync::shrink(comm);
+      gradsync::ShrinkOptions so;
+      so.wait = std::chrono::milliseconds(p.shrink_wait_ms);
+      if (original_rank == p.slow_rank) {
+        std::printf("rank %d: calling shrink %d ms late\n", comm.rank(), p.slow_ms);
+        std::this_thread::sleep_for(std::chrono::milliseconds(p.slow_ms));
+      }
+      auto smaller = gradsync::shrink(comm, so);
+      if (original_rank == p.slow_rank) {
+        if (smaller.ok() || smaller.status().code() != gradsync::Code::kFailedPrecondition) {
+          return fail("the slow rank should have been left out: " +
+                      (smaller.ok() ? std::string("it got rank ") + std::to_string(smaller->rank())
+                                    : smaller.status().to_string()));
+        }
+        std::printf("rank %d: left out as expected: %s\n", comm.rank(), smaller.status().to_string().c_str());
+        return 3;
+      }
       if (!smaller.ok()) return fail("step " + std::to_string(st.step) + ": shrink after '" + s.to_string() +
                                      "': " + smaller.status().to_string());
       const double shrink_ms = ms_since(t1);
@@ -217,9 +247,11 @@ int main(int argc, char** argv) {
                 ": the replacement never joined");
   }
 
-  // The reference: N ranks, N-1 from the kill step, N again from the grow step.
+  // The reference: N ranks, N-1 (N-2 with a slow rank) from the kill step, N again from the
+  // grow step.
+  const int shrunk = max_world - 1 - (p.slow_rank >= 0 ? 1 : 0);
   const std::vector<float> ref = reference(c, p, data, max_world, [&](int s) {
-    return s < p.kill_step || s >= p.grow_step ? max_world : max_world - 1;
+    return s < p.kill_step || s >= p.grow_step ? max_world : shrunk;
   });
   const std::vector<float> fixed = reference(c, p, data, max_world, [&](int) { return max_world; });
   const double rel = rel_diff(w, ref);
@@ -228,7 +260,7 @@ int main(int argc, char** argv) {
   if (!left.ok()) return fail("leave: " + left.to_string());
   if (!(rel <= c.tolerance)) {
     return fail("rank " + std::to_string(comm.rank()) + " weights differ from the reference that switches " +
-                std::to_string(max_world) + "->" + std::to_string(max_world - 1) + "->" + std::to_string(max_world) +
+                std::to_string(max_world) + "->" + std::to_string(shrunk) + "->" + std::to_string(max_world) +
                 ": " + std::to_string(rel) + " relative");
   }
   if (!(rel_fixed > 100 * c.tolerance)) {
@@ -237,6 +269,6 @@ int main(int argc, char** argv) {
   }
   std::printf("OK: rank %d weights match the reference switching %d->%d->%d ranks at steps %d and %d (%.3g relative, "
               "tolerance %.1g; a fixed-world run differs by %.3g)\n",
-              comm.rank(), max_world, max_world - 1, max_world, p.kill_step, p.grow_step, rel, c.tolerance, rel_fixed);
+              comm.rank(), max_world, shrunk, max_world, p.kill_step, p.grow_step, rel, c.tolerance, rel_fixed);
   return 0;
 }

@@ -222,6 +222,27 @@ TEST(LauncherTest, ReportsRankKilledBySignal) {
   EXPECT_TRUE(contains(o.err, "rank 0 killed by signal SIGKILL")) << o.err;
 }
 
+TEST(LauncherTest, ReplacesADeadRankWithinItsAllowance) {
+  // Rank 1 dies by a signal; its replacement (GRADSYNC_REPLACEMENT=1, same RANK) exits 0 and
+  // the job succeeds. With the allowance spent, the next death ends the job as before.
+  const std::string script =
+      "if [ \"$GRADSYNC_REPLACEMENT\" = 1 ]; then echo \"replaced $RANK\"; exit 0; fi; "
+      "if [ \"$RANK\" = 1 ]; then kill -KILL $$; fi; sleep 0.5; echo \"done $RANK\"";
+  auto args = multinode(1, 0, 3, script);
+  args.insert(args.begin(), {"--replace-failed", "1"});
+  const Outcome o = run(args);
+  EXPECT_EQ(o.exit_code(), 0) << o.err;
+  EXPECT_TRUE(contains(o.err, "rank 1 killed by signal SIGKILL; starting a replacement (0 more allowed)")) << o.err;
+  EXPECT_TRUE(contains(o.out, "[replacement 1] replaced 1\n")) << o.out;
+  EXPECT_TRUE(contains(o.out, "[rank 0] done 0\n") && contains(o.out, "[rank 2] done 2\n")) << o.out;
+
+  auto twice = multinode(1, 0, 2, "kill -KILL $$");
+  twice.insert(twice.begin(), {"--replace-failed", "1"});
+  const Outcome t = run(twice);
+  EXPECT_EQ(t.exit_code(), 1) << t.err;
+  EXPECT_TRUE(contains(t.err, "killed by signal SIGKILL")) << t.err;
+}
+
 TEST(LauncherTest, TimeoutStopsTheJob) {
   auto args = multinode(1, 0, 2, "sleep 100");
   args.insert(args.begin(), {"--timeout-s", "0.3"});
