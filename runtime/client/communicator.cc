@@ -253,6 +253,24 @@ class CommunicatorImpl {
     return send_frame(daemon_.fd(), req);
   }
 
+  // ShrinkMode::kAbort (client/elastic.cc): ends the job's collectives on every rank like
+  // abort(), but names no culprit: every rank is alive and about to shrink, and a named rank
+  // would not be waited for by the others' regroup.
+  Status abort_unnamed(const std::string& reason) {
+    {
+      std::lock_guard lock(mu_);
+      if (left_) return already_left();
+    }
+    stop_local_waits(reason);
+    abort_job(shm_.data(), layout_, -1, reason);
+    v1::ClientMessage req;
+    req.mutable_abort()->set_reason(reason);
+    req.mutable_abort()->set_failure(true);
+    req.mutable_abort()->set_culprit(-1);
+    std::lock_guard lock(send_mu_);
+    return send_frame(daemon_.fd(), req);
+  }
+
   const JoinOptions& options() const { return opts_; }
 
   // Non-empty once the job was aborted (by any rank or the daemon) or the daemon was lost.
@@ -810,6 +828,11 @@ Result<Communicator> Session::join(const JoinOptions& o) {
   auto daemon = DaemonClient::connect(impl_->socket_path, deadline_after(o.join_timeout + std::chrono::seconds(5)));
   if (!daemon.ok()) return daemon.status();
   return CommunicatorInternals::join(std::move(daemon).value(), o, nullptr);
+}
+
+Status CommunicatorInternals::abort_unnamed(Communicator& c, const std::string& reason) {
+  if (!c.impl_) return Status(Code::kFailedPrecondition, "an empty communicator (moved from)");
+  return c.impl_->abort_unnamed(reason);
 }
 
 Result<CommunicatorInternals::State> CommunicatorInternals::state(Communicator& c) {

@@ -33,6 +33,8 @@ struct CommunicatorInternals {
     bool left = false;
   };
   static Result<State> state(Communicator& c);
+  // Aborts the job on every rank without naming a culprit (ShrinkMode::kAbort).
+  static Status abort_unnamed(Communicator& c, const std::string& reason);
 
   // Joins on an attached daemon connection: Session::join (lineage {job, its generation},
   // calibrating the cost model) and elastic.cc's next generations (no calibration: the new

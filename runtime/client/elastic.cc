@@ -63,7 +63,12 @@ Result<Communicator> regroup(Communicator& comm, uint32_t newcomers, std::chrono
                         "ShrinkMode::kAbort");
   }
   if (abort_first && !st->aborted) {
-    (void)comm.abort("rank " + std::to_string(o.rank) + " shrinks the communicator (ShrinkMode::kAbort)");
+    // Not Communicator::abort, which names this rank as the culprit: the others would then
+    // not wait for it.
+    (void)CommunicatorInternals::abort_unnamed(
+        comm, "job=" + st->lineage.base_job + " gen=" + std::to_string(st->lineage.generation) + ": rank " +
+                  std::to_string(o.rank) + " (pid " + std::to_string(::getpid()) +
+                  ") aborted the job's collectives to shrink it (ShrinkMode::kAbort)");
   }
   const auto t0 = std::chrono::steady_clock::now();
   auto daemon = DaemonClient::connect(st->socket_path, deadline_after(std::chrono::seconds(10)));
