@@ -47,8 +47,9 @@ enum class ShrinkMode : uint8_t {
   // The communicator has nothing queued or running (else kFailedPrecondition): after a
   // collective failed, or between steps.
   kDefault = 0,
-  // Aborts the job first (collectives in flight end with kAborted on every rank), then
-  // shrinks.
+  // Aborts the job first (collectives in flight end with kAborted on every rank), naming no
+  // culprit so that the others wait for this rank, then shrinks. (A rank that called
+  // Communicator::abort() is named by it, and the others' shrink does not wait for it.)
   kAbort = 1,
 };
 
