@@ -7,7 +7,7 @@ namespace gradsync::coordinator {
 namespace {
 
 // The value of request header `name`, or "".
-std::string header(const grpc::ServerContext& ctx, const char* name) {
+std::string header(const grpc::ServerContextBase& ctx, const char* name) {
   const auto& md = ctx.client_metadata();
   auto it = md.find(name);
   if (it == md.end()) return "";
@@ -16,7 +16,7 @@ std::string header(const grpc::ServerContext& ctx, const char* name) {
 
 // The identity TLS verified in the client's certificate ("" without one): its subject
 // alternative names, else its common name.
-std::string certificate_identity(const grpc::ServerContext& ctx) {
+std::string certificate_identity(const grpc::ServerContextBase& ctx) {
   auto auth = ctx.auth_context();
   if (!auth || !auth->IsPeerAuthenticated()) return "";
   std::string id;
@@ -29,9 +29,9 @@ std::string certificate_identity(const grpc::ServerContext& ctx) {
 
 }  // namespace
 
-std::string Authorizer::node_id_of(const grpc::ServerContext& ctx) { return header(ctx, kNodeIdHeader); }
+std::string Authorizer::node_id_of(const grpc::ServerContextBase& ctx) { return header(ctx, kNodeIdHeader); }
 
-Status Authorizer::refuse(const grpc::ServerContext& ctx, const char* what, const std::string& why) {
+Status Authorizer::refuse(const grpc::ServerContextBase& ctx, const char* what, const std::string& why) {
   uint64_t held = 0;
   bool log_it;
   {
@@ -46,13 +46,13 @@ Status Authorizer::refuse(const grpc::ServerContext& ctx, const char* what, cons
   return {Code::kPermissionDenied, std::string(what) + " refused: " + why};
 }
 
-std::string Authorizer::node_credential(const grpc::ServerContext& ctx) const {
+std::string Authorizer::node_credential(const grpc::ServerContextBase& ctx) const {
   if (o_.client_certs) return certificate_identity(ctx);
   if (o_.cluster_secret.empty()) return "";
   return same_secret(header(ctx, kClusterSecretHeader), o_.cluster_secret) ? "cluster secret" : "";
 }
 
-Result<std::string> Authorizer::admit_node(const grpc::ServerContext& ctx, const std::string& name,
+Result<std::string> Authorizer::admit_node(const grpc::ServerContextBase& ctx, const std::string& name,
                                            const std::function<bool(const std::string&)>& alive) {
   if (o_.open()) return std::string();
   const std::string cred = node_credential(ctx);
@@ -97,7 +97,7 @@ void Authorizer::bound(const std::string& name, const std::string& node_id, cons
   keys_[node_id] = key;
 }
 
-Status Authorizer::node_call(const grpc::ServerContext& ctx, const std::string& node_id, const char* what) {
+Status Authorizer::node_call(const grpc::ServerContextBase& ctx, const std::string& node_id, const char* what) {
   if (o_.open()) return Status::Ok();
   if (node_credential(ctx).empty()) {
     return refuse(ctx, what, "no valid node credential (a client certificate with mTLS, else the cluster secret)");
@@ -122,7 +122,7 @@ void Authorizer::job_token(const std::string& job, const std::string& token) {
   job_tokens_[job] = token;  // accepted: the current generation's token
 }
 
-Status Authorizer::job_call(const grpc::ServerContext& ctx, const std::string& node_id, const std::string& job,
+Status Authorizer::job_call(const grpc::ServerContextBase& ctx, const std::string& node_id, const std::string& job,
                             const char* what) {
   GS_RETURN_IF_ERROR(node_call(ctx, node_id, what));
   std::string want;
@@ -138,7 +138,7 @@ Status Authorizer::job_call(const grpc::ServerContext& ctx, const std::string& n
   return Status::Ok();
 }
 
-Status Authorizer::operator_call(const grpc::ServerContext& ctx, const char* what) {
+Status Authorizer::operator_call(const grpc::ServerContextBase& ctx, const char* what) {
   if (o_.open()) return Status::Ok();
   if (o_.operator_token.empty()) {
     return refuse(ctx, what, "this coordinator has no operator credential configured (--operator-token-file)");

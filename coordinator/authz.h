@@ -46,25 +46,25 @@ class Authorizer {
   // RegisterNode of a node named `name` (as the job table names it). `alive(node_id)`: whether
   // that node is still registered. On success, the key to send back (kNodeKeyHeader); call
   // bound() with the id the table gave.
-  Result<std::string> admit_node(const grpc::ServerContext& ctx, const std::string& name,
+  Result<std::string> admit_node(const grpc::ServerContextBase& ctx, const std::string& name,
                                  const std::function<bool(const std::string&)>& alive);
   void bound(const std::string& name, const std::string& node_id, const std::string& key);
   // A call of node `node_id` (empty: the id in the call's kNodeIdHeader), with its key.
-  Status node_call(const grpc::ServerContext& ctx, const std::string& node_id, const char* what);
+  Status node_call(const grpc::ServerContextBase& ctx, const std::string& node_id, const char* what);
   // A node call about `job`: the node's credential and the job's token.
-  Status job_call(const grpc::ServerContext& ctx, const std::string& node_id, const std::string& job,
+  Status job_call(const grpc::ServerContextBase& ctx, const std::string& node_id, const std::string& job,
                   const char* what);
   // JoinJob accepted `token` for `job` (its current generation's): later job calls must carry it.
   void job_token(const std::string& job, const std::string& token);
-  Status operator_call(const grpc::ServerContext& ctx, const char* what);
+  Status operator_call(const grpc::ServerContextBase& ctx, const char* what);
   // The node id a call names in its metadata ("" when none).
-  static std::string node_id_of(const grpc::ServerContext& ctx);
+  static std::string node_id_of(const grpc::ServerContextBase& ctx);
 
  private:
   // The credential of a node call: "" without one. With mTLS the certificate's identity, else
   // "cluster secret" when the secret matches.
-  std::string node_credential(const grpc::ServerContext& ctx) const;
-  Status refuse(const grpc::ServerContext& ctx, const char* what, const std::string& why);
+  std::string node_credential(const grpc::ServerContextBase& ctx) const;
+  Status refuse(const grpc::ServerContextBase& ctx, const char* what, const std::string& why);
 
   struct Binding {
     std::string credential;  // mTLS identity, or "" (the key is the credential)

@@ -6,16 +6,13 @@
 #include "common/limits.h"
 #include "common/log.h"
 #include "common/secret.h"
+#include "coordinator/agreement.h"
 #include "topology/topology_summary.h"
 
 namespace gradsync::coordinator {
 namespace {
 
 Status invalid(const std::string& msg) { return {Code::kInvalidArgument, msg}; }
-
-long long to_ms(std::chrono::steady_clock::duration d) {
-  return std::chrono::duration_cast<Millis>(d).count();
-}
 
 // "rank 3" or "ranks 2,3": messages read as sentences.
 std::string ranks_phrase(const std::vector<uint32_t>& ranks) {
@@ -83,29 +80,16 @@ Status JobTable::check_registered(const std::string& node_id, const char* what) 
 }
 
 std::vector<uint32_t> JobTable::ranks_of(const Generation& gen, const std::string& node_id) const {
-  std::vector<uint32_t> out;
-  for (const auto& [rank, claim] : gen.claims) {
-    if (claim.node_id == node_id) out.push_back(rank);
-  }
-  return out;  // ascending: claims is ordered by rank
+  auto it = gen.members.find(node_id);
+  return it == gen.members.end() ? std::vector<uint32_t>{} : it->second.ranks;
 }
 
-// Nodes ordered by the smallest rank they host, ranks ascending within a node, so that ranks
-// of one node are adjacent and intra-node hops use NVLink/shared memory.
-std::vector<uint32_t> JobTable::ring_of(const Generation& gen) const {
-  std::map<std::string, std::vector<uint32_t>> by_node;
-  std::vector<const std::string*> order;  // nodes by their smallest rank
-  for (const auto& [rank, claim] : gen.claims) {
-    auto& ranks = by_node[claim.node_id];
-    if (ranks.empty()) order.push_back(&claim.node_id);
-    ranks.push_back(rank);
-  }
-  std::vector<uint32_t> ring;
-  ring.reserve(gen.claims.size());
-  for (const std::string* node : order) {
-    for (uint32_t r : by_node[*node]) ring.push_back(r);
-  }
-  return ring;
+void JobTable::fill_entry(const Generation& gen, uint32_t rank, v1::PeerEntry* out) {
+  const Claim& claim = gen.claims.at(rank);
+  out->set_rank(rank);
+  out->set_node_id(claim.node_id);
+  out->set_hostname(claim.hostname);
+  out->set_endpoint(claim.endpoint);
 }
 
 v1::JobSummary JobTable::summary_of(const Job& job) const {
@@ -142,31 +126,30 @@ Result<std::string> JobTable::register_node(const v1::NodeInfo& info, TimePoint 
     return Status(s.code(), "registration of node " + name + " (host " + info.hostname() + ", pid " +
                                 std::to_string(info.pid()) + ") refused: " + s.message());
   }
-  std::string id = name + "-" + std::to_string(next_node_number_++);
-  // The suffix after the last '-' is a counter that is never reused, so ids never collide.
-  std::vector<std::string> replaced;
-  for (const auto& [old_id, node] : nodes_) {
-    if (node.info.node_name() == name && node.info.hostname() == info.hostname()) {
-      replaced.push_back(old_id);
+  const auto key = std::make_pair(name, info.hostname());
+  if (auto same = by_name_.find(key); same != by_name_.end()) {
+    const v1::NodeInfo& old = nodes_.at(same->second).info;
+    if (info.incarnation() != 0 && old.incarnation() == info.incarnation()) {
+      // The same daemon again: its earlier RegisterNode timed out at the daemon after the
+      // coordinator had answered it. Not a restart; it keeps its id.
+      log::get("coordinator")->info("node={} registered again (a retry of the same daemon, pid {})", same->second, info.pid());
+      return same->second;
     }
   }
-  for (const auto& old_id : replaced) {
-    lose_node(old_id, "its daemon registered again as " + id + " (restarted?)");
+  std::string id = name + "-" + std::to_string(next_node_number_++);
+  // The suffix after the last '-' is a counter that is never reused, so ids never collide.
+  if (auto same = by_name_.find(key); same != by_name_.end()) {
+    lose_node(same->second, "its daemon registered again as " + id + " (restarted?)");
   }
-  Node node{info, now};
+  Node node{info};
   node.info.set_node_name(name);
   nodes_.emplace(id, std::move(node));
+  by_name_[key] = id;
   log::get("coordinator")
       ->info("registered node={} host={} pid={} data={} lease_ms={}", id, info.hostname(),
              info.pid(), info.data_endpoint(), options_.lease.count());
+  (void)now;
   return id;
-}
-
-Status JobTable::heartbeat(const std::string& node_id, TimePoint now) {
-  auto it = nodes_.find(node_id);
-  if (it == nodes_.end()) return check_registered(node_id, "Heartbeat");
-  it->second.last_heartbeat = now;
-  return Status::Ok();
 }
 
 bool JobTable::has_node(const std::string& node_id) const { return nodes_.count(node_id) != 0; }
@@ -175,6 +158,8 @@ void JobTable::lose_node(const std::string& node_id, const std::string& why) {
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return;
   const std::string host = it->second.info.hostname();
+  auto name = by_name_.find({it->second.info.node_name(), host});
+  if (name != by_name_.end() && name->second == node_id) by_name_.erase(name);
   nodes_.erase(it);
   removed_nodes_.push_back(node_id);
   log::get("coordinator")->warn("lost node={} host={}: {}", node_id, host, why);
@@ -288,10 +273,8 @@ Result<JoinTicket> JobTable::join(const JoinRequest& r, TimePoint now) {
     g.number = next;
   }
   for (JoinTicket old : superseded) {
-    outcomes_.insert_or_assign(
-        old, Result<JoinResult>(Status(
-                 Code::kAborted, label(job) + ": this JoinJob from node " + r.node_id +
-                                     " was superseded by a newer JoinJob from the same node")));
+    resolve(old, Status(Code::kAborted, label(job) + ": this JoinJob from node " + r.node_id +
+                                            " was superseded by a newer JoinJob from the same node"));
     remove_joiner(job, old);
   }
   if (g.claims.empty()) {  // the first joiner of a generation sets its token and size
@@ -304,9 +287,14 @@ Result<JoinTicket> JobTable::join(const JoinRequest& r, TimePoint now) {
   for (size_t i = 0; i < r.ranks.size(); ++i) {
     g.claims[r.ranks[i]] = Claim{r.node_id, info.hostname(), r.endpoints[i], ticket};
   }
-  g.members[r.node_id] = info;
+  Member& member = g.members[r.node_id];
+  member.info = info;
+  member.offer = r.offer;
+  member.ranks.insert(member.ranks.end(), r.ranks.begin(), r.ranks.end());
+  std::sort(member.ranks.begin(), member.ranks.end());
   g.left.erase(r.node_id);
   g.joiners[ticket] = Joiner{r.node_id, r.ranks, now + timeout, timeout};
+  g.deadlines.insert({now + timeout, ticket});
   pending_[ticket] = job.id;
   log::get("coordinator")
       ->debug("{} node={} joined {} ({}/{} in)", label(job), r.node_id, ranks_phrase(r.ranks),
@@ -319,17 +307,32 @@ void JobTable::remove_joiner(Job& job, JoinTicket ticket) {
   Generation& g = job.gen;
   auto jt = g.joiners.find(ticket);
   if (jt == g.joiners.end()) return;
-  const std::string node_id = jt->second.node_id;
-  for (auto it = g.claims.begin(); it != g.claims.end();) {
-    it = it->second.ticket == ticket ? g.claims.erase(it) : std::next(it);
+  const Joiner& joiner = jt->second;
+  for (uint32_t rank : joiner.ranks) {
+    auto c = g.claims.find(rank);
+    if (c != g.claims.end() && c->second.ticket == ticket) g.claims.erase(c);
   }
+  if (auto m = g.members.find(joiner.node_id); m != g.members.end()) {
+    auto& ranks = m->second.ranks;
+    std::vector<uint32_t> gone = joiner.ranks;
+    std::sort(gone.begin(), gone.end());
+    std::vector<uint32_t> kept;
+    std::set_difference(ranks.begin(), ranks.end(), gone.begin(), gone.end(), std::back_inserter(kept));
+    ranks = std::move(kept);
+    if (ranks.empty()) g.members.erase(m);
+  }
+  g.deadlines.erase({joiner.deadline, ticket});
   g.joiners.erase(jt);
   pending_.erase(ticket);
-  if (ranks_of(g, node_id).empty()) g.members.erase(node_id);
   if (g.claims.empty()) {  // nobody left: the next joiner sets token and size afresh
     g.token.clear();
     g.world_size = 0;
   }
+}
+
+void JobTable::resolve(JoinTicket ticket, Result<JoinResult> outcome) {
+  outcomes_.insert_or_assign(ticket, std::move(outcome));
+  resolved_.push_back(ticket);
 }
 
 std::optional<Result<JoinResult>> JobTable::take_join_result(JoinTicket ticket) {
@@ -357,14 +360,26 @@ void JobTable::withdraw(JoinTicket ticket, const std::string& why) {
 void JobTable::activate(Job& job) {
   Generation& g = job.gen;
   g.state = GenState::kActive;
+  // Built once for the generation: every peer table and describe reads it.
+  std::vector<const std::string*> owner(g.world_size);
+  for (const auto& [rank, claim] : g.claims) owner[rank] = &claim.node_id;
+  std::unordered_map<std::string, const v1::GpuTopology*> topology_of;
+  OfferFold fold;
+  for (const auto& [node_id, member] : g.members) {
+    topology_of[node_id] = &member.info.gpu_topology();
+    fold.add(member.offer, node_label(node_id, member.info.hostname()));
+  }
+  g.layout = std::make_shared<const JobLayout>(build_layout(owner, topology_of));
+  g.agreement = fold.result();
   for (const auto& [ticket, joiner] : g.joiners) {
-    outcomes_.insert_or_assign(ticket, Result<JoinResult>(JoinResult{g.number, g.world_size}));
+    resolve(ticket, JoinResult{g.number, g.world_size});
     pending_.erase(ticket);
   }
   g.joiners.clear();
+  g.deadlines.clear();
   log::get("coordinator")
       ->info("{} complete: {} rank(s) on {} node(s)", label(job), g.world_size, g.members.size());
-  for (const auto& [node_id, info] : g.members) emit(node_id, v1::Event::JOB_READY, job);
+  for (const auto& [node_id, member] : g.members) emit(node_id, v1::Event::JOB_READY, job);
 }
 
 void JobTable::fail(Job& job, const Status& waiter_status, const std::string& reason,
@@ -375,12 +390,13 @@ void JobTable::fail(Job& job, const Status& waiter_status, const std::string& re
   g.failed_rank = failed_rank;
   g.failed_node = failed_node;
   for (const auto& [ticket, joiner] : g.joiners) {
-    outcomes_.insert_or_assign(ticket, Result<JoinResult>(waiter_status));
+    resolve(ticket, waiter_status);
     pending_.erase(ticket);
   }
   g.joiners.clear();
+  g.deadlines.clear();
   log::get("coordinator")->info("{} aborted: {}", label(job), reason);
-  for (const auto& [node_id, info] : g.members) {
+  for (const auto& [node_id, member] : g.members) {
     if (node_lost) emit(node_id, v1::Event::NODE_LOST, job);
     emit(node_id, v1::Event::JOB_ABORTED, job);
   }
@@ -409,9 +425,7 @@ Status JobTable::leave(const std::string& node_id, const std::string& job_id, ui
       if (joiner.node_id == node_id) mine.push_back(ticket);
     }
     for (JoinTicket t : mine) {
-      outcomes_.insert_or_assign(
-          t, Result<JoinResult>(Status(Code::kAborted, label(job) + ": " + node_label(node_id) +
-                                                           " left the job while it was forming")));
+      resolve(t, Status(Code::kAborted, label(job) + ": " + node_label(node_id) + " left the job while it was forming"));
       remove_joiner(job, t);
     }
     log::get("coordinator")->info("{} node={} left while forming", label(job), node_id);
@@ -422,7 +436,7 @@ Status JobTable::leave(const std::string& node_id, const std::string& job_id, ui
   if (g.state == GenState::kActive && g.left.size() == g.members.size()) {
     g.state = GenState::kFinished;
     log::get("coordinator")->info("{} finished: every node left", label(job));
-    for (const auto& [member, info] : g.members) emit(member, v1::Event::JOB_FINISHED, job);
+    for (const auto& [node, member] : g.members) emit(node, v1::Event::JOB_FINISHED, job);
   }
   return Status::Ok();
 }
@@ -455,15 +469,8 @@ Status JobTable::abort(const std::string& node_id, const std::string& job_id, ui
 
 void JobTable::expire_join_deadline(Job& job, TimePoint now) {
   Generation& g = job.gen;
-  Millis timeout{0};
-  TimePoint earliest = TimePoint::max();
-  for (const auto& [ticket, joiner] : g.joiners) {
-    if (joiner.deadline < earliest) {
-      earliest = joiner.deadline;
-      timeout = joiner.timeout;
-    }
-  }
-  if (now < earliest) return;
+  if (g.deadlines.empty() || now < g.deadlines.begin()->first) return;
+  const Millis timeout = g.joiners.at(g.deadlines.begin()->second).timeout;
   std::vector<uint32_t> missing;
   for (uint32_t r = 0; r < g.world_size; ++r) {
     if (!g.claims.count(r)) missing.push_back(r);
@@ -478,17 +485,6 @@ void JobTable::expire_join_deadline(Job& job, TimePoint now) {
 }
 
 void JobTable::tick(TimePoint now) {
-  std::vector<std::pair<std::string, long long>> expired;
-  for (const auto& [id, node] : nodes_) {
-    if (now - node.last_heartbeat >= options_.lease) {
-      expired.emplace_back(id, to_ms(now - node.last_heartbeat));
-    }
-  }
-  leases_expired_ += expired.size();
-  for (const auto& [id, silent_ms] : expired) {
-    lose_node(id, "no heartbeat for " + std::to_string(silent_ms) + " ms (lease " +
-                      std::to_string(options_.lease.count()) + " ms)");
-  }
   for (auto& [id, job] : jobs_) {
     if (job.gen.state == GenState::kForming && !job.gen.joiners.empty()) {
       expire_join_deadline(job, now);
@@ -498,8 +494,9 @@ void JobTable::tick(TimePoint now) {
 
 // --- queries ------------------------------------------------------------------------------
 
-Result<v1::PeerTableResponse> JobTable::peer_table(const std::string& job_id,
-                                                   uint64_t generation) const {
+Result<v1::PeerTableResponse> JobTable::peer_table(const std::string& job_id, uint64_t generation,
+                                                   const std::string& node_id, uint32_t page,
+                                                   const std::vector<uint32_t>& ranks) const {
   auto jit = jobs_.find(job_id);
   if (jit == jobs_.end()) return Status(Code::kNotFound, "GetPeerTable: no job '" + job_id + "'");
   const Job& job = jit->second;
@@ -520,20 +517,50 @@ Result<v1::PeerTableResponse> JobTable::peer_table(const std::string& job_id,
     return Status(Code::kFailedPrecondition,
                   "GetPeerTable " + label(job) + " was aborted: " + g.reason);
   }
+  const JobLayout& l = *g.layout;
   v1::PeerTableResponse out;
   out.set_generation(g.number);
-  for (const auto& [rank, claim] : g.claims) {
-    v1::PeerEntry* p = out.add_peers();
-    p->set_rank(rank);
-    p->set_node_id(claim.node_id);
-    p->set_hostname(claim.hostname);
-    p->set_endpoint(claim.endpoint);
+  out.set_world_size(g.world_size);
+  out.set_node_count(uint32_t(l.node_ids.size()));
+  if (!ranks.empty()) {  // fetch by key
+    if (ranks.size() > kPageEntries) {
+      return Status(Code::kInvalidArgument, "GetPeerTable " + label(job) + ": " + std::to_string(ranks.size()) +
+                                                " ranks asked for; at most " + std::to_string(kPageEntries) + " a call");
+    }
+    for (uint32_t r : ranks) {
+      if (r >= g.world_size) {
+        return Status(Code::kInvalidArgument, "GetPeerTable " + label(job) + ": rank " + std::to_string(r) +
+                                                  " is out of range for world_size " + std::to_string(g.world_size));
+      }
+      fill_entry(g, r, out.add_peers());
+    }
+    out.set_pages(1);
+    return out;
   }
-  for (uint32_t r : ring_of(g)) out.add_ring(r);
-  for (const auto& [node_id, info] : g.members) {
-    v1::NodeTopology* t = out.add_topologies();
-    t->set_node_id(node_id);
-    *t->mutable_gpu_topology() = info.gpu_topology();
+  auto number = l.node_number.find(node_id);
+  if (number == l.node_number.end()) {
+    return Status(Code::kFailedPrecondition, "GetPeerTable " + label(job) + ": " + node_label(node_id) +
+                                                 " holds no rank of it; a node asks for its own table");
+  }
+  const std::vector<uint32_t> needed = l.needed(number->second);
+  auto pages_of = [](size_t n, size_t per) { return uint32_t((n + per - 1) / per); };
+  const uint32_t pages = std::max({1u, pages_of(needed.size(), kPageEntries), pages_of(l.runs.size(), kPageRuns),
+                                   pages_of(l.shapes.size(), kPageShapes)});
+  if (page >= pages) {
+    return Status(Code::kInvalidArgument, "GetPeerTable " + label(job) + ": page " + std::to_string(page) +
+                                              " of " + std::to_string(pages));
+  }
+  out.set_pages(pages);
+  out.set_node_index(number->second);
+  *out.mutable_agreement() = g.agreement;
+  for (size_t i = size_t(page) * kPageEntries; i < needed.size() && i < size_t(page + 1) * kPageEntries; ++i) {
+    fill_entry(g, needed[i], out.add_peers());
+  }
+  for (size_t i = size_t(page) * kPageRuns; i < l.runs.size() && i < size_t(page + 1) * kPageRuns; ++i) {
+    *out.add_runs() = l.runs[i];
+  }
+  for (size_t i = size_t(page) * kPageShapes; i < l.shapes.size() && i < size_t(page + 1) * kPageShapes; ++i) {
+    *out.add_shapes() = l.shapes[i];
   }
   return out;
 }
@@ -544,25 +571,48 @@ std::vector<v1::JobSummary> JobTable::list_jobs() const {
   return out;
 }
 
-Result<v1::DescribeJobResponse> JobTable::describe(const std::string& job_id) const {
+Result<v1::DescribeJobResponse> JobTable::describe(const std::string& job_id, uint32_t page) const {
   auto jit = jobs_.find(job_id);
   if (jit == jobs_.end()) return Status(Code::kNotFound, "DescribeJob: no job '" + job_id + "'");
   const Job& job = jit->second;
   const Generation& g = job.gen;
+  auto pages_of = [](size_t n, size_t per) { return uint32_t((n + per - 1) / per); };
+  const uint32_t pages = std::max({1u, pages_of(g.claims.size(), kPageEntries), pages_of(g.members.size(), kPageNodes),
+                                   pages_of(g.paths.size(), kPageEntries)});
+  if (page >= pages) {
+    return Status(Code::kInvalidArgument, "DescribeJob " + label(job) + ": page " + std::to_string(page) + " of " +
+                                              std::to_string(pages));
+  }
   v1::DescribeJobResponse out;
+  out.set_pages(pages);
   *out.mutable_summary() = summary_of(job);
-  for (const auto& [rank, claim] : g.claims) {
-    v1::PeerEntry* p = out.add_peers();
-    p->set_rank(rank);
-    p->set_node_id(claim.node_id);
-    p->set_hostname(claim.hostname);
-    p->set_endpoint(claim.endpoint);
+  // Entries by rank, the ring, nodes and paths: this page's slice of each. Walking to the
+  // page's start is O(page x per page) over the ordered maps; describe is an operator's call.
+  const size_t lo = size_t(page) * kPageEntries, hi = lo + kPageEntries;
+  size_t i = 0;
+  for (auto it = g.claims.begin(); it != g.claims.end() && i < hi; ++it, ++i) {
+    if (i >= lo) fill_entry(g, it->first, out.add_peers());
   }
-  if (g.claims.size() == g.world_size) {
-    for (uint32_t r : ring_of(g)) out.add_ring(r);
+  if (g.layout) {
+    for (size_t p = lo; p < g.layout->ring.size() && p < hi; ++p) out.add_ring(g.layout->ring[p]);
   }
-  for (const auto& [node_id, info] : g.members) *out.add_nodes() = info;
-  for (const auto& [rank, path] : g.paths) *out.add_paths() = path;
+  i = 0;
+  for (auto it = g.members.begin(); it != g.members.end() && i < size_t(page + 1) * kPageNodes; ++it, ++i) {
+    if (i >= size_t(page) * kPageNodes) *out.add_nodes() = it->second.info;
+  }
+  i = 0;
+  for (auto it = g.paths.begin(); it != g.paths.end() && i < hi; ++it, ++i) {
+    if (i >= lo) *out.add_paths() = it->second;
+  }
+  return out;
+}
+
+Result<JobTable::Holders> JobTable::holders(const std::string& job_id) const {
+  auto jit = jobs_.find(job_id);
+  if (jit == jobs_.end()) return Status(Code::kNotFound, "TraceJob: no job '" + job_id + "'");
+  Holders out;
+  out.summary = summary_of(jit->second);
+  for (const auto& [rank, claim] : jit->second.gen.claims) out.nodes[claim.node_id].insert(rank);
   return out;
 }
 

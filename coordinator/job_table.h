@@ -1,7 +1,11 @@
-// The coordinator's state: registered nodes (with heartbeat leases) and jobs (with
-// generations). Pure logic: no gRPC, no threads, no clock reads — every call that depends on
-// time takes `now`, so tests drive it step by step. Not thread-safe; the service holds a
-// mutex around it.
+// The coordinator's state: registered nodes and jobs (with generations); their heartbeat
+// leases live in coordinator/leases.h, apart, so a heartbeat never waits for this table.
+// Pure logic: no gRPC, no threads, no clock reads — every call that depends on time takes
+// `now`, so tests drive it step by step. Not thread-safe; the service holds a mutex around it.
+//
+// Cost: a join is O(its ranks x log world); the generation's layout (ring, runs, shapes, the
+// channel agreement) is built once, O(world), when its last rank joins; a peer-table page is
+// O(what the node needs); nothing per request walks every rank or every node.
 //
 // Generation life cycle:   forming --all ranks in--> active --all nodes left--> finished
 //                             |                         |
@@ -12,12 +16,15 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <utility>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "coordinator.pb.h"
+#include "coordinator/job_layout.h"
 #include "gradsync/status.h"
 
 namespace gradsync::coordinator {
@@ -40,7 +47,15 @@ struct JoinRequest {
   std::vector<uint32_t> ranks;
   std::vector<std::string> endpoints;  // one opaque blob per entry of `ranks`
   Millis timeout{0};                   // 0: JobTableOptions::default_join_timeout
+  v1::ChannelOffer offer;              // rings 0: none
 };
+
+// Bounds on one page of a peer table or a DescribeJob, so no message grows with the job:
+// at 4096 entries of about 100 bytes a page stays far below gRPC's 4 MiB.
+constexpr uint32_t kPageEntries = 4096;
+constexpr uint32_t kPageRuns = 4096;
+constexpr uint32_t kPageShapes = 16;
+constexpr uint32_t kPageNodes = 256;
 
 struct JoinResult {
   uint64_t generation = 0;
@@ -65,14 +80,14 @@ class JobTable {
 
   // --- nodes ---------------------------------------------------------------------------
   // Returns a fresh node id "<node_name>-<n>". A live node with the same node_name and
-  // hostname is treated as a restarted daemon: it is dropped as lost.
+  // hostname is a restarted daemon, dropped as lost, unless it has the same non-zero
+  // incarnation: then it is the same daemon retrying, and gets its id again.
   Result<std::string> register_node(const v1::NodeInfo& info, TimePoint now);
-  Status heartbeat(const std::string& node_id, TimePoint now);  // NOT_FOUND: re-register
   bool has_node(const std::string& node_id) const;
   size_t node_count() const { return nodes_.size(); }
-  // Nodes dropped because their lease expired, since start (for /metrics).
-  uint64_t leases_expired() const { return leases_expired_; }
   Millis lease() const { return options_.lease; }
+  // The node's lease expired (coordinator/leases.h): drops it and aborts its live jobs.
+  void lose_node(const std::string& node_id, const std::string& why);
 
   // --- jobs ----------------------------------------------------------------------------
   // Claims the request's ranks. On success the call is pending: poll take_join_result().
@@ -88,13 +103,26 @@ class JobTable {
   // Records the data path of a rank `node_id` holds in the given (current) generation.
   Status report_path(const std::string& node_id, const std::string& job_id, uint64_t generation,
                      const v1::RankPath& path);
-  // Expires leases and join deadlines.
+  // Expires join deadlines: O(jobs) when none is due.
   void tick(TimePoint now);
 
   // --- queries -------------------------------------------------------------------------
-  Result<v1::PeerTableResponse> peer_table(const std::string& job_id, uint64_t generation) const;
+  // Page `page` of what `node_id` needs (v1::PeerTableRequest); with `ranks`, those ranks'
+  // entries instead (at most kPageEntries).
+  Result<v1::PeerTableResponse> peer_table(const std::string& job_id, uint64_t generation,
+                                           const std::string& node_id, uint32_t page = 0,
+                                           const std::vector<uint32_t>& ranks = {}) const;
   std::vector<v1::JobSummary> list_jobs() const;
-  Result<v1::DescribeJobResponse> describe(const std::string& job_id) const;
+  Result<v1::DescribeJobResponse> describe(const std::string& job_id, uint32_t page = 0) const;
+  // The ranks each node holds in the job's current generation, with its summary (TraceJob):
+  // O(world), an operator's call.
+  struct Holders {
+    v1::JobSummary summary;
+    std::map<std::string, std::set<uint32_t>> nodes;  // node id -> its ranks
+  };
+  Result<Holders> holders(const std::string& job_id) const;
+  // Pending JoinJob calls resolved since the last call (take each with take_join_result).
+  std::vector<JoinTicket> take_resolved() { return std::exchange(resolved_, {}); }
 
   // --- side effects for the service ------------------------------------------------------
   std::vector<Delivery> take_events();            // in the order they happened
@@ -104,7 +132,6 @@ class JobTable {
   enum class GenState { kForming, kActive, kAborted, kFinished };
   struct Node {
     v1::NodeInfo info;
-    TimePoint last_heartbeat;
   };
   struct Claim {
     std::string node_id;
@@ -118,6 +145,11 @@ class JobTable {
     TimePoint deadline;
     Millis timeout{0};
   };
+  struct Member {
+    v1::NodeInfo info;               // at join time
+    v1::ChannelOffer offer;
+    std::vector<uint32_t> ranks;     // held in this generation, ascending
+  };
   struct Generation {
     uint64_t number = 1;
     GenState state = GenState::kForming;
@@ -125,7 +157,10 @@ class JobTable {
     uint32_t world_size = 0;
     std::map<uint32_t, Claim> claims;             // rank -> holder
     std::map<JoinTicket, Joiner> joiners;         // pending calls (forming only)
-    std::map<std::string, v1::NodeInfo> members;  // node_id -> info at join time
+    std::set<std::pair<TimePoint, JoinTicket>> deadlines;  // of the joiners, earliest first
+    std::map<std::string, Member> members;        // node_id -> its part
+    std::shared_ptr<const JobLayout> layout;      // built once, when the last rank joins
+    v1::JobAgreement agreement;                   // the members' offers, folded at completion
     std::map<uint32_t, v1::RankPath> paths;       // rank -> its reported data path
     std::set<std::string> left;                   // members that called LeaveJob
     std::string reason;
@@ -143,7 +178,7 @@ class JobTable {
   std::string node_label(const std::string& node_id) const;  // "node n1-1 (host a)"
   Status check_registered(const std::string& node_id, const char* what) const;
   std::vector<uint32_t> ranks_of(const Generation& gen, const std::string& node_id) const;
-  std::vector<uint32_t> ring_of(const Generation& gen) const;
+  static void fill_entry(const Generation& gen, uint32_t rank, v1::PeerEntry* out);
   v1::JobSummary summary_of(const Job& job) const;
 
   void remove_joiner(Job& job, JoinTicket ticket);
@@ -152,7 +187,7 @@ class JobTable {
   // JOB_ABORTED (preceded by NODE_LOST when `node_lost`) to every member node still registered.
   void fail(Job& job, const Status& waiter_status, const std::string& reason, int32_t failed_rank,
             const std::string& failed_node, bool node_lost = false);
-  void lose_node(const std::string& node_id, const std::string& why);
+  void resolve(JoinTicket ticket, Result<JoinResult> outcome);
   void expire_join_deadline(Job& job, TimePoint now);
   void emit(const std::string& node_id, v1::Event::Kind kind, const Job& job);
 
@@ -160,12 +195,13 @@ class JobTable {
   uint64_t next_node_number_ = 1;
   JoinTicket next_ticket_ = 1;
   std::map<std::string, Node> nodes_;
+  std::map<std::pair<std::string, std::string>, std::string> by_name_;  // (node_name, hostname) -> id
   std::map<std::string, Job> jobs_;
   std::map<JoinTicket, std::string> pending_;  // ticket -> job id, while forming
   std::map<JoinTicket, Result<JoinResult>> outcomes_;
   std::vector<Delivery> events_;
   std::vector<std::string> removed_nodes_;
-  uint64_t leases_expired_ = 0;
+  std::vector<JoinTicket> resolved_;
 };
 
 }  // namespace gradsync::coordinator

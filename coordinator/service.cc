@@ -3,9 +3,12 @@
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <list>
 #include <map>
+#include <memory>
 #include <set>
 #include <thread>
 
@@ -14,6 +17,7 @@
 #include "coordinator.grpc.pb.h"
 #include "common/metrics_server.h"
 #include "coordinator/coordinator_metrics.h"
+#include "coordinator/leases.h"
 #include "coordinator/trace_gather.h"
 #include "coordinator/regroup.h"
 
@@ -22,8 +26,8 @@ namespace {
 
 // A node that never watches must not grow its queue without bound; the oldest go first.
 constexpr size_t kMaxQueuedEventsPerNode = 4096;
-// Blocked calls are woken by every tick; this is only a safety net in case one is missed.
-constexpr Millis kSafetyWake{1000};
+// A tick this much later than due means the coordinator was stalled (see run_ticker).
+constexpr Millis kStallSlack{250};
 // How long shutdown() lets in-flight calls finish before gRPC cancels them.
 constexpr Millis kShutdownGrace{2000};
 // Server keepalive: finds half-open WatchEvents streams of daemons that vanished.
@@ -89,10 +93,56 @@ grpc::Status shutting_down() {
 
 }  // namespace
 
-class CoordinatorService final : public v1::Coordinator::Service {
+// A pending JoinJob: finished when the table resolves its ticket, or withdrawn on cancel.
+class JoinReactor final : public grpc::ServerUnaryReactor {
+ public:
+  JoinReactor(CoordinatorService* service, v1::JoinJobResponse* resp) : service_(service), resp_(resp) {}
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+  CoordinatorService* const service_;
+  v1::JoinJobResponse* const resp_;
+  const TimePoint start = Clock::now();  // for the join latency metric
+  JoinTicket ticket = 0;
+  bool cancelled = false;  // guarded by the service's mutex
+};
+
+// A pending TraceJob: finished when every node answered or at its deadline (the ticker).
+class TraceReactor final : public grpc::ServerUnaryReactor {
+ public:
+  TraceReactor(CoordinatorService* service, v1::TraceJobResponse* resp) : service_(service), resp_(resp) {}
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+  CoordinatorService* const service_;
+  v1::TraceJobResponse* const resp_;
+  // Guarded by the service's mutex.
+  uint64_t id = 0;
+  uint32_t world = 0;
+  bool cancelled = false;
+};
+
+// One node's event stream: writes its queued events one at a time; no thread, no wake-ups
+// while there is nothing to send.
+class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
+ public:
+  WatchReactor(CoordinatorService* service, std::string node_id) : service_(service), node_id(std::move(node_id)) {}
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+  CoordinatorService* const service_;
+  const std::string node_id;
+  // Guarded by the service's mutex.
+  v1::Event current;
+  bool writing = false;
+  bool finished = false;  // Finish called, or due once the write in flight is done
+  bool finish_due = false;
+  grpc::Status final_status;
+};
+
+class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
   explicit CoordinatorService(const CoordinatorOptions& o)
-      : options_(o), authz_(with_client_certs(o)), table_(JobTableOptions{o.lease, o.default_join_timeout}) {}
+      : options_(o), authz_(with_client_certs(o)), table_(JobTableOptions{o.lease, o.default_join_timeout}),
+        leases_(o.lease) {}
   ~CoordinatorService() override { stop(); }
 
   void start() {
@@ -102,172 +152,274 @@ class CoordinatorService final : public v1::Coordinator::Service {
   void stop() {
     {
       std::lock_guard lock(mu_);
-      stopping_ = true;
+      if (!stopping_) {
+        stopping_ = true;
+        for (auto& [ticket, r] : joins_) {
+          table_.withdraw(ticket, "coordinator shutting down");
+          r->Finish(shutting_down());
+        }
+        joins_.clear();
+        for (auto& [id, r] : trace_calls_) {
+          traces_.cancel(id);
+          r->Finish(shutting_down());
+        }
+        trace_calls_.clear();
+        for (auto& [id, q] : queues_) {
+          if (q.watcher) finish_watch_locked(q.watcher, shutting_down());
+        }
+      }
     }
-    regroup_.stop();
-    join_cv_.notify_all();
-    event_cv_.notify_all();
+    regroup_.stop();  // wakes the Regroup waits; no new one starts once stopping_
+    std::list<RegroupWait> waits;
+    {
+      std::lock_guard lock(mu_);
+      waits.swap(regroup_waits_);
+    }
+    for (auto& w : waits) w.thread.join();
     ticker_cv_.notify_all();
     if (ticker_.joinable()) ticker_.join();
   }
 
-  grpc::Status RegisterNode(grpc::ServerContext* ctx, const v1::RegisterNodeRequest* req,
-                            v1::RegisterNodeResponse* resp) override {
+  grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx, const v1::RegisterNodeRequest* req,
+                                         v1::RegisterNodeResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
     std::lock_guard lock(mu_);
-    if (stopping_) return shutting_down();
+    if (stopping_) {
+      r->Finish(shutting_down());
+      return r;
+    }
     const std::string name = node_name_of(req->node());
     auto key = authz_.admit_node(*ctx, name, [this](const std::string& id) { return table_.has_node(id); });
-    if (!key.ok()) return to_grpc(key.status());
-    auto id = table_.register_node(req->node(), Clock::now());
-    if (!id.ok()) return to_grpc(id.status());
+    if (!key.ok()) {
+      r->Finish(to_grpc(key.status()));
+      return r;
+    }
+    const TimePoint now = Clock::now();
+    auto id = table_.register_node(req->node(), now);
+    if (!id.ok()) {
+      r->Finish(to_grpc(id.status()));
+      return r;
+    }
     authz_.bound(name, *id, *key);
     if (!key->empty()) ctx->AddInitialMetadata(kNodeKeyHeader, *key);
     queues_[*id];  // queue events from now on, even before the node starts watching
+    {
+      std::lock_guard leases(lease_mu_);
+      leases_.add(*id, now);
+    }
     dispatch_locked();
     resp->set_node_id(*id);
     resp->set_lease_ms(static_cast<uint32_t>(options_.lease.count()));
-    return grpc::Status::OK;
+    r->Finish(grpc::Status::OK);
+    return r;
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext* ctx, const v1::HeartbeatRequest* req,
-                         v1::HeartbeatResponse* resp) override {
-    if (Status a = authz_.node_call(*ctx, req->node_id(), "Heartbeat"); !a.ok()) return to_grpc(a);
-    std::lock_guard lock(mu_);
-    Status s = table_.heartbeat(req->node_id(), Clock::now());
-    if (!s.ok()) return to_grpc(s);
+  // Only the lease table's own mutex: a heartbeat never waits for a join or a peer table.
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
+    if (Status a = authz_.node_call(*ctx, req->node_id(), "Heartbeat"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
+    bool known = false;
+    {
+      std::lock_guard lock(lease_mu_);
+      known = leases_.renew(req->node_id(), Clock::now());
+    }
+    if (!known) {
+      r->Finish(to_grpc({Code::kNotFound, "Heartbeat: node '" + req->node_id() +
+                                              "' is not registered with the coordinator (its lease of " +
+                                              std::to_string(options_.lease.count()) +
+                                              " ms expired, or the coordinator restarted); the daemon must "
+                                              "RegisterNode again"}));
+      return r;
+    }
     resp->set_lease_ms(static_cast<uint32_t>(options_.lease.count()));
-    return grpc::Status::OK;
+    r->Finish(grpc::Status::OK);
+    return r;
   }
 
-  grpc::Status JoinJob(grpc::ServerContext* ctx, const v1::JoinJobRequest* req,
-                       v1::JoinJobResponse* resp) override {
-    if (Status a = authz_.node_call(*ctx, req->node_id(), "JoinJob"); !a.ok()) return to_grpc(a);
-    JoinRequest r;
-    r.node_id = req->node_id();
-    r.job_id = req->job_id();
-    r.token = req->token();
-    r.world_size = req->world_size();
-    r.ranks.assign(req->ranks().begin(), req->ranks().end());
-    r.endpoints.assign(req->endpoints().begin(), req->endpoints().end());
-    r.timeout = Millis(req->timeout_ms());
-    const Millis timeout = r.timeout.count() > 0 ? r.timeout : options_.default_join_timeout;
-
-    std::unique_lock lock(mu_);
-    if (stopping_) return shutting_down();
-    const TimePoint start = Clock::now();
-    auto ticket = table_.join(r, start);
-    dispatch_locked();  // this join may have completed the generation
+  grpc::ServerUnaryReactor* JoinJob(grpc::CallbackServerContext* ctx, const v1::JoinJobRequest* req,
+                                    v1::JoinJobResponse* resp) override {
+    JoinRequest j;
+    j.node_id = req->node_id();
+    j.job_id = req->job_id();
+    j.token = req->token();
+    j.world_size = req->world_size();
+    j.ranks.assign(req->ranks().begin(), req->ranks().end());
+    j.endpoints.assign(req->endpoints().begin(), req->endpoints().end());
+    j.timeout = Millis(req->timeout_ms());
+    j.offer = req->offer();
+    auto* r = new JoinReactor(this, resp);
+    if (Status a = authz_.node_call(*ctx, req->node_id(), "JoinJob"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
+    std::lock_guard lock(mu_);
+    if (stopping_) {
+      r->Finish(shutting_down());
+      return r;
+    }
+    auto ticket = table_.join(j, Clock::now());
     if (!ticket.ok()) {
       log::get("coordinator")->warn("rejected {}", ticket.status().to_string());
-      return to_grpc(ticket.status());
+      r->Finish(to_grpc(ticket.status()));
+      return r;
     }
-    authz_.job_token(r.job_id, r.token);  // the table accepted it: the job's token
-    // Wake at the join deadline (to fail it without waiting for the next tick) or at the
-    // caller's own deadline, whichever is first; ticks wake us in between.
-    TimePoint wake = start + timeout;
-    const auto call_left = ctx->deadline() - std::chrono::system_clock::now();
-    if (call_left < timeout) wake = start + std::chrono::duration_cast<Millis>(call_left);
-    for (;;) {
-      if (auto outcome = table_.take_join_result(*ticket)) {
-        metrics_.join(std::chrono::duration<double>(Clock::now() - start).count(), outcome->ok());
-        if (!outcome->ok()) return to_grpc(outcome->status());
-        resp->set_generation((*outcome)->generation);
-        resp->set_world_size((*outcome)->world_size);
-        return grpc::Status::OK;
-      }
-      if (stopping_ || ctx->IsCancelled()) {
-        table_.withdraw(*ticket, stopping_ ? "coordinator shutting down"
-                                           : "the JoinJob call was cancelled or timed out");
-        dispatch_locked();
-        return stopping_ ? shutting_down()
-                         : grpc::Status(grpc::StatusCode::CANCELLED, "JoinJob cancelled");
-      }
-      if (join_cv_.wait_until(lock, wake) == std::cv_status::timeout) {
-        advance_locked(Clock::now());
-        wake = Clock::now() + kSafetyWake;  // from now on the ticker wakes us
-      }
+    authz_.job_token(j.job_id, j.token);  // the table accepted it: the job's token
+    r->ticket = *ticket;
+    joins_[*ticket] = r;
+    if (r->cancelled || ctx->IsCancelled()) {  // cancelled before it was registered above
+      withdraw_locked(r, "the JoinJob call was cancelled or timed out");
+    }
+    dispatch_locked();  // this join may have completed the generation
+    return r;
+  }
+
+  void cancel_join(JoinReactor* r) {
+    std::lock_guard lock(mu_);
+    r->cancelled = true;
+    if (r->ticket != 0 && joins_.count(r->ticket)) {
+      withdraw_locked(r, "the JoinJob call was cancelled or timed out");
+      dispatch_locked();
     }
   }
 
-  grpc::Status GetPeerTable(grpc::ServerContext* ctx, const v1::PeerTableRequest* req,
-                            v1::PeerTableResponse* resp) override {
-    const std::string node = Authorizer::node_id_of(*ctx);
-    if (Status a = authz_.job_call(*ctx, node, req->job_id(), "GetPeerTable"); !a.ok()) return to_grpc(a);
+  grpc::ServerUnaryReactor* GetPeerTable(grpc::CallbackServerContext* ctx, const v1::PeerTableRequest* req,
+                                         v1::PeerTableResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
+    // The node a table is for is the caller (its credential is checked); a fetch by key needs
+    // only the caller to be a member of the job.
+    const std::string node = req->node_id().empty() ? Authorizer::node_id_of(*ctx) : req->node_id();
+    if (Status a = authz_.job_call(*ctx, node, req->job_id(), "GetPeerTable"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
+    std::vector<uint32_t> ranks(req->ranks().begin(), req->ranks().end());
     std::lock_guard lock(mu_);
-    auto table = table_.peer_table(req->job_id(), req->generation());
-    if (!table.ok()) return to_grpc(table.status());
-    if (!authz_.open() && std::none_of(table->peers().begin(), table->peers().end(),
-                                       [&](const v1::PeerEntry& p) { return p.node_id() == node; })) {
-      return to_grpc({Code::kPermissionDenied, "GetPeerTable job=" + req->job_id() + ": node '" + node +
-                                                   "' is not a member of the job"});
+    if (!ranks.empty() && !authz_.open()) {  // the caller must hold a rank of the job
+      auto own = table_.peer_table(req->job_id(), req->generation(), node, 0);
+      if (!own.ok()) {
+        r->Finish(to_grpc({Code::kPermissionDenied, "GetPeerTable job=" + req->job_id() + ": node '" + node +
+                                                       "' is not a member of the job"}));
+        return r;
+      }
+    }
+    auto table = table_.peer_table(req->job_id(), req->generation(), node, req->page(), ranks);
+    if (!table.ok()) {
+      r->Finish(to_grpc(table.status()));
+      return r;
     }
     *resp = std::move(*table);
-    return grpc::Status::OK;
+    r->Finish(grpc::Status::OK);  // serialised after the handler returns, outside the mutex
+    return r;
   }
 
-  grpc::Status WatchEvents(grpc::ServerContext* ctx, const v1::WatchRequest* req,
-                           grpc::ServerWriter<v1::Event>* writer) override {
-    const std::string& id = req->node_id();
-    if (Status a = authz_.node_call(*ctx, id, "WatchEvents"); !a.ok()) return to_grpc(a);
-    std::unique_lock lock(mu_);
-    if (stopping_) return shutting_down();
-    if (!table_.has_node(id)) return to_grpc(lost_or_unknown(id));
+  grpc::ServerWriteReactor<v1::Event>* WatchEvents(grpc::CallbackServerContext* ctx,
+                                                    const v1::WatchRequest* req) override {
+    auto* r = new WatchReactor(this, req->node_id());
+    if (Status a = authz_.node_call(*ctx, req->node_id(), "WatchEvents"); !a.ok()) {
+      std::lock_guard lock(mu_);
+      r->finished = true;
+      r->Finish(to_grpc(a));
+      return r;
+    }
+    std::lock_guard lock(mu_);
+    if (stopping_) {
+      r->finished = true;
+      r->Finish(shutting_down());
+      return r;
+    }
+    auto q = queues_.find(r->node_id);
+    if (q == queues_.end() || !table_.has_node(r->node_id)) {
+      r->finished = true;
+      r->Finish(to_grpc(lost_or_unknown(r->node_id)));
+      return r;
+    }
     // One watcher per node: a newer WatchEvents (a daemon that reconnected) replaces this one.
-    const uint64_t epoch = ++queues_[id].watch_epoch;
-    event_cv_.notify_all();
-    log::get("coordinator")->debug("node={} watching events", id);
-    for (;;) {
-      if (stopping_) return shutting_down();
-      if (ctx->IsCancelled()) return {grpc::StatusCode::CANCELLED, "WatchEvents cancelled"};
-      auto q = queues_.find(id);
-      if (q == queues_.end() || !table_.has_node(id)) return to_grpc(lost_or_unknown(id));
-      if (q->second.watch_epoch != epoch) {
-        return {grpc::StatusCode::ABORTED,
-                "WatchEvents for node " + id + " was replaced by a newer WatchEvents call"};
-      }
-      if (q->second.events.empty()) {
-        event_cv_.wait_until(lock, Clock::now() + kSafetyWake);
-        continue;
-      }
-      v1::Event ev = std::move(q->second.events.front());
-      q->second.events.pop_front();
-      lock.unlock();  // Write may block on flow control; never hold the table meanwhile
-      const bool written = writer->Write(ev);
-      lock.lock();
-      if (!written) {
-        q = queues_.find(id);  // keep the event for the node's next watcher
-        if (q != queues_.end()) q->second.events.push_front(std::move(ev));
-        return {grpc::StatusCode::CANCELLED, "WatchEvents stream closed by the client"};
+    if (q->second.watcher) {
+      finish_watch_locked(q->second.watcher,
+                          {grpc::StatusCode::ABORTED,
+                           "WatchEvents for node " + r->node_id + " was replaced by a newer WatchEvents call"});
+    }
+    q->second.watcher = r;
+    log::get("coordinator")->debug("node={} watching events", r->node_id);
+    pump_locked(q->second);
+    return r;
+  }
+
+  void write_done(WatchReactor* r, bool ok) {
+    std::lock_guard lock(mu_);
+    r->writing = false;
+    auto q = queues_.find(r->node_id);
+    const bool attached = q != queues_.end() && q->second.watcher == r;
+    if (!ok) {
+      finish_watch_locked(r, {grpc::StatusCode::CANCELLED, "WatchEvents stream closed by the client"});
+      if (q != queues_.end()) {  // the event goes to the node's next watcher
+        q->second.events.push_front(std::move(r->current));
+        pump_locked(q->second);
       }
     }
+    if (r->finish_due) {
+      r->finish_due = false;
+      r->Finish(r->final_status);
+      return;
+    }
+    if (ok && attached) pump_locked(q->second);
   }
 
-  grpc::Status LeaveJob(grpc::ServerContext* ctx, const v1::LeaveJobRequest* req,
-                        v1::LeaveJobResponse*) override {
-    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "LeaveJob"); !a.ok()) return to_grpc(a);
+  void watch_cancelled(WatchReactor* r) {
+    std::lock_guard lock(mu_);
+    finish_watch_locked(r, {grpc::StatusCode::CANCELLED, "WatchEvents cancelled"});
+  }
+
+  void watch_done(WatchReactor* r) {
+    std::lock_guard lock(mu_);
+    auto q = queues_.find(r->node_id);
+    if (q != queues_.end() && q->second.watcher == r) q->second.watcher = nullptr;
+  }
+
+  grpc::ServerUnaryReactor* LeaveJob(grpc::CallbackServerContext* ctx, const v1::LeaveJobRequest* req,
+                                     v1::LeaveJobResponse*) override {
+    auto* r = ctx->DefaultReactor();
+    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "LeaveJob"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
     std::lock_guard lock(mu_);
     Status s = table_.leave(req->node_id(), req->job_id(), req->generation());
     dispatch_locked();
-    return to_grpc(s);
+    r->Finish(to_grpc(s));
+    return r;
   }
 
-  grpc::Status AbortJob(grpc::ServerContext* ctx, const v1::AbortJobRequest* req,
-                        v1::AbortJobResponse*) override {
-    // Without a node id the caller is an operator; a node must also hold the job's token.
-    Status a = req->node_id().empty() ? authz_.operator_call(*ctx, "AbortJob")
-                                      : authz_.job_call(*ctx, req->node_id(), req->job_id(), "AbortJob");
-    if (!a.ok()) return to_grpc(a);
+  grpc::ServerUnaryReactor* AbortJob(grpc::CallbackServerContext* ctx, const v1::AbortJobRequest* req,
+                                     v1::AbortJobResponse*) override {
+    auto* r = ctx->DefaultReactor();
+    if (Status a = req->node_id().empty() ? authz_.operator_call(*ctx, "AbortJob")
+                                              : authz_.job_call(*ctx, req->node_id(), req->job_id(), "AbortJob"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
     std::lock_guard lock(mu_);
-    Status s = table_.abort(req->node_id(), req->job_id(), req->generation(), req->reason(),
-                            req->failed_rank());
+    Status s = table_.abort(req->node_id(), req->job_id(), req->generation(), req->reason(), req->failed_rank());
     dispatch_locked();
-    return to_grpc(s);
+    r->Finish(to_grpc(s));
+    return r;
   }
 
   // Elastic membership (coordinator/regroup.h): its own table and lock, apart from the jobs'.
-  grpc::Status Regroup(grpc::ServerContext* ctx, const v1::RegroupRequest* req, v1::RegroupResponse* resp) override {
+  // RegroupService's wait blocks, so each call waits on a thread of its own, not on one of
+  // gRPC's callback threads (regroup calls are few: one per rank when a job shrinks or grows).
+  grpc::ServerUnaryReactor* Regroup(grpc::CallbackServerContext* ctx, const v1::RegroupRequest* req,
+                                    v1::RegroupResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
     // The base job's token: the same for every generation of the job.
-    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "Regroup"); !a.ok()) return to_grpc(a);
+    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "Regroup"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
     RegroupCall c;
     c.node_id = req->node_id();
     c.job = req->job_id();
@@ -282,110 +434,168 @@ class CoordinatorService final : public v1::Coordinator::Service {
     // The caller's deadline, at most a little past the longest wait (no deadline: "forever").
     const auto call_left = std::min<std::chrono::system_clock::duration>(
         ctx->deadline() - std::chrono::system_clock::now(), std::chrono::minutes(11));
-    auto outcome = regroup_.run(c, Clock::now() + std::chrono::duration_cast<Millis>(call_left),
-                                [ctx] { return ctx->IsCancelled(); });
-    if (!outcome.ok()) return to_grpc(outcome.status());
-    resp->set_generation(outcome->generation);
-    resp->set_world_size(outcome->world_size);
-    resp->set_rank(outcome->rank);
-    resp->set_local_rank(outcome->local_rank);
-    resp->set_local_world_size(outcome->local_world_size);
-    for (int32_t r : outcome->old_ranks) resp->add_old_ranks(r);
-    return grpc::Status::OK;
+    const TimePoint give_up = Clock::now() + std::chrono::duration_cast<Millis>(call_left);
+    std::lock_guard lock(mu_);
+    if (stopping_) {
+      r->Finish(shutting_down());
+      return r;
+    }
+    // Joins the waits that are over.
+    regroup_waits_.remove_if([](RegroupWait& w) {
+      if (!w.done->load()) return false;
+      w.thread.join();
+      return true;
+    });
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::thread t([this, ctx, r, resp, c, give_up, done] {
+      auto outcome = regroup_.run(c, give_up, [ctx] { return ctx->IsCancelled(); });
+      if (outcome.ok()) {
+        resp->set_generation(outcome->generation);
+        resp->set_world_size(outcome->world_size);
+        resp->set_rank(outcome->rank);
+        resp->set_local_rank(outcome->local_rank);
+        resp->set_local_world_size(outcome->local_world_size);
+        for (int32_t old : outcome->old_ranks) resp->add_old_ranks(old);
+      }
+      r->Finish(outcome.ok() ? grpc::Status::OK : to_grpc(outcome.status()));
+      done->store(true);
+    });
+    regroup_waits_.push_back({std::move(t), std::move(done)});
+    return r;
   }
 
-  grpc::Status ReportPath(grpc::ServerContext* ctx, const v1::ReportPathRequest* req,
-                          v1::ReportPathResponse*) override {
-    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "ReportPath"); !a.ok()) return to_grpc(a);
+  grpc::ServerUnaryReactor* ReportPath(grpc::CallbackServerContext* ctx, const v1::ReportPathRequest* req,
+                                       v1::ReportPathResponse*) override {
+    auto* r = ctx->DefaultReactor();
+    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "ReportPath"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
     std::lock_guard lock(mu_);
-    return to_grpc(table_.report_path(req->node_id(), req->job_id(), req->generation(), req->path()));
+    r->Finish(to_grpc(table_.report_path(req->node_id(), req->job_id(), req->generation(), req->path())));
+    return r;
   }
 
   // gradsyncctl trace: asks every member node's daemon for its ranks' flight recorders
-  // (coordinator/trace_gather.h) and returns what came in time.
-  grpc::Status TraceJob(grpc::ServerContext* ctx, const v1::TraceJobRequest* req,
-                        v1::TraceJobResponse* resp) override {
-    if (Status a = authz_.operator_call(*ctx, "TraceJob"); !a.ok()) return to_grpc(a);
+  // (coordinator/trace_gather.h); answered when every node has, or at the deadline (the ticker).
+  grpc::ServerUnaryReactor* TraceJob(grpc::CallbackServerContext* ctx, const v1::TraceJobRequest* req,
+                                     v1::TraceJobResponse* resp) override {
+    auto* r = new TraceReactor(this, resp);
+    if (Status a = authz_.operator_call(*ctx, "TraceJob"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
     const Millis wait = req->timeout_ms() ? std::min(Millis(req->timeout_ms()), kTraceMaxWait) : kTraceDefaultWait;
     const uint32_t max_records = req->max_records() ? std::min(req->max_records(), kTraceMaxRecords) : kTraceDefaultRecords;
-    uint64_t id = 0;
-    uint32_t world = 0;
-    {
-      std::lock_guard lock(mu_);
-      if (stopping_) return shutting_down();
-      auto d = table_.describe(req->job_id());
-      if (!d.ok()) return to_grpc(d.status());
-      *resp->mutable_summary() = d->summary();
-      world = d->summary().world_size();
-      std::map<std::string, std::set<uint32_t>> nodes;
-      for (const auto& p : d->peers()) nodes[p.node_id()].insert(p.rank());
-      id = traces_.open(req->job_id(), d->summary().generation(), nodes, max_records);
-      for (const auto& [node, ranks] : nodes) {
-        auto q = queues_.find(node);
-        if (q == queues_.end() || !table_.has_node(node)) {
-          traces_.unreachable(id, node, "not registered any more (its lease expired?)");
-          continue;
-        }
-        v1::Event ev;
-        ev.set_kind(v1::Event::TRACE_REQUESTED);
-        ev.set_job_id(req->job_id());
-        ev.set_generation(d->summary().generation());
-        ev.set_request_id(id);
-        ev.set_max_records(max_records);
-        ev.set_quiet(req->quiet());
-        q->second.events.push_back(std::move(ev));
+    std::lock_guard lock(mu_);
+    if (stopping_) {
+      r->Finish(shutting_down());
+      return r;
+    }
+    auto holders = table_.holders(req->job_id());
+    if (!holders.ok()) {
+      r->Finish(to_grpc(holders.status()));
+      return r;
+    }
+    *resp->mutable_summary() = holders->summary;
+    r->world = holders->summary.world_size();
+    const uint64_t generation = holders->summary.generation();
+    r->id = traces_.open(req->job_id(), generation, holders->nodes, max_records, Clock::now() + wait);
+    trace_calls_[r->id] = r;
+    for (const auto& [node, ranks] : holders->nodes) {
+      auto q = queues_.find(node);
+      if (q == queues_.end() || !table_.has_node(node)) {
+        traces_.unreachable(r->id, node, "not registered any more (its lease expired?)");
+        continue;
       }
-      event_cv_.notify_all();
+      v1::Event ev;
+      ev.set_kind(v1::Event::TRACE_REQUESTED);
+      ev.set_job_id(req->job_id());
+      ev.set_generation(generation);
+      ev.set_request_id(r->id);
+      ev.set_max_records(max_records);
+      ev.set_quiet(req->quiet());
+      queue_event_locked(q->second, std::move(ev));
     }
-    auto got = traces_.wait(id, Clock::now() + wait, [ctx] { return ctx->IsCancelled(); });
-    std::sort(got.ranks.begin(), got.ranks.end(), [](const auto& a, const auto& b) { return a.rank() < b.rank(); });
-    for (auto& t : got.ranks) {
-      if (t.rank() < world) *resp->add_ranks() = std::move(t);
+    if (r->cancelled || ctx->IsCancelled()) {  // cancelled before it was registered above
+      cancel_trace_locked(r);
+      return r;
     }
-    for (auto& m : got.missing) resp->add_missing_nodes(std::move(m));
-    for (auto& p : got.dumps) resp->add_dumps(std::move(p));
-    return grpc::Status::OK;
+    finish_traces_locked(Clock::now());  // every node may have been unreachable
+    return r;
   }
 
-  grpc::Status ReportTrace(grpc::ServerContext* ctx, const v1::ReportTraceRequest* req,
-                           v1::ReportTraceResponse*) override {
-    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "ReportTrace"); !a.ok()) return to_grpc(a);
-    {
-      std::lock_guard lock(mu_);
-      if (!table_.has_node(req->node_id())) return to_grpc(lost_or_unknown(req->node_id()));
-    }
-    return to_grpc(traces_.report(*req));
+  void cancel_trace(TraceReactor* r) {
+    std::lock_guard lock(mu_);
+    r->cancelled = true;
+    cancel_trace_locked(r);
   }
 
-  grpc::Status ListJobs(grpc::ServerContext* ctx, const v1::ListJobsRequest*,
-                        v1::ListJobsResponse* resp) override {
-    if (Status a = authz_.operator_call(*ctx, "ListJobs"); !a.ok()) return to_grpc(a);
+  grpc::ServerUnaryReactor* ReportTrace(grpc::CallbackServerContext* ctx, const v1::ReportTraceRequest* req,
+                                        v1::ReportTraceResponse*) override {
+    auto* r = ctx->DefaultReactor();
+    if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "ReportTrace"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
+    std::lock_guard lock(mu_);
+    if (!table_.has_node(req->node_id())) {
+      r->Finish(to_grpc(lost_or_unknown(req->node_id())));
+      return r;
+    }
+    Status s = traces_.report(*req);
+    finish_traces_locked(Clock::now());
+    r->Finish(to_grpc(s));
+    return r;
+  }
+
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx, const v1::ListJobsRequest*,
+                                     v1::ListJobsResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
+    if (Status a = authz_.operator_call(*ctx, "ListJobs"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
     std::lock_guard lock(mu_);
     for (auto& job : table_.list_jobs()) *resp->add_jobs() = std::move(job);
-    return grpc::Status::OK;
+    r->Finish(grpc::Status::OK);
+    return r;
   }
 
-  grpc::Status DescribeJob(grpc::ServerContext* ctx, const v1::DescribeJobRequest* req,
-                           v1::DescribeJobResponse* resp) override {
-    if (Status a = authz_.operator_call(*ctx, "DescribeJob"); !a.ok()) return to_grpc(a);
+  grpc::ServerUnaryReactor* DescribeJob(grpc::CallbackServerContext* ctx, const v1::DescribeJobRequest* req,
+                                        v1::DescribeJobResponse* resp) override {
+    auto* r = ctx->DefaultReactor();
+    if (Status a = authz_.operator_call(*ctx, "DescribeJob"); !a.ok()) {
+      r->Finish(to_grpc(a));
+      return r;
+    }
     std::lock_guard lock(mu_);
-    auto d = table_.describe(req->job_id());
-    if (!d.ok()) return to_grpc(d.status());
+    auto d = table_.describe(req->job_id(), req->page());
+    if (!d.ok()) {
+      r->Finish(to_grpc(d.status()));
+      return r;
+    }
     *resp = std::move(*d);
-    return grpc::Status::OK;
+    r->Finish(grpc::Status::OK);
+    return r;
   }
 
   CoordinatorMetrics& metrics() { return metrics_; }
   // /metrics (coordinator/coordinator_metrics.h): the table's part read under mu_.
   std::string render_metrics() {
     std::lock_guard lock(mu_);
-    return metrics_.render(table_.node_count(), table_.leases_expired(), table_.list_jobs());
+    uint64_t expired = 0;
+    {
+      std::lock_guard leases(lease_mu_);
+      expired = leases_expired_;
+    }
+    return metrics_.render(table_.node_count(), expired, table_.list_jobs());
   }
 
  private:
   struct NodeQueue {
     std::deque<v1::Event> events;
-    uint64_t watch_epoch = 0;  // bumped by each WatchEvents; older watchers then end
+    WatchReactor* watcher = nullptr;  // the node's current stream, if any
   };
 
   Status lost_or_unknown(const std::string& id) const {
@@ -395,35 +605,141 @@ class CoordinatorService final : public v1::Coordinator::Service {
                                  " ms expired); the daemon must RegisterNode again"};
   }
 
-  // Moves the table's new events into the node queues and wakes whoever may care.
-  void dispatch_locked() {
-    std::vector<Delivery> events = table_.take_events();
-    for (auto& d : events) {
-      auto& q = queues_[d.node_id].events;
-      if (q.size() >= kMaxQueuedEventsPerNode) {
-        log::get("coordinator")
-            ->warn("node={} is not reading its events; dropping the oldest", d.node_id);
-        q.pop_front();
+  void withdraw_locked(JoinReactor* r, const std::string& why) {
+    table_.withdraw(r->ticket, why);
+    joins_.erase(r->ticket);
+    r->Finish(stopping_ ? shutting_down() : grpc::Status(grpc::StatusCode::CANCELLED, "JoinJob cancelled"));
+  }
+
+  // Queues an event for a node (dropping the oldest past the bound) and writes it when the
+  // node's stream is free.
+  void queue_event_locked(NodeQueue& q, v1::Event ev) {
+    if (q.events.size() >= kMaxQueuedEventsPerNode) {
+      log::get("coordinator")->warn("a node is not reading its events; dropping the oldest of its {}", q.events.size());
+      q.events.pop_front();
+    }
+    q.events.push_back(std::move(ev));
+    pump_locked(q);
+  }
+
+  // Answers the TraceJob calls whose requests are complete or past their deadline.
+  void finish_traces_locked(TimePoint now) {
+    for (auto& [id, got] : traces_.take_finished(now)) {
+      auto it = trace_calls_.find(id);
+      if (it == trace_calls_.end()) continue;
+      TraceReactor* r = it->second;
+      trace_calls_.erase(it);
+      std::sort(got.ranks.begin(), got.ranks.end(), [](const auto& a, const auto& b) { return a.rank() < b.rank(); });
+      for (auto& t : got.ranks) {
+        if (t.rank() < r->world) *r->resp_->add_ranks() = std::move(t);
       }
-      q.push_back(std::move(d.event));
+      for (auto& m : got.missing) r->resp_->add_missing_nodes(std::move(m));
+      for (auto& p : got.dumps) r->resp_->add_dumps(std::move(p));
+      r->Finish(grpc::Status::OK);
     }
-    for (const auto& id : table_.take_removed_nodes()) queues_.erase(id);
-    event_cv_.notify_all();
-    join_cv_.notify_all();
   }
 
-  void advance_locked(TimePoint now) {
-    table_.tick(now);
-    dispatch_locked();
+  void cancel_trace_locked(TraceReactor* r) {
+    auto it = trace_calls_.find(r->id);
+    if (r->id == 0 || it == trace_calls_.end() || it->second != r) return;  // answered already
+    trace_calls_.erase(it);
+    traces_.cancel(r->id);
+    r->Finish(stopping_ ? shutting_down() : grpc::Status(grpc::StatusCode::CANCELLED, "TraceJob cancelled"));
   }
 
+  void pump_locked(NodeQueue& q) {
+    WatchReactor* w = q.watcher;
+    if (!w || w->writing || w->finished || q.events.empty()) return;
+    w->current = std::move(q.events.front());
+    q.events.pop_front();
+    w->writing = true;
+    w->StartWrite(&w->current);
+  }
+
+  // Finishes a stream now, or after its write in flight; detaches it from its node.
+  void finish_watch_locked(WatchReactor* w, const grpc::Status& status) {
+    auto q = queues_.find(w->node_id);
+    if (q != queues_.end() && q->second.watcher == w) q->second.watcher = nullptr;
+    if (w->finished) return;
+    w->finished = true;
+    if (w->writing) {
+      w->finish_due = true;
+      w->final_status = status;
+    } else {
+      w->Finish(status);
+    }
+  }
+
+  // Moves the table's new events into the node queues and onto their streams, ends the
+  // streams and leases of removed nodes, and answers the joins the table resolved.
+  void dispatch_locked() {
+    for (auto& d : table_.take_events()) {
+      auto qit = queues_.find(d.node_id);
+      if (qit == queues_.end()) continue;
+      queue_event_locked(qit->second, std::move(d.event));
+    }
+    for (const auto& id : table_.take_removed_nodes()) {
+      auto q = queues_.find(id);
+      if (q != queues_.end()) {
+        if (q->second.watcher) finish_watch_locked(q->second.watcher, to_grpc(lost_or_unknown(id)));
+        queues_.erase(q);
+      }
+      std::lock_guard leases(lease_mu_);
+      leases_.remove(id);
+    }
+    for (JoinTicket t : table_.take_resolved()) {
+      auto outcome = table_.take_join_result(t);
+      auto it = joins_.find(t);
+      if (!outcome || it == joins_.end()) continue;
+      JoinReactor* r = it->second;
+      joins_.erase(it);
+      metrics_.join(std::chrono::duration<double>(Clock::now() - r->start).count(), outcome->ok());
+      if (!outcome->ok()) {
+        r->Finish(to_grpc(outcome->status()));
+        continue;
+      }
+      r->resp_->set_generation((*outcome)->generation);
+      r->resp_->set_world_size((*outcome)->world_size);
+      r->Finish(grpc::Status::OK);
+    }
+  }
+
+  // Every tick: lease expiry (a heap: O(expiring)), join deadlines (O(jobs)). It wakes nothing
+  // else. A tick that comes late means the coordinator itself was stalled: that time is
+  // added to every lease rather than blamed on the nodes.
   void run_ticker() {
-    std::unique_lock lock(mu_);
-    while (!stopping_) {
-      ticker_cv_.wait_until(lock, Clock::now() + options_.tick, [this] { return stopping_; });
-      if (stopping_) break;
-      advance_locked(Clock::now());  // also wakes blocked calls to check for cancellation
+    auto log = log::get("coordinator");
+    TimePoint due = Clock::now() + options_.tick;
+    std::unique_lock lock(ticker_mu_);
+    while (!stopping_flag()) {
+      ticker_cv_.wait_until(lock, due);
+      if (stopping_flag()) break;
+      const TimePoint now = Clock::now();
+      const auto late = std::chrono::duration_cast<Millis>(now - due);
+      due = now + options_.tick;
+      std::vector<std::pair<std::string, Millis>> expired;
+      {
+        std::lock_guard leases(lease_mu_);
+        if (late > kStallSlack) {
+          leases_.stalled(late);
+          log->warn("the coordinator was stalled for {} ms (no CPU?): every lease is extended by that", late.count());
+        }
+        expired = leases_.expire(now);
+        leases_expired_ += expired.size();
+      }
+      std::lock_guard table(mu_);
+      for (const auto& [id, silent] : expired) {
+        table_.lose_node(id, leases_.expiry_reason(silent));
+      }
+      table_.tick(now);
+      dispatch_locked();
+      finish_traces_locked(now);
     }
+  }
+
+  bool stopping_flag() {
+    std::lock_guard lock(mu_);
+    return stopping_;
   }
 
   static AuthzOptions with_client_certs(const CoordinatorOptions& o) {
@@ -434,18 +750,36 @@ class CoordinatorService final : public v1::Coordinator::Service {
 
   const CoordinatorOptions options_;
   Authorizer authz_;
-  std::mutex mu_;
-  std::condition_variable join_cv_;    // a join outcome may be ready
-  std::condition_variable event_cv_;   // an event queue changed
-  std::condition_variable ticker_cv_;  // only to stop the ticker early
+  std::mutex mu_;  // the table, the queues, the pending joins; taken before lease_mu_
   JobTable table_;
   RegroupService regroup_;
+  struct RegroupWait {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::list<RegroupWait> regroup_waits_;  // under mu_; stop() joins them
   std::map<std::string, NodeQueue> queues_;
+  std::map<JoinTicket, JoinReactor*> joins_;
   TraceGather traces_;  // open TraceJob requests (own mutex)
+  std::map<uint64_t, TraceReactor*> trace_calls_;  // their calls, by request id
   CoordinatorMetrics metrics_;  // own mutex
   bool stopping_ = false;
+  std::mutex lease_mu_;
+  Leases leases_;
+  uint64_t leases_expired_ = 0;  // under lease_mu_, for /metrics
+  std::mutex ticker_mu_;
+  std::condition_variable ticker_cv_;  // only to stop the ticker early
   std::thread ticker_;
 };
+
+void JoinReactor::OnCancel() { service_->cancel_join(this); }
+void TraceReactor::OnCancel() { service_->cancel_trace(this); }
+void WatchReactor::OnWriteDone(bool ok) { service_->write_done(this, ok); }
+void WatchReactor::OnCancel() { service_->watch_cancelled(this); }
+void WatchReactor::OnDone() {
+  service_->watch_done(this);
+  delete this;
+}
 
 // --- CoordinatorServer ------------------------------------------------------------------
 

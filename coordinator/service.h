@@ -1,10 +1,12 @@
 // The coordinator's gRPC server: the gradsync.v1.Coordinator service over one JobTable.
 //
-// Thread model: gRPC's sync-server threads run the handlers; one mutex guards the table
-// and the per-node event queues. JoinJob and WatchEvents block on condition variables with
-// deadlines. One ticker thread expires leases and join deadlines every `tick`, and it is the
-// only periodic waker: each tick also wakes blocked calls so they notice a cancelled RPC
-// (the sync API has no cancellation callback). Nothing busy-waits.
+// Thread model: gRPC's callback API; no thread per call. One mutex guards the table, the
+// per-node event queues and the pending joins; heartbeats take only the lease table's own
+// mutex (coordinator/leases.h), so they never queue behind a join or a peer table. A pending
+// JoinJob is a reactor finished when its generation completes or fails (or withdrawn when the
+// call is cancelled); an event stream is a reactor that writes when an event is queued. One
+// ticker expires leases (a heap) and join deadlines every `tick`, and wakes nothing else, so
+// idle nodes cost their heartbeats and nothing more. Nothing busy-waits.
 #pragma once
 
 #include <chrono>

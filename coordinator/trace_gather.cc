@@ -3,13 +3,15 @@
 namespace gradsync::coordinator {
 
 uint64_t TraceGather::open(const std::string& job, uint64_t generation,
-                           std::map<std::string, std::set<uint32_t>> nodes, uint32_t max_records) {
+                           std::map<std::string, std::set<uint32_t>> nodes, uint32_t max_records,
+                           TimePoint deadline) {
   std::lock_guard lock(mu_);
   const uint64_t id = next_id_++;
   Pending& p = pending_[id];
   p.job = job;
   p.generation = generation;
   p.max_records = max_records;
+  p.deadline = deadline;
   p.nodes = std::move(nodes);
   return id;
 }
@@ -20,7 +22,6 @@ void TraceGather::unreachable(uint64_t id, const std::string& node, const std::s
   if (it == pending_.end()) return;
   it->second.answered.insert(node);
   it->second.result.missing.push_back("node " + node + ": " + why);
-  cv_.notify_all();
 }
 
 Status TraceGather::report(const v1::ReportTraceRequest& r) {
@@ -56,26 +57,35 @@ Status TraceGather::report(const v1::ReportTraceRequest& r) {
     p.result.ranks.push_back(std::move(kept));
   }
   if (!r.dump_path().empty()) p.result.dumps.push_back("node " + r.node_id() + ": " + r.dump_path());
-  cv_.notify_all();
   return Status::Ok();
 }
 
-TraceGather::Result TraceGather::wait(uint64_t id, std::chrono::steady_clock::time_point deadline,
-                                      const std::function<bool()>& cancelled, std::chrono::milliseconds poll) {
-  std::unique_lock lock(mu_);
-  auto done = [&] {
-    const Pending& p = pending_.at(id);
-    return p.answered.size() >= p.nodes.size();
-  };
-  while (!done() && std::chrono::steady_clock::now() < deadline && !cancelled()) {
-    cv_.wait_until(lock, std::min(deadline, std::chrono::steady_clock::now() + poll));
+std::vector<std::pair<uint64_t, TraceGather::Result>> TraceGather::take_finished(TimePoint now) {
+  std::lock_guard lock(mu_);
+  std::vector<std::pair<uint64_t, Result>> out;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    Pending& p = it->second;
+    if (p.answered.size() < p.nodes.size() && now < p.deadline) {
+      ++it;
+      continue;
+    }
+    for (const auto& [node, ranks] : p.nodes) {
+      if (!p.answered.count(node)) p.result.missing.push_back("node " + node + ": no answer in time");
+    }
+    out.emplace_back(it->first, std::move(p.result));
+    it = pending_.erase(it);
   }
-  Pending p = std::move(pending_.at(id));
+  return out;
+}
+
+void TraceGather::cancel(uint64_t id) {
+  std::lock_guard lock(mu_);
   pending_.erase(id);
-  for (const auto& [node, ranks] : p.nodes) {
-    if (!p.answered.count(node)) p.result.missing.push_back("node " + node + ": no answer in time");
-  }
-  return std::move(p.result);
+}
+
+size_t TraceGather::open_requests() const {
+  std::lock_guard lock(mu_);
+  return pending_.size();
 }
 
 }  // namespace gradsync::coordinator

@@ -184,13 +184,27 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (args[0] == "describe" && args.size() == 2) {
-    grpc::ClientContext ctx;
-    with_deadline(ctx);
-    gradsync::v1::DescribeJobRequest req;
-    req.set_job_id(args[1]);
+    // Paged by the coordinator (no message grows with the job): gather every page first.
     gradsync::v1::DescribeJobResponse resp;
-    grpc::Status s = stub->DescribeJob(&ctx, req, &resp);
-    if (!s.ok()) return fail("describe " + args[1], s, address);
+    for (uint32_t page = 0, pages = 1; page < pages && page < 1024; ++page) {
+      grpc::ClientContext ctx;
+      with_deadline(ctx);
+      gradsync::v1::DescribeJobRequest req;
+      req.set_job_id(args[1]);
+      req.set_page(page);
+      gradsync::v1::DescribeJobResponse part;
+      grpc::Status s = stub->DescribeJob(&ctx, req, &part);
+      if (!s.ok()) return fail("describe " + args[1], s, address);
+      pages = part.pages();
+      if (page == 0) {
+        resp = std::move(part);
+        continue;
+      }
+      resp.mutable_peers()->MergeFrom(part.peers());
+      resp.mutable_ring()->MergeFrom(part.ring());
+      resp.mutable_nodes()->MergeFrom(part.nodes());
+      resp.mutable_paths()->MergeFrom(part.paths());
+    }
     const auto& j = resp.summary();
     std::printf("job %s generation %llu: %s, %u of %u ranks joined%s%s\n", j.job_id().c_str(),
                 static_cast<unsigned long long>(j.generation()), j.state().c_str(), j.joined(),

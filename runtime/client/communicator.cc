@@ -315,7 +315,8 @@ class CommunicatorImpl {
     cfg.device = opts_.device;
     cfg.op_timeout = opts_.op_timeout;
     cfg.hosts = links_.hosts;
-    cfg.rank_nodes.assign(join_.rank_nodes().begin(), join_.rank_nodes().end());
+    // The node of every rank, as the coordinator numbered the job's nodes (a grouping key).
+    for (uint32_t node : join_.rank_node()) cfg.rank_nodes.push_back("node " + std::to_string(node));
     if (join_.has_verbs()) {
       cfg.verbs_device = join_.verbs().device();
       cfg.verbs_port = int(join_.verbs().port());

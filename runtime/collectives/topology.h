@@ -3,6 +3,7 @@
 // daemon (to allocate channels and proxies) and the trainer (to find them) compute the same.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -46,9 +47,16 @@ struct TreeLinks {
 // tree 1, and the other way round for the second half, so each carries about half the
 // interior work; each tree reduces half of the data.
 TreeLinks tree_links(const std::vector<uint32_t>& ring, uint32_t rank, uint32_t tree);
+// The same for the rank at ring position `pos`, in O(1).
+TreeLinks tree_links_at(const std::vector<uint32_t>& ring, size_t pos, uint32_t tree);
 
 // Every directed channel of a communicator with `rings` rings and both trees; sorted, no
 // duplicates. World size 1 needs none.
 std::vector<Edge> channel_edges(const std::vector<uint32_t>& ring, uint32_t rings);
+
+// The channels of channel_edges() with an end at one of the ring positions `positions`, in
+// O(positions x rings): what one node needs of a large job. Sorted, no duplicates.
+std::vector<Edge> channel_edges_at(const std::vector<uint32_t>& ring, const std::vector<size_t>& positions,
+                                   uint32_t rings);
 
 }  // namespace gradsync

@@ -1,17 +1,37 @@
 #include "daemon/coordinator_link.h"
 
+#include <random>
+
 #include "common/fd.h"
 #include "common/log.h"
 
 namespace gradsync {
 namespace {
 
-// Deadline of one short control call (register, heartbeat, peer table, leave, abort).
+// Deadline of one short control call (register, heartbeat, leave, abort).
 constexpr std::chrono::milliseconds kCallTimeout{5'000};
 // Deadline of a ReportTrace call: past it, gradsyncctl trace has stopped waiting anyway.
 constexpr std::chrono::milliseconds kTraceCallTimeout{3'000};
-// Pause before re-opening a broken event stream or retrying registration.
+// A peer-table page, when thousands of nodes ask at once: the coordinator queues rather than
+// fails, so the page gets longer; a busy coordinator is retried (below) until kTableTimeout.
+constexpr std::chrono::milliseconds kTablePageTimeout{20'000};
+constexpr std::chrono::milliseconds kTableTimeout{60'000};
+// Pause before re-opening a broken event stream.
 constexpr std::chrono::milliseconds kRetryPause{500};
+
+// Jittered exponential backoff: attempt 0 waits 50-100 ms, doubling up to 1-2 s, so that a
+// herd of daemons retrying a busy coordinator spreads out instead of arriving together.
+std::chrono::milliseconds backoff(int attempt) {
+  static thread_local std::mt19937 rng{std::random_device{}()};
+  const int ceiling = 100 << std::min(attempt, 4);
+  return std::chrono::milliseconds(std::uniform_int_distribution<int>(ceiling / 2, ceiling)(rng));
+}
+
+// The coordinator was busy or unreachable: worth another try.
+bool retryable(grpc::StatusCode c) {
+  return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::DEADLINE_EXCEEDED ||
+         c == grpc::StatusCode::RESOURCE_EXHAUSTED;
+}
 
 void set_deadline(grpc::ClientContext& ctx, std::chrono::milliseconds timeout) {
   ctx.set_deadline(std::chrono::system_clock::now() + timeout);
@@ -37,6 +57,12 @@ Code to_code(grpc::StatusCode c) {
 CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::ChannelCredentials> credentials,
                                  std::shared_ptr<CallAuth> auth, v1::NodeInfo node, EventHandler on_event)
     : address_(std::move(address)), node_(std::move(node)), on_event_(std::move(on_event)), auth_(std::move(auth)) {
+  // A retried registration (an answer that arrived after our deadline) must not look like a
+  // restarted daemon to the coordinator: this process's registrations share one incarnation.
+  if (node_.incarnation() == 0) {
+    std::random_device rd;
+    node_.set_incarnation((uint64_t(rd()) << 32 | rd()) | 1);
+  }
   grpc::ChannelArguments args;
   // Reconnect quickly after a coordinator restart instead of gRPC's default backoff (up to 2 min).
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
@@ -85,9 +111,10 @@ Status CoordinatorLink::register_node() {
 Status CoordinatorLink::start(std::chrono::milliseconds timeout) {
   Deadline deadline = deadline_after(timeout);
   Status s;
-  while (!(s = register_node()).ok()) {
-    if (Clock::now() + kRetryPause >= deadline) return s;
-    std::this_thread::sleep_for(kRetryPause);
+  for (int attempt = 0; !(s = register_node()).ok(); ++attempt) {
+    const auto pause = backoff(attempt);
+    if (Clock::now() + pause >= deadline) return s;
+    std::this_thread::sleep_for(pause);
   }
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
   watcher_ = std::thread([this] { watch_loop(); });
@@ -177,16 +204,45 @@ Result<v1::JoinJobResponse> CoordinatorLink::join(v1::JoinJobRequest req,
 
 Result<v1::PeerTableResponse> CoordinatorLink::peer_table(const std::string& job,
                                                           uint64_t generation) {
-  grpc::ClientContext ctx;
-  set_deadline(ctx, kCallTimeout);
-  auth_->add_job_token(ctx, job);
-  v1::PeerTableRequest req;
-  req.set_job_id(job);
-  req.set_generation(generation);
-  v1::PeerTableResponse resp;
-  Status s = from_grpc(stub_->GetPeerTable(&ctx, req, &resp), "peer table of job " + job);
-  if (!s.ok()) return s;
-  return resp;
+  const Deadline deadline = deadline_after(kTableTimeout);
+  v1::PeerTableResponse out;
+  uint32_t pages = 1;
+  for (uint32_t page = 0; page < pages; ++page) {
+    v1::PeerTableResponse resp;
+    for (int attempt = 0;; ++attempt) {
+      grpc::ClientContext ctx;
+      set_deadline(ctx, kTablePageTimeout);
+      auth_->add_job_token(ctx, job);
+      v1::PeerTableRequest req;
+      req.set_job_id(job);
+      req.set_generation(generation);
+      req.set_node_id(node_id());
+      req.set_page(page);
+      resp.Clear();
+      grpc::Status s = stub_->GetPeerTable(&ctx, req, &resp);
+      if (s.ok()) break;
+      const auto pause = backoff(attempt);
+      if (!retryable(s.error_code()) || Clock::now() + pause >= deadline) {
+        return from_grpc(s, "peer table of job " + job + " (page " + std::to_string(page + 1) + ")");
+      }
+      log::get("daemon")->info("peer table of job {} from coordinator {}: {}; retrying in {} ms", job, address_,
+                               s.error_message(), pause.count());
+      std::this_thread::sleep_for(pause);
+    }
+    if (page == 0) {
+      pages = std::max<uint32_t>(resp.pages(), 1);
+      if (pages > kMaxTablePages) {
+        return Status(Code::kInternal, "coordinator " + address_ + " announced " + std::to_string(pages) +
+                                           " peer-table pages for job " + job);
+      }
+      out = std::move(resp);
+      continue;
+    }
+    for (auto& p : *resp.mutable_peers()) *out.add_peers() = std::move(p);
+    for (auto& r : *resp.mutable_runs()) *out.add_runs() = std::move(r);
+    for (auto& t : *resp.mutable_shapes()) *out.add_shapes() = std::move(t);
+  }
+  return out;
 }
 
 Status CoordinatorLink::leave(const std::string& job, uint64_t generation) {

@@ -42,7 +42,11 @@ class CoordinatorLink {
   const std::string& address() const { return address_; }
 
   Result<v1::JoinJobResponse> join(v1::JoinJobRequest req, std::chrono::milliseconds timeout);
+  // What this node needs of the job (see PeerTableRequest), every page of it, retrying a
+  // busy coordinator with jittered backoff for up to a minute.
   Result<v1::PeerTableResponse> peer_table(const std::string& job, uint64_t generation);
+  // A bound on the pages a coordinator may announce: 1 << 20 ranks at 4096 a page.
+  static constexpr uint32_t kMaxTablePages = 256;
   Status leave(const std::string& job, uint64_t generation);
   Status report_path(const std::string& job, uint64_t generation, const v1::RankPath& path);
   // The answer to a TRACE_REQUESTED event (node_id is filled in here). Runs on the event
@@ -60,7 +64,7 @@ class CoordinatorLink {
   Status from_grpc(const grpc::Status& s, const std::string& what) const;
 
   const std::string address_;
-  const v1::NodeInfo node_;
+  v1::NodeInfo node_;  // set once in the constructor
   const EventHandler on_event_;
   const std::shared_ptr<CallAuth> auth_;
   std::function<void(const std::string&)> on_forgotten_;

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "common/log.h"
 #include "common/socket_path.h"
 #include "common/secret.h"
+#include "daemon/peer_layout.h"
 #include "daemon/ring_count.h"
 #include "daemon/trace_dump.h"
 #include "daemon/trainer_request.h"
@@ -440,10 +442,11 @@ void Daemon::serve_trainer(Fd sock) {
       {
         std::lock_guard lock(mu_);
         jr->set_generation(job->generation);
-        *jr->mutable_ring() = job->table.ring();
+        jr->mutable_ring()->Add(job->ring.begin(), job->ring.end());
         for (uint32_t r = 0; r < job->world_size; ++r) jr->add_rank_hosts(job->host_of(r));
-        for (const auto& peer : job->table.peers()) jr->add_rank_nodes(peer.node_id());
-        *jr->mutable_topologies() = job->table.topologies();
+        jr->mutable_rank_node()->Add(job->rank_node.begin(), job->rank_node.end());
+        jr->mutable_node_shape()->Add(job->node_shape.begin(), job->node_shape.end());
+        for (const auto& shape : job->shapes) *jr->add_shapes() = shape;
         *jr->mutable_setup() = job->setup_for(rank);
         rank_socks = job->take_rank_sockets(jr->mutable_setup());
       }
@@ -650,18 +653,33 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
     req.add_ranks(r);
     req.add_endpoints(mine.SerializeAsString());
   }
+  v1::ChannelOffer* offer = req.mutable_offer();
+  offer->set_rings(cfg_.rings);
+  offer->set_rings_chosen(rings_chosen_);
+  offer->set_slots(cfg_.slots);
+  offer->set_slot_bytes(cfg_.slot_bytes);
   auto joined = link_->join(req, timeout);
   if (!joined.ok()) return joined.status();
+  // What this node needs of the job: its own ranks, the peers its channels connect to, the
+  // layout in runs and the agreement the coordinator folded from every node's offer.
   auto table = link_->peer_table(job->id, joined->generation());
   if (!table.ok()) return table.status();
-  if (table->ring_size() != static_cast<int>(job->world_size) ||
-      table->peers_size() != static_cast<int>(job->world_size)) {
-    return {Code::kInternal, "coordinator returned a malformed peer table for job " + job->id};
+  if (!table->agreement().error().empty()) {
+    return {Code::kInvalidArgument, "job=" + job->id + ": " + table->agreement().error()};
   }
+  if (table->world_size() != job->world_size) {
+    return {Code::kInternal, "coordinator returned a peer table of world size " + std::to_string(table->world_size()) +
+                                 " for job " + job->id + " of " + std::to_string(job->world_size)};
+  }
+  auto layout = expand_layout(*table);
+  if (!layout.ok()) return {layout.status().code(), "job=" + job->id + ": " + layout.status().message()};
   std::vector<v1::ChannelEndpoint> endpoints(job->world_size);
-  std::vector<NodeRings> offered;
+  std::map<uint32_t, std::string> hosts;
   for (const auto& peer : table->peers()) {
-    auto& ep = endpoints.at(peer.rank());
+    if (peer.rank() >= job->world_size) {
+      return {Code::kInternal, "coordinator returned rank " + std::to_string(peer.rank()) + " for job " + job->id};
+    }
+    auto& ep = endpoints[peer.rank()];
     if (!ep.ParseFromString(peer.endpoint()) || ep.slots() != cfg_.slots || ep.slot_bytes() != cfg_.slot_bytes) {
       return {Code::kInvalidArgument,
               "job=" + job->id + ": rank " + std::to_string(peer.rank()) + " (host " +
@@ -670,21 +688,26 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
                   ") has slots=" + std::to_string(cfg_.slots) + " slot_bytes=" + std::to_string(cfg_.slot_bytes) +
                   ": start every gradsyncd with the same --slots/--slot-bytes"};
     }
-    offered.push_back({ep.rings(), ep.rings_chosen(),
-                       "rank " + std::to_string(peer.rank()) + " (host " + peer.hostname() + ")"});
+    hosts[peer.rank()] = peer.hostname();
   }
-  auto rings = job_ring_count(offered);
-  if (!rings.ok()) return {rings.status().code(), "job=" + job->id + ": " + rings.status().message()};
-  if (*rings != cfg_.rings) {
+  const uint32_t rings = table->agreement().rings();
+  if (rings < 1 || rings > kMaxRings) {
+    return {Code::kInternal, "job=" + job->id + ": the coordinator agreed on " + std::to_string(rings) + " rings"};
+  }
+  if (rings != cfg_.rings) {
     log->info("job={}: {} ring(s), as agreed with the job's other nodes (this node offered {}: a count given "
               "to a node wins, else the smallest choice)",
-              job->id, *rings, cfg_.rings);
+              job->id, rings, cfg_.rings);
   }
   {
     std::lock_guard lock(mu_);
     job->local_ranks = ranks;
-    job->rings = *rings;
-    job->table = std::move(table).value();
+    job->rings = rings;
+    job->ring = std::move(layout->ring);
+    job->rank_node = std::move(layout->rank_node);
+    job->node_shape = std::move(layout->node_shape);
+    job->shapes.assign(table->shapes().begin(), table->shapes().end());
+    job->hosts = std::move(hosts);
     job->endpoints = std::move(endpoints);
     job->plan_channels(cfg_.slots, cfg_.slot_bytes, cfg_.recorder_entries);
   }

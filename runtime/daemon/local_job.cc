@@ -9,11 +9,14 @@ bool LocalJob::is_local(uint32_t rank) const {
 }
 
 void LocalJob::plan_channels(uint32_t slots, uint32_t slot_bytes, uint32_t recorder_entries) {
-  std::vector<uint32_t> ring(table.ring().begin(), table.ring().end());
+  std::vector<size_t> positions;
+  for (size_t p = 0; p < ring.size(); ++p) {
+    if (is_local(ring[p])) positions.push_back(p);
+  }
   uint32_t next = 0;
   incoming.clear();
   staging.clear();
-  for (const Edge& e : channel_edges(ring, rings)) {
+  for (const Edge& e : channel_edges_at(ring, positions, rings)) {
     EdgeKey key{e.tag, e.src, e.dst};
     if (is_local(e.dst)) incoming[key] = next++;
     else if (is_local(e.src)) staging[key] = next++;
@@ -76,8 +79,8 @@ std::vector<Fd> LocalJob::take_rank_sockets(v1::ChannelSetup* setup) {
 }
 
 std::string LocalJob::host_of(uint32_t rank) const {
-  if (rank < static_cast<uint32_t>(table.peers_size())) return table.peers(rank).hostname();
-  return "?";
+  auto it = hosts.find(rank);
+  return it == hosts.end() ? "?" : it->second;
 }
 
 std::string LocalJob::peer_name(uint32_t rank) const {

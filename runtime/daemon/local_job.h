@@ -49,7 +49,12 @@ struct LocalJob {
   std::shared_ptr<SharedMemory> shm;
   ShmLayout layout;
   uint32_t rings = 1;
-  v1::PeerTableResponse table;
+  // From the coordinator's peer table (what this node needs; daemon/peer_layout.h).
+  std::vector<uint32_t> ring;                 // ring order of every rank
+  std::vector<uint32_t> rank_node;            // node number of every rank (ring order)
+  std::vector<uint32_t> node_shape;           // node number -> index into `shapes`
+  std::vector<v1::GpuTopology> shapes;        // the job's distinct GPU topologies
+  std::map<uint32_t, std::string> hosts;      // hostnames of the ranks this node knows
   std::vector<v1::ChannelEndpoint> endpoints;  // by rank
   // Channel index of every edge with a local end: incoming (dst local) and staging (src
   // local, dst remote). Key: (tag, src, dst).
@@ -73,7 +78,8 @@ struct LocalJob {
   std::string ids() const { return "job=" + id + " gen=" + std::to_string(generation); }
   bool is_local(uint32_t rank) const;
   // Lays out the channels of every edge with a local end, then a flight recorder of
-  // `recorder_entries` per local rank (0: none); needs local_ranks and table.
+  // `recorder_entries` per local rank (0: none); needs local_ranks and ring.
+  // O(world) once, then O(local ranks).
   void plan_channels(uint32_t slots, uint32_t slot_bytes, uint32_t recorder_entries = 0);
   // Writes the recorders' headers into fresh (zeroed) shared memory.
   void init_recorders() const;

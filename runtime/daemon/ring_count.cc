@@ -46,27 +46,4 @@ RingCount default_ring_count(unsigned cores, uint32_t slots, uint32_t slot_bytes
   return rc;
 }
 
-Result<uint32_t> job_ring_count(const std::vector<NodeRings>& nodes) {
-  const NodeRings* given = nullptr;
-  uint32_t smallest = kMaxRings;
-  for (const NodeRings& n : nodes) {
-    if (n.rings < 1 || n.rings > kMaxRings) {
-      return Status(Code::kInvalidArgument, n.who + " offers " + std::to_string(n.rings) +
-                                                " rings, outside 1.." + std::to_string(kMaxRings));
-    }
-    smallest = std::min(smallest, n.rings);
-    if (n.chosen) continue;
-    if (given && given->rings != n.rings) {
-      return Status(Code::kInvalidArgument,
-                    given->who + " was started with rings=" + std::to_string(given->rings) + " but " + n.who +
-                        " with rings=" + std::to_string(n.rings) +
-                        ": give every gradsyncd of a job the same --rings/GRADSYNC_NRINGS, or none (each then "
-                        "chooses from its cores and the job uses the smallest choice)");
-    }
-    given = &n;
-  }
-  if (nodes.empty()) return 1u;
-  return given ? given->rings : smallest;
-}
-
 }  // namespace gradsync

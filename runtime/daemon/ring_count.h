@@ -41,16 +41,7 @@ Result<uint32_t> parse_ring_count(std::string_view text, std::string_view what);
 // kRingMemoryBudgetBytes allows at this slot geometry. A 2-core machine gets 1 ring.
 RingCount default_ring_count(unsigned cores, uint32_t slots, uint32_t slot_bytes);
 
-// What one node offers a job (from its ChannelEndpoint).
-struct NodeRings {
-  uint32_t rings = 1;
-  bool chosen = false;
-  std::string who;  // "rank 3 (host b)", for the error
-};
-
-// The job's ring count, the same on every daemon (all see the same peer table): the count the
-// nodes were given where any was given (they must agree: else kInvalidArgument naming both),
-// else the smallest count any node chose, so that a small node bounds the others.
-Result<uint32_t> job_ring_count(const std::vector<NodeRings>& nodes);
+// A job's ring count is agreed by the coordinator from every node's offer (rings,
+// rings_chosen in v1::ChannelOffer): a count given to a node wins, else the smallest choice.
 
 }  // namespace gradsync

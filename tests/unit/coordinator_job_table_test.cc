@@ -1,11 +1,15 @@
 // JobTable: the coordinator's state machine, driven with an explicit clock.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "coordinator/job_table.h"
+#include "coordinator/leases.h"
+#include "daemon/peer_layout.h"
 
 namespace gradsync::coordinator {
 namespace {
@@ -18,6 +22,7 @@ constexpr Millis kJoinTimeout{5000};
 class JobTableTest : public ::testing::Test {
  protected:
   JobTable table{JobTableOptions{kLease, kJoinTimeout}};
+  Leases leases{kLease};  // the service keeps them beside the table, as here
   TimePoint t0 = TimePoint{} + std::chrono::hours(1);
 
   std::string add_node(const std::string& host) {
@@ -25,7 +30,14 @@ class JobTableTest : public ::testing::Test {
     info.set_hostname(host);
     auto id = table.register_node(info, t0);
     EXPECT_TRUE(id.ok()) << id.status().to_string();
+    leases.add(*id, t0);
     return *id;
+  }
+
+  // What the service's ticker does.
+  void tick(TimePoint now) {
+    for (const auto& [id, silent] : leases.expire(now)) table.lose_node(id, leases.expiry_reason(silent));
+    table.tick(now);
   }
 
   static JoinRequest req(const std::string& node, std::vector<uint32_t> ranks,
@@ -95,15 +107,17 @@ TEST_F(JobTableTest, PeerTableAndDescribeCarryEachNodesGpuTopology) {
   const std::string b = add_node("cpu-b");
   ASSERT_TRUE(table.join(req(*a, {0, 1}, 3), t0).ok());
   ASSERT_TRUE(table.join(req(b, {2}, 3), t0).ok());
-  auto pt = table.peer_table("train", 1);
+  auto pt = table.peer_table("train", 1, b);
   ASSERT_TRUE(pt.ok()) << pt.status().to_string();
-  ASSERT_EQ(pt->topologies_size(), 2);
-  std::map<std::string, v1::GpuTopology> by_node;
-  for (const auto& t : pt->topologies()) by_node[t.node_id()] = t.gpu_topology();
-  ASSERT_EQ(by_node.count(*a), 1u);
-  EXPECT_EQ(by_node[*a].gpus_size(), 2);
-  EXPECT_EQ(by_node[*a].links(1), "NV18");
-  EXPECT_EQ(by_node[b].gpus_size(), 0);
+  // Two distinct topologies, and each node's through the runs.
+  ASSERT_EQ(pt->shapes_size(), 2);
+  auto layout = expand_layout(*pt);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  const v1::GpuTopology& of_a = pt->shapes(int(layout->node_shape[layout->rank_node[0]]));
+  const v1::GpuTopology& of_b = pt->shapes(int(layout->node_shape[layout->rank_node[2]]));
+  EXPECT_EQ(of_a.gpus_size(), 2);
+  EXPECT_EQ(of_a.links(1), "NV18");
+  EXPECT_EQ(of_b.gpus_size(), 0);
   auto d = table.describe("train");
   ASSERT_TRUE(d.ok());
   int with_gpus = 0;
@@ -116,10 +130,8 @@ TEST_F(JobTableTest, RegisterGivesFreshIdsAndHeartbeatNeedsOne) {
   std::string b = add_node("hostB");
   EXPECT_NE(a, b);
   EXPECT_EQ(a.rfind("hostA-", 0), 0u) << a;
-  EXPECT_TRUE(table.heartbeat(a, t0).ok());
-  Status s = table.heartbeat("nobody-7", t0);
-  EXPECT_EQ(s.code(), Code::kNotFound);
-  EXPECT_NE(s.message().find("RegisterNode"), std::string::npos) << s.message();
+  EXPECT_TRUE(leases.renew(a, t0));
+  EXPECT_FALSE(leases.renew("nobody-7", t0));
 }
 
 TEST_F(JobTableTest, JoinValidatesRequest) {
@@ -164,7 +176,7 @@ TEST_F(JobTableTest, GenerationBecomesActiveWhenAllRanksJoin) {
   auto ta = table.join(req(a, {0, 1}), t0);
   ASSERT_TRUE(ta.ok());
   EXPECT_FALSE(table.take_join_result(*ta).has_value()) << "still forming";
-  EXPECT_EQ(table.peer_table("train", 0).status().code(), Code::kFailedPrecondition);
+  EXPECT_EQ(table.peer_table("train", 0, a).status().code(), Code::kFailedPrecondition);
   auto tb = table.join(req(b, {2, 3}), t0);
   ASSERT_TRUE(tb.ok());
   for (JoinTicket t : {*ta, *tb}) {
@@ -187,21 +199,27 @@ TEST_F(JobTableTest, RingKeepsRanksOfOneNodeAdjacent) {
   ASSERT_TRUE(table.join(req(a, {1, 3}, 5), t0).ok());
   ASSERT_TRUE(table.join(req(c, {4}, 5), t0).ok());
   ASSERT_TRUE(table.join(req(b, {2, 0}, 5), t0).ok());
-  auto pt = table.peer_table("train", 1);
+  auto pt = table.peer_table("train", 1, c);
   ASSERT_TRUE(pt.ok()) << pt.status().to_string();
-  std::vector<uint32_t> ring(pt->ring().begin(), pt->ring().end());
-  EXPECT_EQ(ring, (std::vector<uint32_t>{0, 2, 1, 3, 4}));
-  ASSERT_EQ(pt->peers_size(), 5);
-  for (uint32_t r = 0; r < 5; ++r) {
-    EXPECT_EQ(pt->peers(r).rank(), r);
-    EXPECT_EQ(pt->peers(r).endpoint(), "ep" + std::to_string(r));
+  auto layout = expand_layout(*pt);
+  ASSERT_TRUE(layout.ok()) << layout.status().to_string();
+  EXPECT_EQ(layout->ring, (std::vector<uint32_t>{0, 2, 1, 3, 4}));
+  EXPECT_EQ(layout->rank_node, (std::vector<uint32_t>{0, 1, 0, 1, 2}));
+  EXPECT_EQ(pt->node_index(), 2u);
+  // c holds rank 4 (last in the ring): its ring neighbours 3 and 0, its tree-0 parent
+  // (position 1: rank 2), tree 1 children (positions 3, 2 of the mirror: ranks 1, 3).
+  std::map<uint32_t, v1::PeerEntry> got;
+  for (const auto& p : pt->peers()) got[p.rank()] = p;
+  for (uint32_t r : {0u, 1u, 2u, 3u, 4u}) {
+    ASSERT_EQ(got.count(r), 1u) << r;
+    EXPECT_EQ(got[r].endpoint(), "ep" + std::to_string(r));
   }
-  EXPECT_EQ(pt->peers(3).hostname(), "hostA");
+  EXPECT_EQ(got[3].hostname(), "hostA");
   auto d = table.describe("train");
   ASSERT_TRUE(d.ok());
   EXPECT_EQ(d->ring_size(), 5);
   EXPECT_EQ(d->nodes_size(), 3);
-  EXPECT_EQ(table.peer_table("nope", 0).status().code(), Code::kNotFound);
+  EXPECT_EQ(table.peer_table("nope", 0, a).status().code(), Code::kNotFound);
 }
 
 TEST_F(JobTableTest, RankPathsAreKeptForDescribe) {
@@ -271,10 +289,10 @@ TEST_F(JobTableTest, JoinDeadlineListsMissingRanks) {
   r.timeout = Millis(500);
   auto t = table.join(r, t0);
   ASSERT_TRUE(t.ok());
-  ASSERT_TRUE(table.heartbeat(a, t0 + milliseconds(400)).ok());
-  table.tick(t0 + milliseconds(499));
+  ASSERT_TRUE(leases.renew(a, t0 + milliseconds(400)));
+  tick(t0 + milliseconds(499));
   EXPECT_FALSE(table.take_join_result(*t).has_value());
-  table.tick(t0 + milliseconds(500));
+  tick(t0 + milliseconds(500));
   auto res = table.take_join_result(*t);
   ASSERT_TRUE(res.has_value());
   EXPECT_EQ(res->status().code(), Code::kDeadlineExceeded);
@@ -295,12 +313,12 @@ TEST_F(JobTableTest, ServerDefaultJoinTimeoutApplies) {
   auto t = table.join(req(a, {0}), t0);
   ASSERT_TRUE(t.ok());
   for (Millis at{0}; at < kJoinTimeout; at += kLease / 2) {
-    ASSERT_TRUE(table.heartbeat(a, t0 + at).ok());
-    table.tick(t0 + at);
+    ASSERT_TRUE(leases.renew(a, t0 + at));
+    tick(t0 + at);
   }
   EXPECT_FALSE(table.take_join_result(*t).has_value());
-  ASSERT_TRUE(table.heartbeat(a, t0 + kJoinTimeout).ok());
-  table.tick(t0 + kJoinTimeout);
+  ASSERT_TRUE(leases.renew(a, t0 + kJoinTimeout));
+  tick(t0 + kJoinTimeout);
   auto res = table.take_join_result(*t);
   ASSERT_TRUE(res.has_value());
   EXPECT_EQ(res->status().code(), Code::kDeadlineExceeded);
@@ -339,10 +357,10 @@ TEST_F(JobTableTest, LeaseExpiryAbortsJobsAndTellsSurvivors) {
   ASSERT_TRUE(table.join(req(a, {0, 1}), t0).ok());
   ASSERT_TRUE(table.join(req(b, {3, 2}), t0).ok());
   events();
-  ASSERT_TRUE(table.heartbeat(a, t0 + kLease / 2).ok());
-  table.tick(t0 + kLease - milliseconds(1));
+  ASSERT_TRUE(leases.renew(a, t0 + kLease / 2));
+  tick(t0 + kLease - milliseconds(1));
   EXPECT_TRUE(table.has_node(b));
-  table.tick(t0 + kLease);
+  tick(t0 + kLease);
   EXPECT_FALSE(table.has_node(b));
   EXPECT_TRUE(table.has_node(a));
   EXPECT_EQ(table.take_removed_nodes(), std::vector<std::string>{b});
@@ -358,7 +376,7 @@ TEST_F(JobTableTest, LeaseExpiryAbortsJobsAndTellsSurvivors) {
             std::string::npos)
       << reason;
   EXPECT_NE(reason.find("ranks 2,3"), std::string::npos) << reason;
-  EXPECT_EQ(table.heartbeat(b, t0 + kLease).code(), Code::kNotFound);
+  EXPECT_FALSE(leases.renew(b, t0 + kLease));
 }
 
 TEST_F(JobTableTest, LostNodeFailsWaitingJoiners) {
@@ -367,8 +385,8 @@ TEST_F(JobTableTest, LostNodeFailsWaitingJoiners) {
   auto ta = table.join(req(a, {0}, 3), t0);
   auto tb = table.join(req(b, {1}, 3), t0);
   ASSERT_TRUE(ta.ok() && tb.ok());
-  ASSERT_TRUE(table.heartbeat(a, t0 + kLease).ok());
-  table.tick(t0 + kLease);  // b silent since t0
+  ASSERT_TRUE(leases.renew(a, t0 + kLease));
+  tick(t0 + kLease);  // b silent since t0
   auto res = table.take_join_result(*ta);
   ASSERT_TRUE(res.has_value());
   EXPECT_EQ(res->status().code(), Code::kAborted);
@@ -410,7 +428,7 @@ TEST_F(JobTableTest, LeavingEveryNodeFinishesTheGeneration) {
   ASSERT_TRUE(table.leave(b, "train", 1).ok());
   EXPECT_EQ(table.list_jobs()[0].state(), "finished");
   EXPECT_EQ(events(), (std::vector<std::string>{a + ":JOB_FINISHED", b + ":JOB_FINISHED"}));
-  EXPECT_TRUE(table.peer_table("train", 1).ok()) << "a finished table is still complete";
+  EXPECT_TRUE(table.peer_table("train", 1, a).ok()) << "a finished table is still complete";
   // The next join opens generation 2.
   auto next = table.join(req(a, {0}, 1), t0);
   ASSERT_TRUE(next.ok());
@@ -427,6 +445,128 @@ TEST_F(JobTableTest, RestartedDaemonReplacesItsOldRegistration) {
   EXPECT_FALSE(table.has_node(a));
   EXPECT_TRUE(table.has_node(a2));
   EXPECT_EQ(events(), (std::vector<std::string>{b + ":NODE_LOST", b + ":JOB_ABORTED"}));
+}
+
+
+// A registration whose answer the daemon never saw is retried with the same incarnation: it
+// gets the same id and nothing is lost. A new incarnation is a restarted daemon.
+TEST_F(JobTableTest, RetriedRegistrationKeepsItsIdAndANewIncarnationReplacesIt) {
+  v1::NodeInfo info;
+  info.set_hostname("hostA");
+  info.set_incarnation(77);
+  auto first = table.register_node(info, t0);
+  auto retry = table.register_node(info, t0);
+  ASSERT_TRUE(first.ok() && retry.ok());
+  EXPECT_EQ(*first, *retry);
+  EXPECT_TRUE(table.take_removed_nodes().empty());
+  info.set_incarnation(78);
+  auto restarted = table.register_node(info, t0);
+  ASSERT_TRUE(restarted.ok());
+  EXPECT_NE(*restarted, *first);
+  EXPECT_EQ(table.take_removed_nodes(), std::vector<std::string>{*first});
+}
+
+// What one node receives does not grow with the job: at 512 nodes x 8 ranks a node gets its
+// own 8 entries and its channels' peers (ring neighbours, tree parents and children), one
+// run and one shape, on one page.
+TEST_F(JobTableTest, APeerTableHoldsWhatTheNodeNeedsNotTheJob) {
+  constexpr uint32_t kNodes = 512, kPer = 8, kWorld = kNodes * kPer;
+  std::vector<std::string> ids;
+  for (uint32_t n = 0; n < kNodes; ++n) {
+    ids.push_back(add_node("h" + std::to_string(n)));
+    std::vector<uint32_t> ranks;
+    for (uint32_t r = 0; r < kPer; ++r) ranks.push_back(n * kPer + r);
+    ASSERT_TRUE(table.join(req(ids.back(), ranks, kWorld), t0).ok());
+  }
+  size_t most = 0;
+  for (uint32_t n : {0u, 1u, 100u, 511u}) {
+    auto pt = table.peer_table("train", 1, ids[n]);
+    ASSERT_TRUE(pt.ok()) << pt.status().to_string();
+    EXPECT_EQ(pt->pages(), 1u);
+    EXPECT_EQ(pt->runs_size(), 1);
+    EXPECT_EQ(pt->shapes_size(), 1);
+    EXPECT_EQ(pt->node_count(), kNodes);
+    EXPECT_EQ(pt->node_index(), n);
+    std::set<uint32_t> ranks;
+    for (const auto& p : pt->peers()) ranks.insert(p.rank());
+    for (uint32_t r = 0; r < kPer; ++r) EXPECT_EQ(ranks.count(n * kPer + r), 1u);
+    EXPECT_EQ(ranks.count((n * kPer + kWorld - 1) % kWorld), 1u) << "ring predecessor";
+    EXPECT_EQ(ranks.count((n * kPer + kPer) % kWorld), 1u) << "ring successor";
+    most = std::max(most, ranks.size());
+    auto layout = expand_layout(*pt);
+    ASSERT_TRUE(layout.ok());
+    EXPECT_EQ(layout->ring.size(), kWorld);
+  }
+  // 8 own + 2 ring neighbours + per tree at most 8 parents' worth and 16 children.
+  EXPECT_LE(most, size_t(8 + 2 + 2 * (8 + 16)));
+}
+
+// A node with more entries than a page gets them over several pages, and any rank can be
+// fetched by key.
+TEST_F(JobTableTest, LargeTablesArePagedAndRanksFetchedByKey) {
+  constexpr uint32_t kPer = 6000, kWorld = 2 * kPer;
+  std::string a = add_node("hostA"), b = add_node("hostB");
+  std::vector<uint32_t> ra, rb;
+  for (uint32_t r = 0; r < kPer; ++r) {
+    ra.push_back(r);
+    rb.push_back(kPer + r);
+  }
+  ASSERT_TRUE(table.join(req(a, ra, kWorld), t0).ok());
+  ASSERT_TRUE(table.join(req(b, rb, kWorld), t0).ok());
+  auto first = table.peer_table("train", 1, a, 0);
+  ASSERT_TRUE(first.ok()) << first.status().to_string();
+  ASSERT_GT(first->pages(), 1u);
+  std::set<uint32_t> seen;
+  for (uint32_t p = 0; p < first->pages(); ++p) {
+    auto page = table.peer_table("train", 1, a, p);
+    ASSERT_TRUE(page.ok()) << page.status().to_string();
+    EXPECT_LE(uint32_t(page->peers_size()), kPageEntries);
+    for (const auto& e : page->peers()) EXPECT_TRUE(seen.insert(e.rank()).second) << e.rank();
+  }
+  for (uint32_t r = 0; r < kPer; ++r) ASSERT_EQ(seen.count(r), 1u) << r;
+  EXPECT_EQ(table.peer_table("train", 1, a, first->pages()).status().code(), Code::kInvalidArgument);
+  auto keyed = table.peer_table("train", 1, "", 0, {11999, 7});
+  ASSERT_TRUE(keyed.ok()) << keyed.status().to_string();
+  ASSERT_EQ(keyed->peers_size(), 2);
+  EXPECT_EQ(keyed->peers(0).endpoint(), "ep11999");
+  EXPECT_EQ(keyed->peers(1).node_id(), a);
+  EXPECT_EQ(table.peer_table("train", 1, "", 0, {kWorld}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(table.peer_table("train", 1, "stranger-1").status().code(), Code::kFailedPrecondition);
+  auto d0 = table.describe("train", 0);
+  ASSERT_TRUE(d0.ok());
+  EXPECT_EQ(d0->pages(), 3u);
+  EXPECT_EQ(uint32_t(d0->peers_size()), kPageEntries);
+  auto d2 = table.describe("train", 2);
+  ASSERT_TRUE(d2.ok());
+  EXPECT_EQ(uint32_t(d2->peers_size()), kWorld - 2 * kPageEntries);
+  EXPECT_EQ(d2->peers(0).rank(), 2 * kPageEntries);
+}
+
+// The nodes' channel offers are folded once, when the generation completes; a conflict
+// reaches every node with its peer table, naming both nodes.
+TEST_F(JobTableTest, TheChannelAgreementComesWithThePeerTable) {
+  std::string a = add_node("hostA"), b = add_node("hostB");
+  JoinRequest ra = req(a, {0}, 2), rb = req(b, {1}, 2);
+  ra.offer.set_rings(4);
+  ra.offer.set_rings_chosen(true);
+  ra.offer.set_slots(8);
+  ra.offer.set_slot_bytes(1 << 20);
+  rb.offer = ra.offer;
+  rb.offer.set_rings(2);
+  ASSERT_TRUE(table.join(ra, t0).ok());
+  ASSERT_TRUE(table.join(rb, t0).ok());
+  auto pt = table.peer_table("train", 1, a);
+  ASSERT_TRUE(pt.ok());
+  EXPECT_EQ(pt->agreement().rings(), 2u);
+  EXPECT_EQ(pt->agreement().error(), "");
+  ASSERT_TRUE(table.abort("", "train", 0, "next", -1).ok());
+  rb.offer.set_slots(4);
+  ASSERT_TRUE(table.join(ra, t0).ok());
+  ASSERT_TRUE(table.join(rb, t0).ok());
+  pt = table.peer_table("train", 2, b);
+  ASSERT_TRUE(pt.ok());
+  EXPECT_NE(pt->agreement().error().find("has channel geometry slots=4"), std::string::npos) << pt->agreement().error();
+  EXPECT_NE(pt->agreement().error().find("--slots/--slot-bytes"), std::string::npos);
 }
 
 }  // namespace

@@ -128,15 +128,19 @@ TEST_F(CoordinatorServiceTest, TwoNodesRendezvousAndGetThePeerTable) {
   set_deadline(ctx);
   v1::PeerTableRequest req;
   req.set_job_id("train");
+  req.set_node_id(a);
   v1::PeerTableResponse table;
   ASSERT_TRUE(stub->GetPeerTable(&ctx, req, &table).ok());
   EXPECT_EQ(table.generation(), 1u);
-  ASSERT_EQ(table.peers_size(), 4);
+  EXPECT_EQ(table.pages(), 1u);
+  ASSERT_EQ(table.peers_size(), 4);  // every rank of a 4-rank job is a peer of a's channels
   EXPECT_EQ(table.peers(2).node_id(), b);
   EXPECT_EQ(table.peers(2).hostname(), "host-b");
   EXPECT_EQ(table.peers(3).endpoint(), "endpoint-of-3");
-  std::vector<uint32_t> ring(table.ring().begin(), table.ring().end());
-  EXPECT_EQ(ring, (std::vector<uint32_t>{0, 1, 2, 3}));
+  ASSERT_EQ(table.runs_size(), 1);  // two nodes of two ranks: the ring 0, 1, 2, 3
+  EXPECT_EQ(table.runs(0).first_rank(), 0u);
+  EXPECT_EQ(table.runs(0).ranks_per_node(), 2u);
+  EXPECT_EQ(table.runs(0).nodes(), 2u);
 
   grpc::ClientContext lctx;
   set_deadline(lctx);

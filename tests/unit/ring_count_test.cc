@@ -1,5 +1,6 @@
-// gradsyncd's ring count: the limit of the tag space, the default from cores and shared
-// memory, and the count a job of differently started nodes uses.
+// gradsyncd's ring count: the limit of the tag space and the default from cores and shared
+// memory. The count a job of differently started nodes uses is the coordinator's
+// (coordinator_layout_test.cc, OfferFold).
 #include "daemon/ring_count.h"
 
 #include <gtest/gtest.h>
@@ -62,23 +63,6 @@ TEST(RingCount, DefaultFollowsTheCoresWithinTheMemoryBudget) {
   EXPECT_TRUE(rc.chosen);
   EXPECT_NE(rc.why.find("16 cpus"), std::string::npos) << rc.why;
   EXPECT_NE(rc.why.find("16 MiB per ring"), std::string::npos) << rc.why;
-}
-
-TEST(RingCount, AJobUsesTheGivenCountOrTheSmallestChoice) {
-  auto job = [](std::vector<NodeRings> n) { return job_ring_count(n); };
-  EXPECT_EQ(*job({{8, true, "a"}, {1, true, "b"}, {4, true, "c"}}), 1u);
-  EXPECT_EQ(*job({{8, true, "a"}, {3, false, "b"}, {3, false, "c"}}), 3u);
-  EXPECT_EQ(*job({{16, false, "a"}, {2, true, "b"}}), 16u);
-  EXPECT_EQ(*job({}), 1u);
-  auto clash = job({{4, false, "rank 0 (host a)"}, {1, true, "rank 1 (host b)"}, {8, false, "rank 2 (host c)"}});
-  ASSERT_FALSE(clash.ok());
-  EXPECT_EQ(clash.status().code(), Code::kInvalidArgument);
-  EXPECT_NE(clash.status().message().find("rank 0 (host a) was started with rings=4 but rank 2 (host c) with rings=8"),
-            std::string::npos)
-      << clash.status().message();
-  auto out_of_range = job({{17, false, "rank 1 (host b)"}});
-  ASSERT_FALSE(out_of_range.ok());
-  EXPECT_NE(out_of_range.status().message().find("rank 1 (host b) offers 17 rings"), std::string::npos);
 }
 
 }  // namespace

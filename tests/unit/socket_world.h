@@ -66,7 +66,7 @@ class SocketWorld {
       auto job = std::make_unique<LocalJob>();
       job->id = "sockets";
       job->rings = rings;
-      for (uint32_t x : ring) job->table.add_ring(x);
+      job->ring = ring;
       job->local_ranks = {uint32_t(r)};
       job->plan_channels(slots, slot_bytes);
       auto shm = SharedMemory::create("socket-world", job->layout.total_bytes());

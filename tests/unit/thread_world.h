@@ -47,11 +47,11 @@ class ThreadWorld {
     for (int r = 0; r < n; ++r) {
       // A ring order other than 0..n-1 (1, 2, ..., n-1, 0), as the coordinator may hand out:
       // positions and ranks differ, which the block-placing collectives must respect.
-      job_.table.add_ring(uint32_t((r + 1) % n));
+      job_.ring.push_back(uint32_t((r + 1) % n));
       job_.local_ranks.push_back(uint32_t(r));
       hosts.push_back("localhost");
     }
-    ring_.assign(job_.table.ring().begin(), job_.table.ring().end());
+    ring_ = job_.ring;
     job_.plan_channels(slots, slot_bytes);
     auto shm = SharedMemory::create("thread-world", job_.layout.total_bytes());
     if (!shm.ok()) throw std::runtime_error(shm.status().to_string());

@@ -84,14 +84,14 @@ TEST(TopologyAtJoin, EveryRankGetsEveryNodesGpuTopology) {
   ASSERT_TRUE(errors.empty()) << errors.begin()->second;
   for (int rank = 0; rank < 3; ++rank) {
     const v1::JoinResponse& jr = replies[rank];
-    ASSERT_EQ(jr.rank_nodes_size(), 3) << rank;
-    EXPECT_EQ(jr.rank_nodes(0), jr.rank_nodes(1));
-    EXPECT_NE(jr.rank_nodes(0), jr.rank_nodes(2));
-    ASSERT_EQ(jr.topologies_size(), 2) << rank;
-    std::map<std::string, v1::GpuTopology> by_node;
-    for (const auto& t : jr.topologies()) by_node[t.node_id()] = t.gpu_topology();
-    auto n0 = topology::from_summary(by_node[jr.rank_nodes(0)]);
-    auto n1 = topology::from_summary(by_node[jr.rank_nodes(2)]);
+    ASSERT_EQ(jr.rank_node_size(), 3) << rank;
+    EXPECT_EQ(jr.rank_node(0), jr.rank_node(1));
+    EXPECT_NE(jr.rank_node(0), jr.rank_node(2));
+    ASSERT_EQ(jr.node_shape_size(), 2) << rank;
+    ASSERT_EQ(jr.shapes_size(), 2) << rank << ": two distinct topologies";
+    auto shape_of_rank = [&](int r) { return jr.shapes(int(jr.node_shape(int(jr.rank_node(r))))); };
+    auto n0 = topology::from_summary(shape_of_rank(0));
+    auto n1 = topology::from_summary(shape_of_rank(2));
     ASSERT_TRUE(n0.ok() && n1.ok());
     EXPECT_EQ(n0->gpus.size(), 2u);
     EXPECT_EQ(topology::link_label(n0->links[0][1]), "NV18");

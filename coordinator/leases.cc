@@ -1,0 +1,44 @@
+#include "coordinator/leases.h"
+
+namespace gradsync::coordinator {
+
+void Leases::add(const std::string& node_id, TimePoint now) {
+  const uint64_t epoch = next_epoch_++;
+  auto it = nodes_.insert_or_assign(node_id, Lease{now, stalled_, epoch}).first;
+  heap_.push({deadline(it->second), epoch, node_id});
+}
+
+bool Leases::renew(const std::string& node_id, TimePoint now) {
+  auto it = nodes_.find(node_id);
+  if (it == nodes_.end()) return false;
+  it->second.last = now;
+  it->second.stalled_at_last = stalled_;  // its heap entry is now early: re-checked when it comes up
+  return true;
+}
+
+void Leases::remove(const std::string& node_id) { nodes_.erase(node_id); }  // its heap entry dies lazily
+
+std::vector<std::pair<std::string, Leases::Millis>> Leases::expire(TimePoint now) {
+  std::vector<std::pair<std::string, Millis>> out;
+  while (!heap_.empty() && std::get<0>(heap_.top()) <= now) {
+    auto [when, epoch, id] = heap_.top();
+    heap_.pop();
+    auto it = nodes_.find(id);
+    if (it == nodes_.end() || it->second.epoch != epoch) continue;  // removed, or added again
+    const TimePoint due = deadline(it->second);
+    if (due > now) {
+      heap_.push({due, epoch, std::move(id)});
+      continue;
+    }
+    auto silent = std::chrono::duration_cast<Millis>(now - it->second.last) - (stalled_ - it->second.stalled_at_last);
+    out.emplace_back(std::move(id), silent);
+    nodes_.erase(it);
+  }
+  return out;
+}
+
+std::string Leases::expiry_reason(Millis silent) const {
+  return "no heartbeat for " + std::to_string(silent.count()) + " ms (lease " + std::to_string(lease_.count()) + " ms)";
+}
+
+}  // namespace gradsync::coordinator

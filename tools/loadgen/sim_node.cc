@@ -1,0 +1,241 @@
+#include "loadgen/sim_node.h"
+
+#include <condition_variable>
+#include <cstdlib>
+
+namespace gradsync::loadgen {
+namespace {
+
+// The daemon's deadline for a short control call and its pause between registrations.
+constexpr std::chrono::milliseconds kCallTimeout{5'000};
+constexpr std::chrono::milliseconds kRetryPause{500};
+
+template <class Req, class Resp>
+struct Call {
+  grpc::ClientContext ctx;
+  Req req;
+  Resp resp;
+  std::atomic<int64_t>* in_flight;
+  Call(std::chrono::milliseconds timeout, std::atomic<int64_t>* count) : in_flight(count) {
+    ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+    ++*in_flight;
+  }
+  ~Call() { --*in_flight; }
+};
+
+std::string describe(const grpc::Status& s) {
+  return std::to_string(int(s.error_code())) + " " + s.error_message();
+}
+
+}  // namespace
+
+void Totals::error(const std::string& what) {
+  std::lock_guard lock(mu);
+  if (first_error.empty()) first_error = what;
+}
+
+class SimNode::Watcher : public grpc::ClientReadReactor<v1::Event> {
+ public:
+  explicit Watcher(SimNode* node) : node_(node) { req_.set_node_id(node->node_id_); }
+  void begin() {
+    node_->stub_->async()->WatchEvents(&ctx_, &req_, this);
+    StartRead(&ev_);
+    StartCall();
+  }
+  void cancel() { ctx_.TryCancel(); }
+  void wait_done() {
+    std::unique_lock lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(10), [this] { return done_; });
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) return;
+    node_->totals_->bytes_received += ev_.ByteSizeLong();
+    {
+      std::lock_guard lock(node_->mu_);
+      node_->events_.push_back({ev_.kind(), ev_.job_id(), Clock::now()});
+    }
+    StartRead(&ev_);
+  }
+  void OnDone(const grpc::Status&) override {
+    std::lock_guard lock(mu_);
+    done_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  SimNode* node_;
+  grpc::ClientContext ctx_;
+  v1::WatchRequest req_;
+  v1::Event ev_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+};
+
+SimNode::SimNode(uint32_t index, std::shared_ptr<v1::Coordinator::Stub> stub, Totals* totals)
+    : index_(index), stub_(std::move(stub)), totals_(totals) {}
+
+SimNode::~SimNode() {
+  stop();
+  delete watcher_;
+}
+
+void SimNode::stop() {
+  if (!watcher_) return;
+  watcher_->cancel();
+  watcher_->wait_done();
+}
+
+void SimNode::start(Clock::time_point deadline, std::function<void(bool)> done) {
+  auto* c = new Call<v1::RegisterNodeRequest, v1::RegisterNodeResponse>(kCallTimeout, &totals_->in_flight);
+  v1::NodeInfo* info = c->req.mutable_node();
+  info->set_hostname("sim" + std::to_string(index_));
+  info->set_node_name("sim" + std::to_string(index_));
+  info->set_cpus(2);
+  info->set_data_endpoint("127.0.0.1:" + std::to_string(20000 + index_ % 40000));
+  info->set_pid(100000 + index_);
+  info->set_transport("tcp");
+  info->set_incarnation(0x5eed0000ull + index_);
+  stub_->async()->RegisterNode(&c->ctx, &c->req, &c->resp, [this, c, deadline, done](grpc::Status s) {
+    if (s.ok()) {
+      totals_->bytes_received += c->resp.ByteSizeLong();
+      node_id_ = c->resp.node_id();
+      {
+        std::lock_guard lock(mu_);
+        last_ok_ = Clock::now();
+      }
+      delete c;
+      ++totals_->registered;
+      watch();
+      done(true);
+      return;
+    }
+    delete c;
+    if (Clock::now() + kRetryPause >= deadline) {
+      totals_->error("RegisterNode of sim" + std::to_string(index_) + ": " + describe(s));
+      done(false);
+      return;
+    }
+    ++totals_->register_retries;
+    // As the daemon: jittered backoff, so retries spread out instead of arriving together.
+    const auto pause = kRetryPause / 2 + std::chrono::milliseconds(std::rand() % int(kRetryPause.count()));
+    totals_->later(pause, [this, deadline, done] { start(deadline, done); });
+  });
+}
+
+void SimNode::watch() {
+  watcher_ = new Watcher(this);
+  watcher_->begin();
+}
+
+void SimNode::heartbeat() {
+  if (silent_ || node_id_.empty()) return;
+  auto* c = new Call<v1::HeartbeatRequest, v1::HeartbeatResponse>(kCallTimeout, &totals_->in_flight);
+  c->req.set_node_id(node_id_);
+  stub_->async()->Heartbeat(&c->ctx, &c->req, &c->resp, [this, c](grpc::Status s) {
+    ++totals_->heartbeats;
+    if (s.ok()) {
+      totals_->bytes_received += c->resp.ByteSizeLong();
+      std::lock_guard lock(mu_);
+      last_ok_ = Clock::now();
+    } else {
+      ++totals_->heartbeat_failures;
+      if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+        ++totals_->lost;
+        totals_->error("sim" + std::to_string(index_) + " was declared lost: " + s.error_message());
+      }
+    }
+    delete c;
+  });
+}
+
+void SimNode::join(const std::string& job, uint32_t world, uint32_t first, uint32_t count,
+                   std::function<void(bool)> done) {
+  // The daemon's JoinJob deadline is the join timeout plus its 5 s backstop.
+  auto* c = new Call<v1::JoinJobRequest, v1::JoinJobResponse>(std::chrono::milliseconds(65'000), &totals_->in_flight);
+  c->req.set_node_id(node_id_);
+  c->req.set_job_id(job);
+  c->req.set_token("loadgen-token");
+  c->req.set_world_size(world);
+  c->req.set_timeout_ms(60'000);
+  v1::ChannelOffer* offer = c->req.mutable_offer();
+  offer->set_rings(1);
+  offer->set_rings_chosen(true);
+  offer->set_slots(8);
+  offer->set_slot_bytes(1 << 20);
+  // What a daemon sends: one ChannelEndpoint per rank, the same for all of its ranks.
+  const std::string endpoint(40, char('a' + index_ % 26));
+  for (uint32_t r = first; r < first + count; ++r) {
+    c->req.add_ranks(r);
+    c->req.add_endpoints(endpoint);
+  }
+  stub_->async()->JoinJob(&c->ctx, &c->req, &c->resp, [this, c, job, done](grpc::Status s) {
+    if (!s.ok()) {
+      ++totals_->failures;
+      totals_->error("JoinJob of sim" + std::to_string(index_) + ": " + describe(s));
+      delete c;
+      done(false);
+      return;
+    }
+    ++totals_->joined;
+    totals_->bytes_received += c->resp.ByteSizeLong();
+    generation_ = c->resp.generation();
+    delete c;
+    fetch_table(job, generation_, 0, done);
+  });
+}
+
+void SimNode::fetch_table(const std::string& job, uint64_t generation, uint32_t page,
+                          std::function<void(bool)> done) {
+  auto* c = new Call<v1::PeerTableRequest, v1::PeerTableResponse>(kCallTimeout, &totals_->in_flight);
+  c->req.set_job_id(job);
+  c->req.set_generation(generation);
+  c->req.set_node_id(node_id_);
+  c->req.set_page(page);
+  stub_->async()->GetPeerTable(&c->ctx, &c->req, &c->resp, [this, c, job, generation, page, done](grpc::Status s) {
+    ++totals_->table_calls;
+    if (!s.ok()) {
+      ++totals_->failures;
+      totals_->error("GetPeerTable of sim" + std::to_string(index_) + ": " + describe(s));
+      delete c;
+      done(false);
+      return;
+    }
+    const uint64_t bytes = c->resp.ByteSizeLong();
+    totals_->bytes_received += bytes;
+    totals_->table_bytes += bytes;
+    const uint32_t pages = c->resp.pages();
+    delete c;
+    if (page + 1 < pages) {  // a coordinator without pages answers 0
+      fetch_table(job, generation, page + 1, done);
+      return;
+    }
+    ++totals_->tables;
+    done(true);
+  });
+}
+
+void SimNode::abort(const std::string& job, std::function<void(bool)> done) {
+  auto* c = new Call<v1::AbortJobRequest, v1::AbortJobResponse>(kCallTimeout, &totals_->in_flight);
+  c->req.set_node_id(node_id_);
+  c->req.set_job_id(job);
+  c->req.set_reason("loadgen: failure fan-out measurement");
+  c->req.set_failed_rank(-1);
+  stub_->async()->AbortJob(&c->ctx, &c->req, &c->resp, [this, c, done](grpc::Status s) {
+    if (!s.ok()) totals_->error("AbortJob of sim" + std::to_string(index_) + ": " + describe(s));
+    delete c;
+    done(s.ok());
+  });
+}
+
+Clock::time_point SimNode::last_heartbeat_ok() const {
+  std::lock_guard lock(mu_);
+  return last_ok_;
+}
+
+std::vector<SeenEvent> SimNode::events() const {
+  std::lock_guard lock(mu_);
+  return events_;
+}
+
+}  // namespace gradsync::loadgen
