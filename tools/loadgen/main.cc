@@ -13,12 +13,14 @@
 #include <algorithm>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
 #include <optional>
 #include <memory>
 #include <queue>
+#include <random>
 #include <thread>
 
 #include "launcher/process.h"
@@ -166,7 +168,7 @@ int parse(int argc, char** argv, Flags& f) {
 }
 
 // Starts the coordinator on a free loopback port; its address, or "" on failure.
-std::string start_coordinator(const Flags& f, pid_t* pid) {
+std::string start_coordinator(const Flags& f, const std::string& secret, pid_t* pid) {
   std::string bin = f.bin.empty() ? launcher::self_dir() + "/gradsync-coordinator" : f.bin;
   const std::string port_file = "/tmp/gradsync-loadgen-port." + std::to_string(getpid());
   std::remove(port_file.c_str());
@@ -175,6 +177,7 @@ std::string start_coordinator(const Flags& f, pid_t* pid) {
   cmd.argv = {bin, "--listen", "127.0.0.1:0", "--port-file", port_file, "--log-level", "warn"};
   if (f.lease_ms) cmd.argv.insert(cmd.argv.end(), {"--lease-ms", std::to_string(f.lease_ms)});
   for (char** e = environ; *e; ++e) cmd.env.push_back(*e);
+  cmd.env.push_back("GRADSYNC_CLUSTER_SECRET=" + secret);  // the nodes present it (sim_node.cc)
   cmd.capture_output = false;
   sigset_t none;
   sigemptyset(&none);
@@ -283,11 +286,14 @@ int run(const Flags& flags) {
   }
   pid_t pid = f.pid;
   std::string address = f.address;
-  if (address.empty()) address = start_coordinator(f, &pid);
+  // A cluster secret for this run: the coordinator refuses to start without node credentials.
+  static Totals totals;  // outlives the callbacks (see the end of run)
+  if (const char* given = std::getenv("GRADSYNC_CLUSTER_SECRET")) totals.cluster_secret = given;
+  if (totals.cluster_secret.empty()) totals.cluster_secret = "loadgen-" + std::to_string(getpid()) + "-" + std::to_string(std::random_device{}());
+  if (address.empty()) address = start_coordinator(f, totals.cluster_secret, &pid);
   if (address.empty()) return 1;
   int rc = 0;
   {
-    static Totals totals;  // outlives the callbacks (see the end of run)
     std::vector<std::shared_ptr<v1::Coordinator::Stub>> stubs;
     for (uint32_t c = 0; c < f.channels; ++c) {
       grpc::ChannelArguments args;

@@ -1,5 +1,7 @@
 #include "loadgen/sim_node.h"
 
+#include "common/call_auth.h"
+
 #include <condition_variable>
 #include <cstdlib>
 
@@ -29,6 +31,15 @@ std::string describe(const grpc::Status& s) {
 
 }  // namespace
 
+constexpr const char* kToken = "loadgen-token";
+
+void SimNode::credentials(grpc::ClientContext& ctx, bool job_call) const {
+  if (!totals_->cluster_secret.empty()) ctx.AddMetadata(kClusterSecretHeader, totals_->cluster_secret);
+  if (!node_id_.empty()) ctx.AddMetadata(kNodeIdHeader, node_id_);
+  if (!node_key_.empty()) ctx.AddMetadata(kNodeKeyHeader, node_key_);
+  if (job_call) ctx.AddMetadata(kJobTokenHeader, kToken);
+}
+
 void Totals::error(const std::string& what) {
   std::lock_guard lock(mu);
   if (first_error.empty()) first_error = what;
@@ -36,7 +47,10 @@ void Totals::error(const std::string& what) {
 
 class SimNode::Watcher : public grpc::ClientReadReactor<v1::Event> {
  public:
-  explicit Watcher(SimNode* node) : node_(node) { req_.set_node_id(node->node_id_); }
+  explicit Watcher(SimNode* node) : node_(node) {
+    req_.set_node_id(node->node_id_);
+    node->credentials(ctx_);
+  }
   void begin() {
     node_->stub_->async()->WatchEvents(&ctx_, &req_, this);
     StartRead(&ev_);
@@ -96,10 +110,13 @@ void SimNode::start(Clock::time_point deadline, std::function<void(bool)> done) 
   info->set_pid(100000 + index_);
   info->set_transport("tcp");
   info->set_incarnation(0x5eed0000ull + index_);
+  credentials(c->ctx);
   stub_->async()->RegisterNode(&c->ctx, &c->req, &c->resp, [this, c, deadline, done](grpc::Status s) {
     if (s.ok()) {
       totals_->bytes_received += c->resp.ByteSizeLong();
       node_id_ = c->resp.node_id();
+      const auto& md = c->ctx.GetServerInitialMetadata();
+      if (auto key = md.find(kNodeKeyHeader); key != md.end()) node_key_.assign(key->second.data(), key->second.size());
       {
         std::lock_guard lock(mu_);
         last_ok_ = Clock::now();
@@ -132,6 +149,7 @@ void SimNode::heartbeat() {
   if (silent_ || node_id_.empty()) return;
   auto* c = new Call<v1::HeartbeatRequest, v1::HeartbeatResponse>(kCallTimeout, &totals_->in_flight);
   c->req.set_node_id(node_id_);
+  credentials(c->ctx);
   stub_->async()->Heartbeat(&c->ctx, &c->req, &c->resp, [this, c](grpc::Status s) {
     ++totals_->heartbeats;
     if (s.ok()) {
@@ -155,7 +173,8 @@ void SimNode::join(const std::string& job, uint32_t world, uint32_t first, uint3
   auto* c = new Call<v1::JoinJobRequest, v1::JoinJobResponse>(std::chrono::milliseconds(65'000), &totals_->in_flight);
   c->req.set_node_id(node_id_);
   c->req.set_job_id(job);
-  c->req.set_token("loadgen-token");
+  c->req.set_token(kToken);
+  credentials(c->ctx);
   c->req.set_world_size(world);
   c->req.set_timeout_ms(60'000);
   v1::ChannelOffer* offer = c->req.mutable_offer();
@@ -192,6 +211,7 @@ void SimNode::fetch_table(const std::string& job, uint64_t generation, uint32_t 
   c->req.set_generation(generation);
   c->req.set_node_id(node_id_);
   c->req.set_page(page);
+  credentials(c->ctx, true);
   stub_->async()->GetPeerTable(&c->ctx, &c->req, &c->resp, [this, c, job, generation, page, done](grpc::Status s) {
     ++totals_->table_calls;
     if (!s.ok()) {
@@ -220,6 +240,7 @@ void SimNode::abort(const std::string& job, std::function<void(bool)> done) {
   c->req.set_node_id(node_id_);
   c->req.set_job_id(job);
   c->req.set_reason("loadgen: failure fan-out measurement");
+  credentials(c->ctx, true);
   c->req.set_failed_rank(-1);
   stub_->async()->AbortJob(&c->ctx, &c->req, &c->resp, [this, c, done](grpc::Status s) {
     if (!s.ok()) totals_->error("AbortJob of sim" + std::to_string(index_) + ": " + describe(s));

@@ -35,6 +35,7 @@ struct Totals {
   std::atomic<uint64_t> tables{0};                // nodes holding their complete table
   std::atomic<uint64_t> failures{0};              // join or table calls that failed
   std::atomic<int64_t> in_flight{0};              // unary calls not yet answered
+  std::string cluster_secret;  // what every call presents (the coordinator's --cluster-secret)
   std::mutex mu;
   std::string first_error;
   void error(const std::string& what);
@@ -76,6 +77,9 @@ class SimNode {
 
  private:
   class Watcher;
+  // What a daemon's calls carry (common/call_auth.h): the cluster secret, this node's id and
+  // key once registered, and the job's token on job calls.
+  void credentials(grpc::ClientContext& ctx, bool job_call = false) const;
   void fetch_table(const std::string& job, uint64_t generation, uint32_t page,
                    std::function<void(bool)> done);
   void watch();
@@ -84,6 +88,7 @@ class SimNode {
   const std::shared_ptr<v1::Coordinator::Stub> stub_;
   Totals* const totals_;
   std::string node_id_;
+  std::string node_key_;
   std::atomic<bool> silent_{false};
   std::atomic<uint64_t> generation_{0};
   mutable std::mutex mu_;
