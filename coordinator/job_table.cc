@@ -565,6 +565,11 @@ Result<v1::PeerTableResponse> JobTable::peer_table(const std::string& job_id, ui
   return out;
 }
 
+bool JobTable::is_member(const std::string& job_id, const std::string& node_id) const {
+  auto jit = jobs_.find(job_id);
+  return jit != jobs_.end() && jit->second.gen.members.count(node_id) != 0;
+}
+
 std::vector<v1::JobSummary> JobTable::list_jobs() const {
   std::vector<v1::JobSummary> out;
   for (const auto& [id, job] : jobs_) out.push_back(summary_of(job));

@@ -112,6 +112,8 @@ class JobTable {
   Result<v1::PeerTableResponse> peer_table(const std::string& job_id, uint64_t generation,
                                            const std::string& node_id, uint32_t page = 0,
                                            const std::vector<uint32_t>& ranks = {}) const;
+  // Whether `node_id` holds ranks in the job's current generation. O(log nodes).
+  bool is_member(const std::string& job_id, const std::string& node_id) const;
   std::vector<v1::JobSummary> list_jobs() const;
   Result<v1::DescribeJobResponse> describe(const std::string& job_id, uint32_t page = 0) const;
   // The ranks each node holds in the job's current generation, with its summary (TraceJob):

@@ -298,13 +298,10 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     }
     std::vector<uint32_t> ranks(req->ranks().begin(), req->ranks().end());
     std::lock_guard lock(mu_);
-    if (!ranks.empty() && !authz_.open()) {  // the caller must hold a rank of the job
-      auto own = table_.peer_table(req->job_id(), req->generation(), node, 0);
-      if (!own.ok()) {
-        r->Finish(to_grpc({Code::kPermissionDenied, "GetPeerTable job=" + req->job_id() + ": node '" + node +
-                                                       "' is not a member of the job"}));
-        return r;
-      }
+    if (!authz_.open() && !table_.is_member(req->job_id(), node)) {  // the caller must hold a rank of the job
+      r->Finish(to_grpc({Code::kPermissionDenied, "GetPeerTable job=" + req->job_id() + ": node '" + node +
+                                                     "' is not a member of the job"}));
+      return r;
     }
     auto table = table_.peer_table(req->job_id(), req->generation(), node, req->page(), ranks);
     if (!table.ok()) {
