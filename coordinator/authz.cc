@@ -94,6 +94,7 @@ void Authorizer::bound(const std::string& name, const std::string& node_id, cons
   if (o_.open()) return;
   std::lock_guard lock(mu_);
   names_[name].node_id = node_id;
+  if (!key.empty()) names_[name].key = key;  // also when restored from the store (service restore())
   keys_[node_id] = key;
 }
 

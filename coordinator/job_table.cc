@@ -357,9 +357,7 @@ void JobTable::withdraw(JoinTicket ticket, const std::string& why) {
   remove_joiner(job, ticket);
 }
 
-void JobTable::activate(Job& job) {
-  Generation& g = job.gen;
-  g.state = GenState::kActive;
+void JobTable::lay_out(Generation& g) {
   // Built once for the generation: every peer table and describe reads it.
   std::vector<const std::string*> owner(g.world_size);
   for (const auto& [rank, claim] : g.claims) owner[rank] = &claim.node_id;
@@ -371,6 +369,13 @@ void JobTable::activate(Job& job) {
   }
   g.layout = std::make_shared<const JobLayout>(build_layout(owner, topology_of));
   g.agreement = fold.result();
+}
+
+void JobTable::activate(Job& job) {
+  Generation& g = job.gen;
+  g.state = GenState::kActive;
+  lay_out(g);
+  touch(job);
   for (const auto& [ticket, joiner] : g.joiners) {
     resolve(ticket, JoinResult{g.number, g.world_size});
     pending_.erase(ticket);
@@ -386,6 +391,7 @@ void JobTable::fail(Job& job, const Status& waiter_status, const std::string& re
                     int32_t failed_rank, const std::string& failed_node, bool node_lost) {
   Generation& g = job.gen;
   g.state = GenState::kAborted;
+  touch(job);
   g.reason = reason;
   g.failed_rank = failed_rank;
   g.failed_node = failed_node;
@@ -432,6 +438,7 @@ Status JobTable::leave(const std::string& node_id, const std::string& job_id, ui
     return Status::Ok();
   }
   g.left.insert(node_id);
+  touch(job);
   log::get("coordinator")->info("{} node={} left", label(job), node_id);
   if (g.state == GenState::kActive && g.left.size() == g.members.size()) {
     g.state = GenState::kFinished;
@@ -638,6 +645,7 @@ Status JobTable::report_path(const std::string& node_id, const std::string& job_
                                                node_label(node_id));
   }
   g.paths[path.rank()] = path;
+  touch(jit->second);
   return Status::Ok();
 }
 

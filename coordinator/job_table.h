@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "coordinator.pb.h"
+#include "coordinator_store.pb.h"
 #include "coordinator/job_layout.h"
 #include "gradsync/status.h"
 
@@ -130,6 +131,20 @@ class JobTable {
   std::vector<Delivery> take_events();            // in the order they happened
   std::vector<std::string> take_removed_nodes();  // nodes dropped since the last call
 
+  // --- durable state (coordinator/store.h; defined in job_table_store.cc) -----------------
+  // Jobs whose record changed since the last call: generations that completed, failed,
+  // finished, were left or got a path. A join into a forming generation is not a change: a
+  // forming generation is stored without its claims.
+  std::vector<std::string> take_dirty_jobs() { return std::exchange(dirty_jobs_, {}); }
+  // The job's record; nullopt when there is no such job.
+  std::optional<v1::StoredJob> stored_job(const std::string& job_id) const;
+  uint64_t next_node_number() const { return next_node_number_; }
+  // Fills an empty table from a store's records: the nodes keep their ids, the jobs their
+  // generations (layouts rebuilt; forming generations come back empty, their daemons join
+  // again). No events are sent. Records that contradict each other are refused.
+  Status restore(const std::vector<v1::StoredNode>& nodes, const std::vector<v1::StoredJob>& jobs,
+                 uint64_t next_node_number);
+
  private:
   enum class GenState { kForming, kActive, kAborted, kFinished };
   struct Node {
@@ -185,6 +200,8 @@ class JobTable {
 
   void remove_joiner(Job& job, JoinTicket ticket);
   void activate(Job& job);
+  void lay_out(Generation& g);  // the layout and agreement of a generation whose ranks are all in
+  void touch(const Job& job) { dirty_jobs_.push_back(job.id); }
   // Marks the generation aborted, resolves its waiters with `waiter_status` and sends
   // JOB_ABORTED (preceded by NODE_LOST when `node_lost`) to every member node still registered.
   void fail(Job& job, const Status& waiter_status, const std::string& reason, int32_t failed_rank,
@@ -204,6 +221,7 @@ class JobTable {
   std::vector<Delivery> events_;
   std::vector<std::string> removed_nodes_;
   std::vector<JoinTicket> resolved_;
+  std::vector<std::string> dirty_jobs_;  // may repeat; the service writes each once
 };
 
 }  // namespace gradsync::coordinator

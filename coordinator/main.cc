@@ -8,11 +8,17 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 
 #include "common/call_auth.h"
 #include "common/log.h"
+#include "coordinator/election.h"
+#include "coordinator/etcd_store.h"
 #include "coordinator/service.h"
+#include "coordinator/standby_server.h"
 
 namespace {
 
@@ -25,6 +31,14 @@ constexpr const char* kUsage =
     "  --join-timeout-ms N     JoinJob wait when the request gives none (default 60000)\n"
     "  --metrics-listen HOST:PORT  serve Prometheus /metrics there (default off; port 0: any\n"
     "                          free port, logged)\n"
+    "  --store etcd://HOST:PORT[/PREFIX]\n"
+    "                          keep nodes and jobs in etcd (v3 API; key prefix default\n"
+    "                          /gradsync) and elect one leader among the coordinators given\n"
+    "                          the same store; the others stand by (default: memory only)\n"
+    "  --advertise HOST:PORT   with --store: the address daemons reach this coordinator at\n"
+    "                          (default: --listen's, with this host's name for 0.0.0.0)\n"
+    "  --election-ttl-s N      with --store: the leader's etcd lease in seconds; a standby\n"
+    "                          takes over at most this long after the leader dies (default 2)\n"
     "  --log-level LEVEL       trace|debug|info|warn|error|off (default info, or\n"
     "                          $GRADSYNC_LOG_LEVEL)\n"
     "  --help                  print this and exit\n"
@@ -39,6 +53,9 @@ struct Flags {
   uint64_t join_timeout_ms = 60000;
   std::string log_level;
   std::string metrics_listen;
+  std::string store;
+  std::string advertise;
+  uint64_t election_ttl_s = 2;
   gradsync::TlsOptions tls;
   gradsync::AuthOptions auth;
 };
@@ -78,7 +95,8 @@ int parse_flags(int argc, char** argv, Flags& f) {
       continue;
     }
     const bool known = arg == "--listen" || arg == "--port-file" || arg == "--lease-ms" ||
-                       arg == "--join-timeout-ms" || arg == "--log-level" || arg == "--metrics-listen";
+                       arg == "--join-timeout-ms" || arg == "--log-level" || arg == "--metrics-listen" ||
+                       arg == "--store" || arg == "--advertise" || arg == "--election-ttl-s";
     if (!known) return usage_error("unknown flag '" + arg + "'");
     if (!has_value) {
       if (i + 1 >= argc) return usage_error(arg + " needs a value");
@@ -100,6 +118,14 @@ int parse_flags(int argc, char** argv, Flags& f) {
       if (!parse_ms(value, f.join_timeout_ms)) {
         return usage_error("--join-timeout-ms wants 1.." + std::to_string(kMaxMs));
       }
+    } else if (arg == "--store") {
+      if (auto url = gradsync::coordinator::EtcdUrl::parse(value); !url.ok()) return usage_error(url.status().message());
+      f.store = value;
+    } else if (arg == "--advertise") {
+      if (value.rfind(':') == std::string::npos) return usage_error("--advertise wants HOST:PORT, got '" + value + "'");
+      f.advertise = value;
+    } else if (arg == "--election-ttl-s") {
+      if (!parse_ms(value, f.election_ttl_s) || f.election_ttl_s > 3600) return usage_error("--election-ttl-s wants 1..3600");
     } else if (arg == "--log-level") {
       static const char* kLevels[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
       bool ok = false;
@@ -125,6 +151,78 @@ bool write_port_file(const std::string& path, int port) {
     return false;
   }
   return true;
+}
+
+// --store: stand by until elected through etcd, then load the store and serve. Losing the
+// leadership ends the process (exit 3) rather than risk two leaders: restart it and it stands
+// by. A stop signal resigns, so a standby takes over at its next poll instead of after the TTL.
+int run_elected(const Flags& flags, gradsync::coordinator::CoordinatorOptions options, sigset_t stop_signals) {
+  namespace gc = gradsync::coordinator;
+  auto log = gradsync::log::get("coordinator");
+  auto url = gc::EtcdUrl::parse(flags.store).value();
+  const size_t colon = flags.listen.rfind(':');
+  if (flags.listen.substr(colon + 1) == "0") return usage_error("--store needs a fixed --listen port (not 0)");
+  std::string me = flags.advertise;
+  if (me.empty()) {
+    std::string host = flags.listen.substr(0, colon);
+    if (host == "0.0.0.0" || host == "[::]" || host.empty()) {
+      char name[256] = {};
+      ::gethostname(name, sizeof(name) - 1);
+      host = name;
+    }
+    me = host + flags.listen.substr(colon);
+  }
+  auto etcd = std::make_shared<gc::EtcdClient>(url.address);
+  gc::LeaderElection election(etcd, {url.prefix + "/election/leader", me, int64_t(flags.election_ttl_s)});
+  gc::StandbyServer standby(me, url.address);
+  if (gradsync::Status s = standby.start(flags.listen, options.tls); !s.ok()) {
+    log->error("{}", s.to_string());
+    return 1;
+  }
+  std::mutex mu;
+  std::unique_ptr<gc::CoordinatorServer> server;
+  int exit_code = 0;
+  std::thread role([&] {
+    gradsync::Status s = election.campaign([&](const std::string& leader) { standby.set_leader(leader); });
+    if (!s.ok()) return;  // stopped by a signal
+    standby.shutdown();
+    options.store = std::make_shared<gc::EtcdStore>(etcd, url.prefix, election.fence());
+    auto started = std::make_unique<gc::CoordinatorServer>(options);
+    if (gradsync::Status st = started->start(flags.listen); !st.ok()) {
+      log->error("elected, but cannot serve: {}", st.to_string());
+      election.resign();
+      std::lock_guard lock(mu);
+      exit_code = 1;
+      ::kill(::getpid(), SIGTERM);
+      return;
+    }
+    election.hold([&](const std::string& why) {
+      log->critical("{}: another coordinator may lead now; exiting (restart this one and it stands by)", why);
+      gradsync::log::get("coordinator")->flush();
+      std::_Exit(3);
+    });
+    log->info("serving as the leader at {} (store: etcd at {} under {})", me, url.address, url.prefix);
+    if (!flags.port_file.empty() && !write_port_file(flags.port_file, started->port())) {
+      log->error("cannot write the port file '{}': {}", flags.port_file, std::strerror(errno));
+    }
+    std::lock_guard lock(mu);
+    server = std::move(started);
+  });
+  int sig = 0;
+  while (sigwait(&stop_signals, &sig) != 0) {
+  }
+  log->info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  election.stop();
+  role.join();
+  std::lock_guard lock(mu);
+  if (server) {
+    server->shutdown();
+    server->wait();
+    server->flush_store(std::chrono::seconds(1));
+    election.resign();
+  }
+  standby.shutdown();
+  return exit_code;
 }
 
 }  // namespace
@@ -170,23 +268,25 @@ int main(int argc, char** argv) {
     log->warn("no operator credential (--operator-token-file or $GRADSYNC_OPERATOR_TOKEN): gradsyncctl jobs, "
               "describe and abort are refused");
   }
-  gradsync::coordinator::CoordinatorServer server(options);
-  if (gradsync::Status s = server.start(flags.listen); !s.ok()) {
-    log->error("{}", s.to_string());
-    return 1;
-  }
-  if (!flags.port_file.empty() && !write_port_file(flags.port_file, server.port())) {
-    log->error("cannot write the port file '{}': {}", flags.port_file, std::strerror(errno));
+  if (flags.store.empty()) {
+    gradsync::coordinator::CoordinatorServer server(options);
+    if (gradsync::Status s = server.start(flags.listen); !s.ok()) {
+      log->error("{}", s.to_string());
+      return 1;
+    }
+    if (!flags.port_file.empty() && !write_port_file(flags.port_file, server.port())) {
+      log->error("cannot write the port file '{}': {}", flags.port_file, std::strerror(errno));
+      server.shutdown();
+      server.wait();
+      return 1;
+    }
+    int sig = 0;
+    while (sigwait(&stop_signals, &sig) != 0) {
+    }
+    log->info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
     server.shutdown();
     server.wait();
-    return 1;
+    return 0;
   }
-
-  int sig = 0;
-  while (sigwait(&stop_signals, &sig) != 0) {
-  }
-  log->info("received {}, shutting down", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  server.shutdown();
-  server.wait();
-  return 0;
+  return run_elected(flags, options, stop_signals);
 }

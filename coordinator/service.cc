@@ -20,6 +20,7 @@
 #include "coordinator/leases.h"
 #include "coordinator/trace_gather.h"
 #include "coordinator/regroup.h"
+#include "coordinator/store_writer.h"
 
 namespace gradsync::coordinator {
 namespace {
@@ -142,8 +143,54 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
  public:
   explicit CoordinatorService(const CoordinatorOptions& o)
       : options_(o), authz_(with_client_certs(o)), table_(JobTableOptions{o.lease, o.default_join_timeout}),
-        leases_(o.lease) {}
+        leases_(o.lease) {
+    if (o.store) writer_ = std::make_unique<StoreWriter>(o.store);
+  }
   ~CoordinatorService() override { stop(); }
+
+  // Loads the store's nodes and jobs (coordinator/store.h) before the service answers: the
+  // nodes keep their ids and keys and get a full lease from now, the jobs their generations.
+  Status restore() {
+    if (!options_.store) return Status::Ok();
+    auto records = options_.store->load();
+    if (!records.ok()) {
+      return Status(records.status().code(), "cannot load the coordinator's state from " +
+                                                 options_.store->describe() + ": " + records.status().message());
+    }
+    std::vector<v1::StoredNode> nodes;
+    std::vector<v1::StoredJob> jobs;
+    v1::StoredMeta meta;
+    for (const auto& [key, value] : *records) {
+      bool ok = true;
+      if (key.rfind("nodes/", 0) == 0) {
+        ok = nodes.emplace_back().ParseFromString(value);
+      } else if (key.rfind("jobs/", 0) == 0) {
+        ok = jobs.emplace_back().ParseFromString(value);
+      } else if (key == "meta") {
+        ok = meta.ParseFromString(value);
+      }
+      if (!ok) return {Code::kInternal, "record '" + key + "' in " + options_.store->describe() + " does not parse"};
+    }
+    std::lock_guard lock(mu_);
+    GS_RETURN_IF_ERROR(table_.restore(nodes, jobs, meta.next_node_number()));
+    const TimePoint now = Clock::now();
+    for (const auto& n : nodes) {
+      authz_.bound(n.name(), n.node_id(), n.key());
+      queues_[n.node_id()];
+      std::lock_guard leases(lease_mu_);
+      leases_.add(n.node_id(), now);
+    }
+    for (const auto& j : jobs) {
+      if (!j.token().empty()) authz_.job_token(j.job_id(), j.token());
+    }
+    log::get("coordinator")->info("restored {} node(s) and {} job(s) from {}; each node has {} ms to heartbeat",
+                                  nodes.size(), jobs.size(), options_.store->describe(), options_.lease.count());
+    dispatch_locked();
+    return Status::Ok();
+  }
+
+  // Waits until the records of every change so far are written (tests, shutdown).
+  bool flush_store(Millis timeout) { return !writer_ || writer_->flush(timeout); }
 
   void start() {
     ticker_ = std::thread([this] { run_ticker(); });
@@ -202,6 +249,18 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     }
     authz_.bound(name, *id, *key);
     if (!key->empty()) ctx->AddInitialMetadata(kNodeKeyHeader, *key);
+    if (writer_) {
+      v1::StoredNode record;
+      record.set_node_id(*id);
+      *record.mutable_info() = req->node();
+      record.mutable_info()->set_node_name(name);
+      record.set_name(name);
+      record.set_key(*key);
+      writer_->put("nodes/" + *id, record.SerializeAsString());
+      v1::StoredMeta meta;
+      meta.set_next_node_number(table_.next_node_number());
+      writer_->put("meta", meta.SerializeAsString());
+    }
     queues_[*id];  // queue events from now on, even before the node starts watching
     {
       std::lock_guard leases(lease_mu_);
@@ -683,6 +742,17 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
       }
       std::lock_guard leases(lease_mu_);
       leases_.remove(id);
+      if (writer_) writer_->remove("nodes/" + id);
+    }
+    if (writer_) {  // each changed job once, however often it changed
+      auto dirty = table_.take_dirty_jobs();
+      std::sort(dirty.begin(), dirty.end());
+      dirty.erase(std::unique(dirty.begin(), dirty.end()), dirty.end());
+      for (const auto& job : dirty) {
+        auto record = table_.stored_job(job);
+        if (record) writer_->put("jobs/" + job, record->SerializeAsString());
+        else writer_->remove("jobs/" + job);
+      }
     }
     for (JoinTicket t : table_.take_resolved()) {
       auto outcome = table_.take_join_result(t);
@@ -767,6 +837,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   std::mutex ticker_mu_;
   std::condition_variable ticker_cv_;  // only to stop the ticker early
   std::thread ticker_;
+  std::unique_ptr<StoreWriter> writer_;  // with a store: its records, written off the mutex
 };
 
 void JoinReactor::OnCancel() { service_->cancel_join(this); }
@@ -793,6 +864,10 @@ Status CoordinatorServer::start(const std::string& listen_addr) {
     return {Code::kFailedPrecondition, "CoordinatorServer::start called twice"};
   }
   service_ = std::make_unique<CoordinatorService>(options_);
+  if (Status s = service_->restore(); !s.ok()) {
+    service_.reset();
+    return s;
+  }
   grpc::ServerBuilder builder;
   // gRPC sets SO_REUSEPORT by default, which would let a second coordinator silently share
   // the port; a busy port must be an error instead.
@@ -852,6 +927,11 @@ void CoordinatorServer::shutdown() {
 }
 
 int CoordinatorServer::metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+
+bool CoordinatorServer::flush_store(Millis timeout) {
+  std::lock_guard lock(mu_);
+  return !service_ || service_->flush_store(timeout);
+}
 
 void CoordinatorServer::wait() {
   grpc::Server* server = nullptr;

@@ -17,6 +17,7 @@
 #include "common/grpc_security.h"
 #include "coordinator/authz.h"
 #include "coordinator/job_table.h"
+#include "coordinator/store.h"
 #include "gradsync/status.h"
 
 namespace grpc {
@@ -38,6 +39,9 @@ struct CoordinatorOptions {
   // node's credential.
   AuthzOptions authz;
   std::string metrics_listen;          // Prometheus /metrics on HOST:PORT; empty: off
+  // Where nodes and jobs are kept across restarts (coordinator/store.h): the coordinator
+  // loads its records at start() and writes every change. Null: in memory only (standalone).
+  std::shared_ptr<Store> store;
 };
 
 class CoordinatorService;  // the gRPC handlers, in service.cc
@@ -59,6 +63,8 @@ class CoordinatorServer {
   void shutdown();
   // Blocks until the server has shut down.
   void wait();
+  // With a store: waits until every change so far is written to it (false after `timeout`).
+  bool flush_store(Millis timeout);
 
  private:
   CoordinatorOptions options_;

@@ -15,7 +15,10 @@ packages=(build-essential cmake pkg-config libgrpc++-dev protobuf-compiler-grpc 
           # on the 2-core VM (178 packages), docs/training-loop.md.
           libtorch-dev python3-torch python3-dev pybind11-dev
           # libFuzzer and its sanitizers for the fuzz targets (scripts/fuzz.sh, CTest fuzz_short)
-          clang)
+          clang
+          # etcd 3.4 for the coordinator's --store tests (coordinator_store_test,
+          # coordinator_takeover_test start their own on free ports)
+          etcd-server)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,6 +1,6 @@
 // gradsyncctl: an operator's view into the coordinator.
 //
-//   gradsyncctl [--coordinator HOST:PORT] [TLS flags: --tls-ca F --tls-cert F --tls-key F]
+//   gradsyncctl [--coordinator HOST:PORT[,HOST:PORT...]] [TLS flags: --tls-ca F --tls-cert F --tls-key F]
 //               [--operator-token-file F] jobs
 //   gradsyncctl [--coordinator HOST:PORT] describe JOB
 //   gradsyncctl [--coordinator HOST:PORT] abort JOB [--reason TEXT]
@@ -13,6 +13,7 @@
 // to $GRADSYNC_OPERATOR_TOKEN.
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -33,7 +34,7 @@ constexpr std::chrono::seconds kCallTimeout{10};
 
 int usage(FILE* out, int rc) {
   std::fprintf(out,
-               "usage: gradsyncctl [--coordinator HOST:PORT] COMMAND\n"
+               "usage: gradsyncctl [--coordinator HOST:PORT[,HOST:PORT...]] COMMAND\n"
                "  jobs                      list jobs: id, generation, state, joined/world, reason\n"
                "  describe JOB              ring order, ranks with their nodes, node details (GPU topology)\n"
                "  abort JOB [--reason TEXT] abort the job's current generation\n"
@@ -62,6 +63,34 @@ int fail(const std::string& what, const grpc::Status& s, const std::string& addr
 
 void with_deadline(grpc::ClientContext& ctx) {
   ctx.set_deadline(std::chrono::system_clock::now() + kCallTimeout);
+}
+
+// --coordinator a:1,b:2 (coordinators elected through etcd): the one that serves. A standby
+// names the leader in its UNAVAILABLE answer; a dead one is skipped. None: the first, whose
+// error the command then reports.
+std::string find_leader(const std::string& list, const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+                        const std::shared_ptr<gradsync::CallAuth>& auth) {
+  std::vector<std::string> all;
+  for (size_t start = 0; start <= list.size();) {
+    size_t comma = std::min(list.find(',', start), list.size());
+    if (comma > start) all.push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+  for (const auto& address : all) {
+    auto stub = gradsync::v1::Coordinator::NewStub(
+        gradsync::coordinator_channel(address, credentials, grpc::ChannelArguments(), auth));
+    grpc::ClientContext ctx;
+    with_deadline(ctx);
+    gradsync::v1::ListJobsResponse resp;
+    grpc::Status s = stub->ListJobs(&ctx, {}, &resp);
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return address;  // it serves (or refuses us itself)
+    const std::string& msg = s.error_message();
+    if (size_t at = msg.find(gradsync::kLeaderIsPhrase); at != std::string::npos) {
+      at += std::string(gradsync::kLeaderIsPhrase).size();
+      return msg.substr(at, msg.find_first_of(" ,;)", at) - at);
+    }
+  }
+  return all.empty() ? list : all.front();
 }
 
 // gradsyncctl topology [--topo-file PATH]: this node's GPU topology as gradsyncd finds it at
@@ -166,8 +195,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gradsyncctl: %s\n", operator_token.status().message().c_str());
     return 2;
   }
-  auto stub = gradsync::v1::Coordinator::NewStub(gradsync::coordinator_channel(
-      address, *credentials, grpc::ChannelArguments(), std::make_shared<gradsync::CallAuth>("", *operator_token)));
+  auto call_auth = std::make_shared<gradsync::CallAuth>("", *operator_token);
+  if (address.find(',') != std::string::npos) address = find_leader(address, *credentials, call_auth);
+  auto stub = gradsync::v1::Coordinator::NewStub(
+      gradsync::coordinator_channel(address, *credentials, grpc::ChannelArguments(), call_auth));
 
   if (args[0] == "jobs" && args.size() == 1) {
     grpc::ClientContext ctx;

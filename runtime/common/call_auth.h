@@ -25,6 +25,9 @@ namespace gradsync {
 inline constexpr char kClusterSecretHeader[] = "gradsync-cluster-secret";
 inline constexpr char kNodeIdHeader[] = "gradsync-node-id";
 inline constexpr char kNodeKeyHeader[] = "gradsync-node-key";
+// A standby coordinator (coordinator/standby_server.h) answers UNAVAILABLE with a message that
+// holds this phrase followed by the leader's HOST:PORT; clients move to that address.
+inline constexpr char kLeaderIsPhrase[] = "the leader is ";
 inline constexpr char kJobTokenHeader[] = "gradsync-job-token";
 inline constexpr char kOperatorTokenHeader[] = "gradsync-operator-token";
 

@@ -28,6 +28,10 @@ bool env_flag(const char* name) {
 }  // namespace
 
 bool is_loopback_address(const std::string& hostport) {
+  // A list "a:1,b:2" (several coordinators) is loopback only when every entry is.
+  if (const size_t comma = hostport.find(','); comma != std::string::npos) {
+    return is_loopback_address(hostport.substr(0, comma)) && is_loopback_address(hostport.substr(comma + 1));
+  }
   return hostport.rfind("127.", 0) == 0 || hostport.rfind("localhost:", 0) == 0 || hostport == "localhost" ||
          hostport.rfind("[::1]", 0) == 0;
 }

@@ -56,7 +56,7 @@ Code to_code(grpc::StatusCode c) {
 
 CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::ChannelCredentials> credentials,
                                  std::shared_ptr<CallAuth> auth, v1::NodeInfo node, EventHandler on_event)
-    : address_(std::move(address)), node_(std::move(node)), on_event_(std::move(on_event)), auth_(std::move(auth)) {
+    : addresses_(std::move(address)), node_(std::move(node)), on_event_(std::move(on_event)), auth_(std::move(auth)) {
   // A retried registration (an answer that arrived after our deadline) must not look like a
   // restarted daemon to the coordinator: this process's registrations share one incarnation.
   if (node_.incarnation() == 0) {
@@ -71,18 +71,77 @@ CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::Chan
   // most every 30 s by default: calls failed "Connection refused" for seconds after the
   // coordinator was back (issue 17's 7 s gap of new jobs after a coordinator restart).
   args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 100);
-  channel_ = coordinator_channel(address_, credentials, args, auth_);
-  stub_ = v1::Coordinator::NewStub(channel_);
+  for (size_t start = 0; start <= addresses_.size();) {
+    size_t comma = addresses_.find(',', start);
+    if (comma == std::string::npos) comma = addresses_.size();
+    std::string one = addresses_.substr(start, comma - start);
+    start = comma + 1;
+    if (one.empty()) continue;
+    auto stub = v1::Coordinator::NewStub(coordinator_channel(one, credentials, args, auth_));
+    targets_.push_back({std::move(one), std::move(stub)});
+  }
+  if (targets_.empty()) {  // the daemon checks its flag; keep one target so calls fail with a message
+    targets_.push_back({addresses_, v1::Coordinator::NewStub(coordinator_channel(addresses_, credentials, args, auth_))});
+  }
+}
+
+std::string CoordinatorLink::address() const {
+  std::lock_guard lock(mu_);
+  return targets_[current_].address;
+}
+
+std::pair<size_t, v1::Coordinator::Stub*> CoordinatorLink::current() const {
+  std::lock_guard lock(mu_);
+  return {current_, targets_[current_].stub.get()};
+}
+
+void CoordinatorLink::fail_over(size_t index, const grpc::Status& s) {
+  if (targets_.size() < 2) return;
+  std::lock_guard lock(mu_);
+  if (current_ != index) return;  // another call moved already
+  size_t next = (index + 1) % targets_.size();
+  // A standby names the leader: "... the leader is HOST:PORT (...".
+  const std::string& msg = s.error_message();
+  if (size_t at = msg.find(kLeaderIsPhrase); at != std::string::npos) {
+    at += std::string(kLeaderIsPhrase).size();
+    const std::string leader = msg.substr(at, msg.find_first_of(" ,;)", at) - at);
+    for (size_t i = 0; i < targets_.size(); ++i) {
+      if (targets_[i].address == leader) next = i;
+    }
+  }
+  current_ = next;
+  log::get("daemon")->info("coordinator {} unavailable ({}); trying {}", targets_[index].address, s.error_message(),
+                           targets_[next].address);
+}
+
+grpc::Status CoordinatorLink::with_failover(const std::function<grpc::Status(v1::Coordinator::Stub&)>& call,
+                                            Deadline deadline, std::string* address) {
+  for (int attempt = 0;; ++attempt) {
+    auto [index, stub] = current();
+    grpc::Status s = call(*stub);
+    if (address) *address = targets_[index].address;
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE || targets_.size() < 2) return s;
+    fail_over(index, s);
+    // Every coordinator tried once: wait a little for an election before the next round. Short
+    // (100-200 ms), not growing: a new leader must see the joins as soon as it serves.
+    if ((attempt + 1) % targets_.size() == 0) {
+      const auto pause = backoff(1);
+      if (Clock::now() + pause >= deadline) return s;
+      std::this_thread::sleep_for(pause);
+    }
+    if (Clock::now() >= deadline) return s;
+  }
 }
 
 CoordinatorLink::~CoordinatorLink() { stop(); }
 
-Status CoordinatorLink::from_grpc(const grpc::Status& s, const std::string& what) const {
+Status CoordinatorLink::from_grpc(const grpc::Status& s, const std::string& what, const std::string& address) const {
   if (s.ok()) return Status::Ok();
   std::string msg = s.error_message();
+  const std::string where = targets_.size() > 1 ? address + " (of " + addresses_ + ")" : address;
   if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    msg = "coordinator at " + address_ + " unreachable during " + what + " (" + msg +
-          "); is gradsync-coordinator running?";
+    msg = "coordinator at " + where + " unreachable during " + what + " (" + msg +
+          "); is gradsync-coordinator running" + (targets_.size() > 1 ? ", and is one of them the leader?" : "?");
   } else {
     msg = what + ": " + msg;
   }
@@ -90,21 +149,29 @@ Status CoordinatorLink::from_grpc(const grpc::Status& s, const std::string& what
 }
 
 Status CoordinatorLink::register_node() {
-  grpc::ClientContext ctx;
-  set_deadline(ctx, kCallTimeout);
   v1::RegisterNodeRequest req;
   *req.mutable_node() = node_;
   v1::RegisterNodeResponse resp;
-  GS_RETURN_IF_ERROR(from_grpc(stub_->RegisterNode(&ctx, req, &resp), "register"));
-  // The key that binds this node's name to this daemon: every later call carries it.
-  const auto& md = ctx.GetServerInitialMetadata();
-  auto key = md.find(kNodeKeyHeader);
-  auth_->set_node(resp.node_id(), key == md.end() ? "" : std::string(key->second.data(), key->second.size()));
+  std::string key, address;
+  grpc::Status s = with_failover(
+      [&](v1::Coordinator::Stub& stub) {
+        grpc::ClientContext ctx;
+        set_deadline(ctx, kCallTimeout);
+        resp.Clear();
+        grpc::Status st = stub.RegisterNode(&ctx, req, &resp);
+        // The key that binds this node's name to this daemon: every later call carries it.
+        const auto& md = ctx.GetServerInitialMetadata();
+        auto k = md.find(kNodeKeyHeader);
+        key = k == md.end() ? "" : std::string(k->second.data(), k->second.size());
+        return st;
+      },
+      deadline_after(kCallTimeout), &address);
+  GS_RETURN_IF_ERROR(from_grpc(s, "register", address));
+  auth_->set_node(resp.node_id(), key);
   std::lock_guard lock(mu_);
   node_id_ = resp.node_id();
   lease_ms_ = std::max<uint32_t>(resp.lease_ms(), 300);
-  log::get("daemon")->info("registered with coordinator {} as node={} lease={}ms", address_,
-                           node_id_, lease_ms_);
+  log::get("daemon")->info("registered with coordinator {} as node={} lease={}ms", address, node_id_, lease_ms_);
   return Status::Ok();
 }
 
@@ -146,20 +213,26 @@ void CoordinatorLink::heartbeat_loop() {
     cv_.wait_for(lock, std::chrono::milliseconds(lease_ms_ / 3));
     if (stopping_) return;
     std::string id = node_id_;
+    const std::chrono::milliseconds period(lease_ms_ / 3);
     lock.unlock();
-    grpc::ClientContext ctx;
-    set_deadline(ctx, kCallTimeout);
     v1::HeartbeatRequest req;
     req.set_node_id(id);
     v1::HeartbeatResponse resp;
-    grpc::Status s = stub_->Heartbeat(&ctx, req, &resp);
+    std::string address;
+    // Within a third of the lease: the next heartbeat is due then.
+    grpc::Status s = with_failover(
+        [&](v1::Coordinator::Stub& stub) {
+          grpc::ClientContext ctx;
+          set_deadline(ctx, kCallTimeout);
+          return stub.Heartbeat(&ctx, req, &resp);
+        },
+        deadline_after(period), &address);
     if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-      log->warn("coordinator {} forgot node={} (restarted or lease expired); re-registering",
-                address_, id);
+      log->warn("coordinator {} forgot node={} (restarted or lease expired); re-registering", address, id);
       if (on_forgotten_) on_forgotten_(id);
       (void)register_node();
     } else if (!s.ok()) {
-      log->warn("heartbeat to coordinator {} failed: {}", address_, s.error_message());
+      log->warn("heartbeat to coordinator {} failed: {}", address, s.error_message());
     }
     lock.lock();
   }
@@ -176,28 +249,41 @@ void CoordinatorLink::watch_loop() {
       req.set_node_id(node_id_);
       watch_ctx_ = &ctx;
     }
-    auto reader = stub_->WatchEvents(&ctx, req);
+    auto [index, stub] = current();
+    auto reader = stub->WatchEvents(&ctx, req);
     v1::Event ev;
     while (reader->Read(&ev)) on_event_(ev);
     grpc::Status s = reader->Finish();
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) fail_over(index, s);
     std::unique_lock lock(mu_);
     watch_ctx_ = nullptr;
     if (stopping_) return;
-    log->debug("event stream from {} ended: {}", address_, s.error_message());
-    cv_.wait_for(lock, kRetryPause);
+    log->debug("event stream from {} ended: {}", targets_[index].address, s.error_message());
+    // Another coordinator to try: at once; the same one again: after a pause.
+    cv_.wait_for(lock, current_ != index ? std::chrono::milliseconds(0) : kRetryPause);
   }
 }
 
 Result<v1::JoinJobResponse> CoordinatorLink::join(v1::JoinJobRequest req,
                                                   std::chrono::milliseconds timeout) {
-  grpc::ClientContext ctx;
-  // The coordinator fails the join itself at `timeout`; our deadline is a backstop.
-  set_deadline(ctx, timeout + kCallTimeout);
+  // The coordinator fails the join itself at `timeout`; our deadline is a backstop. A join cut
+  // off by the leader's death is made again at the new leader, with what is left of `timeout`.
+  const Deadline deadline = deadline_after(timeout);
   req.set_node_id(node_id());
-  req.set_timeout_ms(static_cast<uint32_t>(timeout.count()));
   auth_->set_job_token(req.job_id(), req.token());  // the job's later calls carry it
   v1::JoinJobResponse resp;
-  Status s = from_grpc(stub_->JoinJob(&ctx, req, &resp), "join of job " + req.job_id());
+  std::string address;
+  grpc::Status st = with_failover(
+      [&](v1::Coordinator::Stub& stub) {
+        grpc::ClientContext ctx;
+        const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                                   std::chrono::milliseconds(1));
+        set_deadline(ctx, left + kCallTimeout);
+        req.set_timeout_ms(static_cast<uint32_t>(left.count()));
+        return stub.JoinJob(&ctx, req, &resp);
+      },
+      deadline, &address);
+  Status s = from_grpc(st, "join of job " + req.job_id(), address);
   if (!s.ok()) return s;
   return resp;
 }
@@ -219,20 +305,23 @@ Result<v1::PeerTableResponse> CoordinatorLink::peer_table(const std::string& job
       req.set_node_id(node_id());
       req.set_page(page);
       resp.Clear();
-      grpc::Status s = stub_->GetPeerTable(&ctx, req, &resp);
+      auto [index, stub] = current();
+      grpc::Status s = stub->GetPeerTable(&ctx, req, &resp);
       if (s.ok()) break;
+      if (s.error_code() == grpc::StatusCode::UNAVAILABLE) fail_over(index, s);
       const auto pause = backoff(attempt);
       if (!retryable(s.error_code()) || Clock::now() + pause >= deadline) {
-        return from_grpc(s, "peer table of job " + job + " (page " + std::to_string(page + 1) + ")");
+        return from_grpc(s, "peer table of job " + job + " (page " + std::to_string(page + 1) + ")",
+                         targets_[index].address);
       }
-      log::get("daemon")->info("peer table of job {} from coordinator {}: {}; retrying in {} ms", job, address_,
-                               s.error_message(), pause.count());
+      log::get("daemon")->info("peer table of job {} from coordinator {}: {}; retrying in {} ms", job,
+                               targets_[index].address, s.error_message(), pause.count());
       std::this_thread::sleep_for(pause);
     }
     if (page == 0) {
       pages = std::max<uint32_t>(resp.pages(), 1);
       if (pages > kMaxTablePages) {
-        return Status(Code::kInternal, "coordinator " + address_ + " announced " + std::to_string(pages) +
+        return Status(Code::kInternal, "coordinator " + address() + " announced " + std::to_string(pages) +
                                            " peer-table pages for job " + job);
       }
       out = std::move(resp);
@@ -245,29 +334,42 @@ Result<v1::PeerTableResponse> CoordinatorLink::peer_table(const std::string& job
   return out;
 }
 
+// A short call about `job` (its token attached), with failover, as a Status naming the coordinator.
+Status CoordinatorLink::job_call(const std::string& job, const std::string& what,
+                                 const std::function<grpc::Status(v1::Coordinator::Stub&, grpc::ClientContext&)>& call) {
+  std::string address;
+  grpc::Status s = with_failover(
+      [&](v1::Coordinator::Stub& stub) {
+        grpc::ClientContext ctx;
+        set_deadline(ctx, kCallTimeout);
+        auth_->add_job_token(ctx, job);
+        return call(stub, ctx);
+      },
+      deadline_after(kCallTimeout), &address);
+  return from_grpc(s, what + " of job " + job, address);
+}
+
 Status CoordinatorLink::leave(const std::string& job, uint64_t generation) {
-  grpc::ClientContext ctx;
-  set_deadline(ctx, kCallTimeout);
-  auth_->add_job_token(ctx, job);
   v1::LeaveJobRequest req;
   req.set_node_id(node_id());
   req.set_job_id(job);
   req.set_generation(generation);
   v1::LeaveJobResponse resp;
-  return from_grpc(stub_->LeaveJob(&ctx, req, &resp), "leave of job " + job);
+  return job_call(job, "leave", [&](v1::Coordinator::Stub& stub, grpc::ClientContext& ctx) {
+    return stub.LeaveJob(&ctx, req, &resp);
+  });
 }
 
 Status CoordinatorLink::report_path(const std::string& job, uint64_t generation, const v1::RankPath& path) {
-  grpc::ClientContext ctx;
-  set_deadline(ctx, kCallTimeout);
-  auth_->add_job_token(ctx, job);
   v1::ReportPathRequest req;
   req.set_node_id(node_id());
   req.set_job_id(job);
   req.set_generation(generation);
   *req.mutable_path() = path;
   v1::ReportPathResponse resp;
-  return from_grpc(stub_->ReportPath(&ctx, req, &resp), "path report of job " + job);
+  return job_call(job, "path report", [&](v1::Coordinator::Stub& stub, grpc::ClientContext& ctx) {
+    return stub.ReportPath(&ctx, req, &resp);
+  });
 }
 
 Status CoordinatorLink::report_trace(v1::ReportTraceRequest req) {
@@ -276,14 +378,13 @@ Status CoordinatorLink::report_trace(v1::ReportTraceRequest req) {
   auth_->add_job_token(ctx, req.job_id());
   req.set_node_id(node_id());
   v1::ReportTraceResponse resp;
-  return from_grpc(stub_->ReportTrace(&ctx, req, &resp), "flight recorders of job " + req.job_id());
+  auto [index, stub] = current();
+  return from_grpc(stub->ReportTrace(&ctx, req, &resp), "flight recorders of job " + req.job_id(),
+                   targets_[index].address);
 }
 
 Status CoordinatorLink::abort(const std::string& job, uint64_t generation, int failed_rank,
                               const std::string& reason) {
-  grpc::ClientContext ctx;
-  set_deadline(ctx, kCallTimeout);
-  auth_->add_job_token(ctx, job);
   v1::AbortJobRequest req;
   req.set_node_id(node_id());
   req.set_job_id(job);
@@ -291,7 +392,9 @@ Status CoordinatorLink::abort(const std::string& job, uint64_t generation, int f
   req.set_failed_rank(failed_rank);
   req.set_reason(reason);
   v1::AbortJobResponse resp;
-  return from_grpc(stub_->AbortJob(&ctx, req, &resp), "abort of job " + job);
+  return job_call(job, "abort", [&](v1::Coordinator::Stub& stub, grpc::ClientContext& ctx) {
+    return stub.AbortJob(&ctx, req, &resp);
+  });
 }
 
 Result<v1::RegroupResponse> CoordinatorLink::regroup(v1::RegroupRequest req) {
@@ -303,7 +406,8 @@ Result<v1::RegroupResponse> CoordinatorLink::regroup(v1::RegroupRequest req) {
   // with a wrong one must not replace it.
   if (!req.token().empty()) ctx.AddMetadata(kJobTokenHeader, req.token());
   v1::RegroupResponse resp;
-  Status s = from_grpc(stub_->Regroup(&ctx, req, &resp), "regroup of job " + req.job_id());
+  auto [index, stub] = current();
+  Status s = from_grpc(stub->Regroup(&ctx, req, &resp), "regroup of job " + req.job_id(), targets_[index].address);
   if (!s.ok()) return s;
   return resp;
 }

@@ -1,6 +1,12 @@
 // gradsyncd's side of the coordinator: registration, the heartbeat lease, the event stream,
 // and the per-node job calls. Every call has a deadline; an unreachable coordinator is an
 // error naming its address, never a hang.
+//
+// Several coordinators ("a:29500,b:29500", elected through etcd: coordinator/election.h): the
+// link talks to one at a time. A call answered UNAVAILABLE (a dead coordinator, or a standby,
+// whose answer names the leader) moves the link to the named leader, else to the next address,
+// and is retried within its deadline. The node keeps its id and key: the new leader loaded
+// them from the store, so the daemon is not a new node and its jobs go on.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -12,8 +18,11 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/call_auth.h"
+#include "common/fd.h"
 #include "coordinator.grpc.pb.h"
 #include "gradsync/status.h"
 
@@ -39,7 +48,8 @@ class CoordinatorLink {
   void stop();
 
   std::string node_id() const;
-  const std::string& address() const { return address_; }
+  // The coordinator the link talks to now.
+  std::string address() const;
 
   Result<v1::JoinJobResponse> join(v1::JoinJobRequest req, std::chrono::milliseconds timeout);
   // What this node needs of the job (see PeerTableRequest), every page of it, retrying a
@@ -61,15 +71,30 @@ class CoordinatorLink {
   Status register_node();
   void heartbeat_loop();
   void watch_loop();
-  Status from_grpc(const grpc::Status& s, const std::string& what) const;
+  Status from_grpc(const grpc::Status& s, const std::string& what, const std::string& address) const;
+  struct Target {
+    std::string address;
+    std::unique_ptr<v1::Coordinator::Stub> stub;
+  };
+  // The current coordinator: its index and stub (stubs live as long as the link).
+  std::pair<size_t, v1::Coordinator::Stub*> current() const;
+  // Call `index` answered UNAVAILABLE with `s`: move to the leader it names, else the next one.
+  void fail_over(size_t index, const grpc::Status& s);
+  // One unary call, `call(stub)` (which sets its own context and deadline), retried on
+  // UNAVAILABLE against the other coordinators until `deadline`.
+  grpc::Status with_failover(const std::function<grpc::Status(v1::Coordinator::Stub&)>& call, Deadline deadline,
+                             std::string* address);
 
-  const std::string address_;
+  Status job_call(const std::string& job, const std::string& what,
+                  const std::function<grpc::Status(v1::Coordinator::Stub&, grpc::ClientContext&)>& call);
+
+  const std::string addresses_;  // as given, for messages
   v1::NodeInfo node_;  // set once in the constructor
   const EventHandler on_event_;
   const std::shared_ptr<CallAuth> auth_;
   std::function<void(const std::string&)> on_forgotten_;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  std::vector<Target> targets_;  // fixed after the constructor
+  size_t current_ = 0;           // guarded by mu_
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

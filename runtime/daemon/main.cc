@@ -21,7 +21,8 @@ namespace {
 void usage(FILE* out) {
   std::fprintf(out,
                "usage: gradsyncd [options]\n"
-               "  --coordinator HOST:PORT   coordinator address (default 127.0.0.1:29500, or $GRADSYNC_COORDINATOR)\n"
+               "  --coordinator HOST:PORT   coordinator address (default 127.0.0.1:29500, or $GRADSYNC_COORDINATOR);\n"
+               "                            several, comma-separated, for coordinators elected through etcd\n"
                "  --socket PATH             trainer socket (default $GRADSYNC_DAEMON, else\n"
                "                            /run/gradsync/gradsyncd.sock as root or where writable,\n"
                "                            else $XDG_RUNTIME_DIR/gradsync/, else /tmp/gradsync-UID/)\n"

@@ -3,6 +3,9 @@
 //   check COUNTS   allreduce every count (comma list), in-place and out-of-place, checking
 //                  exact results (integer-valued floats); prints "PASS" at the end
 //   loop COUNT N   N allreduces of COUNT elements (for kill tests); prints each failure
+//   paced COUNT    allreduces of COUNT elements every 10 ms, each checked, "ITER n" every 50,
+//                  until aborted (exit 1, the error on stderr) or 120 s (rank 0 decides when,
+//                  so every rank makes the same calls; "PASS")
 //   idle           rank 0 enters a 1-element allreduce at once; the other ranks first read
 //                  stdin to EOF, then enter it too (so the test decides how long rank 0 idles)
 //   badinput       allreduce calls the library must refuse with INVALID_ARGUMENT before
@@ -28,6 +31,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "raw_join.h"  // rawjoin only: the daemon protocol without the library's checks
@@ -91,6 +95,32 @@ int loop(gradsync::Communicator& comm, size_t count, int iters) {
     std::fill(buf.begin(), buf.end(), 1.0f);
     if (it == 0) std::printf("LOOPING\n");
     std::fflush(stdout);
+  }
+  std::printf("PASS\n");
+  return 0;
+}
+
+int paced(gradsync::Communicator& comm, size_t count) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<float> buf(count + 1);
+  for (int it = 0;; ++it) {
+    std::fill(buf.begin(), buf.end(), 1.0f);
+    // The last element carries rank 0's decision to stop: the same iteration for every rank.
+    buf.back() = comm.rank() == 0 && std::chrono::steady_clock::now() - start > std::chrono::seconds(120) ? 1.0f : 0.0f;
+    gradsync::Status s = comm.allreduce(buf.data(), buf.size(), gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
+    if (!s.ok()) {
+      std::fprintf(stderr, "FAILED at iteration %d: %s\n", it, s.to_string().c_str());
+      return 1;
+    }
+    for (size_t i = 0; i < count; ++i) {
+      if (buf[i] != static_cast<float>(comm.world_size())) {
+        std::fprintf(stderr, "WRONG at iteration %d: element %zu is %g, expected %d\n", it, i, buf[i], comm.world_size());
+        return 1;
+      }
+    }
+    if (it % 50 == 0) std::printf("ITER %d\n", it);
+    if (buf.back() > 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   std::printf("PASS\n");
   return 0;
@@ -223,7 +253,7 @@ int abort_job(gradsync::Communicator& comm) {
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: allreduce_worker check COUNTS | loop COUNT ITERS | idle | badinput | rawjoin\n");
+                 "usage: allreduce_worker check COUNTS | loop COUNT ITERS | paced COUNT | idle | badinput | rawjoin\n");
     return 2;
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -244,6 +274,7 @@ int main(int argc, char** argv) {
   int rc = 2;
   if (mode == "check" && argc >= 3) rc = check(*comm, parse_counts(argv[2]));
   else if (mode == "loop" && argc >= 4) rc = loop(*comm, std::stoull(argv[2]), std::atoi(argv[3]));
+  else if (mode == "paced" && argc >= 3) rc = paced(*comm, std::stoull(argv[2]));
   else if (mode == "badinput") rc = bad_input(*comm);
   else if (mode == "calls" && argc >= 4) rc = calls(*comm, std::atoi(argv[2]), std::atoi(argv[3]));
   else if (mode == "odd" && argc >= 4) rc = odd_call(*comm, std::atoi(argv[2]), std::atoi(argv[3]));

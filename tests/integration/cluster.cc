@@ -319,6 +319,13 @@ Cluster::Cluster(ClusterOptions options) : opts_(std::move(options)) {
   dir_ = templ;
   const SteadyTime deadline = std::chrono::steady_clock::now() + opts_.start_timeout;
 
+  if (opts_.external_coordinators.empty()) {
+    if (!start_coordinator(deadline)) return;
+  }
+  start_daemons(deadline);
+}
+
+bool Cluster::start_coordinator(SteadyTime deadline) {
   const std::string port_file = dir_ + "/coordinator.port";
   std::vector<std::string> argv = {binary("gradsync-coordinator"), "--listen", "127.0.0.1:0",
                                    "--port-file", port_file};
@@ -330,16 +337,19 @@ Cluster::Cluster(ClusterOptions options) : opts_(std::move(options)) {
   coordinator_ = spawn("coordinator", argv);
   if (coordinator_.pid() < 0) {
     error_ = coordinator_.error();
-    return;
+    return false;
   }
   std::string port = wait_for_file(port_file, deadline, coordinator_, &error_);
-  if (port.empty()) return;
+  if (port.empty()) return false;
   port_ = std::atoi(port.c_str());
   if (port_ <= 0) {
     error_ = "coordinator wrote a bad port file: '" + port + "'";
-    return;
+    return false;
   }
+  return true;
+}
 
+void Cluster::start_daemons(SteadyTime deadline) {
   // Start every daemon first, then wait for all of them: they register in parallel.
   std::vector<std::string> ready;
   for (int i = 0; i < opts_.daemons; ++i) {
@@ -376,7 +386,9 @@ Cluster::~Cluster() {
   }
 }
 
-std::string Cluster::coordinator_address() const { return "127.0.0.1:" + std::to_string(port_); }
+std::string Cluster::coordinator_address() const {
+  return opts_.external_coordinators.empty() ? "127.0.0.1:" + std::to_string(port_) : opts_.external_coordinators;
+}
 
 void Cluster::kill_coordinator() {
   coordinator_.kill(SIGKILL);

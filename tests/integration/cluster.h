@@ -123,6 +123,9 @@ struct ClusterOptions {
   std::vector<std::string> daemon_args = {};       // extra flags for every daemon
   std::map<int, std::vector<std::string>> per_daemon_args = {};  // and for daemon i only
   Millis start_timeout{20'000};               // for the port and ready files
+  // Non-empty: no coordinator is started; the daemons get this --coordinator (coordinators the
+  // test runs itself, e.g. several elected through etcd: "127.0.0.1:p1,127.0.0.1:p2").
+  std::string external_coordinators = {};
 };
 
 // What spawn_ranks starts: ranks are placed in order, ranks [0, k0) on daemon 0, the next
@@ -182,6 +185,8 @@ class Cluster {
 
  private:
   std::string fresh_output_path(const std::string& name);
+  bool start_coordinator(SteadyTime deadline);
+  void start_daemons(SteadyTime deadline);
 
   ClusterOptions opts_;
   std::string error_;
