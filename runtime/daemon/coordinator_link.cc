@@ -110,8 +110,11 @@ void CoordinatorLink::fail_over(size_t index, const grpc::Status& s) {
     }
   }
   current_ = next;
-  log::get("daemon")->info("coordinator {} unavailable ({}); trying {}", targets_[index].address, s.error_message(),
-                           targets_[next].address);
+  uint64_t held_back = 0;
+  if (failover_logs_.allow(&held_back)) {
+    log::get("daemon")->info("coordinator {} unavailable ({}); trying {} ({} more moves not logged)",
+                             targets_[index].address, s.error_message(), targets_[next].address, held_back);
+  }
 }
 
 grpc::Status CoordinatorLink::with_failover(const std::function<grpc::Status(v1::Coordinator::Stub&)>& call,
@@ -120,8 +123,11 @@ grpc::Status CoordinatorLink::with_failover(const std::function<grpc::Status(v1:
     auto [index, stub] = current();
     grpc::Status s = call(*stub);
     if (address) *address = targets_[index].address;
-    if (s.error_code() != grpc::StatusCode::UNAVAILABLE || targets_.size() < 2) return s;
-    fail_over(index, s);
+    // CANCELLED: the call reached a standby as it stopped to become the leader (its server's
+    // shutdown cancels calls in flight); this side never cancels a call itself.
+    const bool cancelled = s.error_code() == grpc::StatusCode::CANCELLED;
+    if ((s.error_code() != grpc::StatusCode::UNAVAILABLE && !cancelled) || targets_.size() < 2) return s;
+    if (!cancelled) fail_over(index, s);
     // Every coordinator tried once: wait a little for an election before the next round. Short
     // (100-200 ms), not growing: a new leader must see the joins as soon as it serves.
     if ((attempt + 1) % targets_.size() == 0) {
@@ -259,8 +265,9 @@ void CoordinatorLink::watch_loop() {
     watch_ctx_ = nullptr;
     if (stopping_) return;
     log->debug("event stream from {} ended: {}", targets_[index].address, s.error_message());
-    // Another coordinator to try: at once; the same one again: after a pause.
-    cv_.wait_for(lock, current_ != index ? std::chrono::milliseconds(0) : kRetryPause);
+    // Another coordinator to try: soon (a standby may name a leader that just died, so never
+    // at once: that would spin); the same one again: after a longer pause.
+    cv_.wait_for(lock, current_ != index ? backoff(1) : kRetryPause);
   }
 }
 

@@ -23,6 +23,7 @@
 
 #include "common/call_auth.h"
 #include "common/fd.h"
+#include "common/log.h"
 #include "coordinator.grpc.pb.h"
 #include "gradsync/status.h"
 
@@ -95,6 +96,7 @@ class CoordinatorLink {
   std::function<void(const std::string&)> on_forgotten_;
   std::vector<Target> targets_;  // fixed after the constructor
   size_t current_ = 0;           // guarded by mu_
+  log::RateLimit failover_logs_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
