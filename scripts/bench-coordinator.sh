@@ -22,7 +22,7 @@ for shape in $shapes; do
     times+=("${t:-FAIL}")
     if [[ -n "$t" ]]; then line="$out"; fi
   done
-  med=$(printf '%s\n' "${times[@]}" | grep -v FAIL | sort -g | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "FAIL"}')
+  med=$(printf '%s\n' "${times[@]}" | { grep -v FAIL || true; } | sort -g | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print "FAIL"}')
   cpu=$(sed -n 's/^rendezvous: [0-9.]* s; coordinator \([0-9.]* s CPU ([0-9]*% of a core)\), loadgen \(.*\)$/\1|\2/p' <<<"$line")
   bytes=$(sed -n 's/.*, \([0-9]*\) per node)$/\1/p' <<<"$line")
   node_kib=$(sed -n 's/.*(\([0-9.]*\) KiB per node).*/\1/p' <<<"$line")
