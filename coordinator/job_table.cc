@@ -154,7 +154,7 @@ Result<std::string> JobTable::register_node(const v1::NodeInfo& info, TimePoint 
 
 bool JobTable::has_node(const std::string& node_id) const { return nodes_.count(node_id) != 0; }
 
-void JobTable::lose_node(const std::string& node_id, const std::string& why) {
+void JobTable::lose_node(std::string node_id, const std::string& why) {
   auto it = nodes_.find(node_id);
   if (it == nodes_.end()) return;
   const std::string host = it->second.info.hostname();

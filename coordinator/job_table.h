@@ -88,7 +88,8 @@ class JobTable {
   size_t node_count() const { return nodes_.size(); }
   Millis lease() const { return options_.lease; }
   // The node's lease expired (coordinator/leases.h): drops it and aborts its live jobs.
-  void lose_node(const std::string& node_id, const std::string& why);
+  // `node_id` by value: callers pass strings this erases (the by-name index's entry).
+  void lose_node(std::string node_id, const std::string& why);
 
   // --- jobs ----------------------------------------------------------------------------
   // Claims the request's ranks. On success the call is pending: poll take_join_result().
