@@ -74,7 +74,11 @@ Result<std::string> Daemon::choose_data_host(const topology::NodeInfo& topo, std
   return hostname_;
 }
 
-Daemon::Daemon(DaemonConfig config) : cfg_(std::move(config)), hostname_(hostname()) {
+Daemon::Daemon(DaemonConfig config)
+    : cfg_(std::move(config)),
+      hostname_(hostname()),
+      trainer_pool_(cfg_.max_connections, [this](Fd s) { serve_trainer(std::move(s)); }, kConnectionThreadLinger),
+      peer_pool_(cfg_.max_connections, [this](Fd s) { serve_peer(std::move(s)); }, kConnectionThreadLinger) {
   if (cfg_.node_name.empty()) cfg_.node_name = hostname_;
 }
 
@@ -82,10 +86,9 @@ Daemon::~Daemon() {
   stop();
   // Connection threads end when their trainer or peer hangs up. A process exits right after
   // (main.cc); a Daemon object in a test process waits for them, so none outlives `this`.
-  std::unique_lock lock(mu_);
-  if (!cv_.wait_until(lock, deadline_after(kThreadExitWait), [&] { return threads_ == 0; })) {
-    dlog()->warn("{} connection threads still running at exit", threads_);
-  }
+  const Deadline deadline = deadline_after(kThreadExitWait);
+  const size_t left = trainer_pool_.stop(deadline) + peer_pool_.stop(deadline);
+  if (left > 0) dlog()->warn("{} connection threads still running at exit", left);
 }
 
 Status Daemon::start() {
@@ -192,10 +195,10 @@ Status Daemon::start() {
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
 
   trainer_acceptor_ = std::thread([this] {
-    accept_loop(trainer_listener_.get(), &Daemon::serve_trainer, &trainer_threads_, "trainer-socket");
+    accept_loop(trainer_listener_.get(), trainer_pool_, trainer_cap_log_, "trainer-socket");
   });
   peer_acceptor_ = std::thread([this] {
-    accept_loop(peer_listener_.get(), &Daemon::serve_peer, &peer_threads_, "data-port");
+    accept_loop(peer_listener_.get(), peer_pool_, peer_cap_log_, "data-port");
   });
   log->info("gradsyncd node={} serving trainers on {} proxy on {} topology: {}",
             cfg_.node_name, cfg_.socket_path, endpoint_, topology::describe(topo));
@@ -277,24 +280,7 @@ void Daemon::stop() {
   ::unlink(cfg_.socket_path.c_str());
 }
 
-bool Daemon::spawn(std::function<void()> fn, int* running) {
-  {
-    std::lock_guard lock(mu_);
-    if (*running >= static_cast<int>(cfg_.max_connections)) return false;
-    ++*running;
-    ++threads_;
-  }
-  std::thread([this, running, fn = std::move(fn)] {
-    fn();
-    std::lock_guard lock(mu_);
-    --*running;
-    --threads_;
-    cv_.notify_all();
-  }).detach();
-  return true;
-}
-
-void Daemon::accept_loop(int listener, void (Daemon::*serve)(Fd), int* running, const char* what) {
+void Daemon::accept_loop(int listener, ConnectionPool& pool, log::RateLimit& cap_log, const char* what) {
   pollfd fds[2] = {{listener, POLLIN, 0}, {stop_event_.get(), POLLIN, 0}};
   for (;;) {
     if (::poll(fds, 2, -1) < 0 && errno != EINTR) return;
@@ -302,11 +288,10 @@ void Daemon::accept_loop(int listener, void (Daemon::*serve)(Fd), int* running, 
     if (!(fds[0].revents & POLLIN)) continue;
     Fd sock(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
     if (!sock.valid()) continue;
-    auto shared = std::make_shared<Fd>(std::move(sock));
-    if (spawn([this, serve, shared]() mutable { (this->*serve)(std::move(*shared)); }, running)) continue;
-    // At the cap: the connection is closed at once (when `shared` goes).
-    warn_limited(running == &trainer_threads_ ? trainer_cap_log_ : peer_cap_log_, std::string("refused a ") + what + " connection: " + std::to_string(cfg_.max_connections) +
-                               " are open, the limit (--max-connections): a flood of connections, or raise the limit");
+    if (pool.submit(std::move(sock))) continue;
+    // At the cap: the connection was closed at once.
+    warn_limited(cap_log, std::string("refused a ") + what + " connection: " + std::to_string(cfg_.max_connections) +
+                              " are open, the limit (--max-connections): a flood of connections, or raise the limit");
   }
 }
 

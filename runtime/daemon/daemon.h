@@ -13,6 +13,7 @@
 #include "common/grpc_security.h"
 #include "common/log.h"
 #include "common/metrics_server.h"
+#include "daemon/connection_pool.h"
 #include "daemon/coordinator_link.h"
 #include "daemon/daemon_metrics.h"
 #include "daemon/local_job.h"
@@ -74,8 +75,9 @@ class Daemon {
   ~Daemon();
 
   Status start();
-  // Stops accepting and leaves the coordinator. Connection threads are detached: the process
-  // exits right after (see main.cc), and the kernel closes what they held.
+  // Stops accepting and leaves the coordinator. Connection threads are left to end with their
+  // connections: the process exits right after (see main.cc), and the kernel closes what they
+  // held; the destructor waits for them.
   void stop();
 
   std::string data_endpoint() const { return endpoint_; }
@@ -84,15 +86,14 @@ class Daemon {
 
  private:
   Result<std::string> choose_data_host(const topology::NodeInfo& topo, std::string* why) const;
-  // Accepts on `listener` until stop(), serving each connection on its own thread, at most
-  // cfg_.max_connections at once (counted in *running); `what` names the listener in logs.
-  void accept_loop(int listener, void (Daemon::*serve)(Fd), int* running, const char* what);
+  // Accepts on `listener` until stop(), serving the connections on `pool`'s threads (at most
+  // cfg_.max_connections); over that, refuses and warns through `cap_log`. `what` names the
+  // listener in logs.
+  void accept_loop(int listener, ConnectionPool& pool, log::RateLimit& cap_log, const char* what);
   void serve_trainer(Fd sock);
   void serve_peer(Fd sock);
   // Warnings a stranger can trigger at will: at most one a second per kind.
   void warn_limited(log::RateLimit& limit, const std::string& message);
-  // Runs `fn` on a detached thread unless *running is at the cap (then false).
-  bool spawn(std::function<void()> fn, int* running);
 
   Result<std::shared_ptr<LocalJob>> join(const v1::JoinRequest& req, uint32_t pid);
   Status connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::milliseconds timeout);
@@ -134,14 +135,14 @@ class Daemon {
   std::condition_variable cv_;
   std::map<std::string, std::shared_ptr<LocalJob>> jobs_;
   bool stopping_ = false;
-  int threads_ = 0;  // connection threads running (spawn)
-  int trainer_threads_ = 0;  // of those, serving the trainer socket
-  int peer_threads_ = 0;     // and the data port
   log::RateLimit trainer_cap_log_, peer_cap_log_, trainer_log_, peer_log_;
 
   DaemonMetrics metrics_;
   std::unique_ptr<MetricsServer> metrics_server_;
 
+  // Connection threads of the trainer socket and of the data port (cfg_.max_connections each).
+  ConnectionPool trainer_pool_;
+  ConnectionPool peer_pool_;
   std::thread trainer_acceptor_;
   std::thread peer_acceptor_;
 };

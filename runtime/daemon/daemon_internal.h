@@ -28,6 +28,9 @@ inline constexpr std::chrono::milliseconds kDrainTimeout{30'000};
 // long a peer daemon may take to send its Hello.
 inline constexpr std::chrono::milliseconds kIdleBeforeJoin{10'000};
 inline constexpr std::chrono::milliseconds kHelloTimeout{10'000};
+// How long a connection thread that served one waits for the next before it ends: threads are
+// reused across a burst (a job's ranks connecting), and a flood's are gone soon after it.
+inline constexpr std::chrono::milliseconds kConnectionThreadLinger{10'000};
 // How long ~Daemon waits for its connection threads to see their peers hang up.
 inline constexpr std::chrono::milliseconds kThreadExitWait{10'000};
 // How long a channel that lost its peer waits for the reason the peer's daemon may have given
