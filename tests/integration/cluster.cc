@@ -1,4 +1,5 @@
 #include "cluster.h"
+#include "test_dir.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -308,15 +309,11 @@ Cluster::Cluster(ClusterOptions options) : opts_(std::move(options)) {
   // give them; a test that plays a caller without them overrides the variable for that process.
   ::setenv("GRADSYNC_CLUSTER_SECRET", kTestClusterSecret, 0);
   ::setenv("GRADSYNC_OPERATOR_TOKEN", kTestOperatorToken, 0);
-  // Unix socket paths are limited to 107 bytes: keep the directory short.
-  std::string base = "/tmp";
-  if (const char* t = std::getenv("TMPDIR"); t && *t && std::strlen(t) < 60) base = t;
-  std::string templ = base + "/gradsync-it-XXXXXX";
-  if (::mkdtemp(templ.data()) == nullptr) {
-    error_ = "mkdtemp " + templ + ": " + std::strerror(errno);
+  dir_ = make_test_dir("gradsync-it");
+  if (dir_.empty()) {
+    error_ = std::string("mkdtemp gradsync-it-XXXXXX: ") + std::strerror(errno);
     return;
   }
-  dir_ = templ;
   const SteadyTime deadline = std::chrono::steady_clock::now() + opts_.start_timeout;
 
   if (opts_.external_coordinators.empty()) {
@@ -380,10 +377,7 @@ Cluster::~Cluster() {
   coordinator_.kill(SIGKILL);
   for (auto& d : daemons_) d.wait_for_exit(Millis(5000));
   coordinator_.wait_for_exit(Millis(5000));
-  if (!dir_.empty() && std::getenv("GRADSYNC_KEEP_TEST_DIR") == nullptr) {
-    std::error_code ec;
-    std::filesystem::remove_all(dir_, ec);
-  }
+  remove_test_dir(dir_);
 }
 
 std::string Cluster::coordinator_address() const {

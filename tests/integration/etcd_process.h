@@ -19,6 +19,8 @@
 #include <string>
 #include <thread>
 
+#include "test_dir.h"
+
 namespace gradsync::testing {
 
 // A port nobody listens on now (bind to 0, read it back, close).
@@ -44,12 +46,11 @@ class EtcdProcess {
 
   // Starts etcd and waits up to `timeout` until it serves; error() says why not.
   explicit EtcdProcess(std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
-    char templ[] = "/tmp/gradsync-etcd-XXXXXX";
-    if (!::mkdtemp(templ)) {
-      error_ = "mkdtemp failed";
+    dir_ = make_test_dir("gradsync-etcd");
+    if (dir_.empty()) {
+      error_ = "mkdtemp gradsync-etcd-XXXXXX failed";
       return;
     }
-    dir_ = templ;
     const int client_port = free_loopback_port();
     address_ = "127.0.0.1:" + std::to_string(client_port);
     const std::string client = "http://" + address_;
@@ -83,8 +84,7 @@ class EtcdProcess {
       ::kill(pid_, SIGKILL);
       ::waitpid(pid_, nullptr, 0);
     }
-    std::error_code ec;
-    if (!dir_.empty() && !std::getenv("GRADSYNC_KEEP_TEST_DIR")) std::filesystem::remove_all(dir_, ec);
+    remove_test_dir(dir_);
   }
   EtcdProcess(const EtcdProcess&) = delete;
   EtcdProcess& operator=(const EtcdProcess&) = delete;
