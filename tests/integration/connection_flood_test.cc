@@ -33,6 +33,10 @@ using namespace std::chrono_literals;
 constexpr int kCap = 32;             // --max-connections of the flooded daemon
 constexpr int kFlood = 10'000;       // connections per listener
 constexpr int kFloodThreads = 4;
+// Threads the daemon may start during the flood that serve no connection: gRPC's own (timers,
+// executor) under load. Connection threads are counted until joined (daemon/connection_pool.h),
+// so at most kCap per listener exist, in any build (docs/security.md has the measured peaks).
+constexpr int kOtherThreadsSlack = 4;
 
 // "Threads" and "VmRSS" (KiB) of a process.
 struct Usage {
@@ -152,8 +156,9 @@ TEST(ConnectionFlood, DaemonStaysWithinBoundsAndKeepsServing) {
               "%ld KiB resident\n",
               kFlood, kFlood, flood_s, failed_connects.load(), peak.threads, peak.rss_kib);
   EXPECT_LT(flood_s, 60.0);
-  // One thread per connection served, at most kCap per listener, plus a few that are ending.
-  EXPECT_LE(peak.threads, before.threads + 2 * kCap + 16);
+  // At most kCap connection threads per listener exist at any time (the ones `before` counts
+  // for the bystander's connections among them).
+  EXPECT_LE(peak.threads, before.threads + 2 * kCap + kOtherThreadsSlack);
   EXPECT_LE(peak.rss_kib, before.rss_kib + 64 * 1024);
 
   // The silent ones are closed by the daemon, about 10 s after they were opened.
