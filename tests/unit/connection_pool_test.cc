@@ -79,8 +79,11 @@ TEST(ConnectionPool, RefusesOverTheLimitAndReusesIdleThreads) {
     while (!pool.submit(connection())) std::this_thread::sleep_for(1ms);
     EXPECT_LE(pool.threads(), 3u);
   }
-  EXPECT_EQ(pool.stop(deadline_after(10s)), 0u);
+  // stop() closes connections handed over but not yet taken: wait for the last to be served.
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (served.load() < 103 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
   EXPECT_EQ(served.load(), 103);
+  EXPECT_EQ(pool.stop(deadline_after(10s)), 0u);
   EXPECT_EQ(pool.threads(), 0u);
   EXPECT_FALSE(pool.submit(connection())) << "served after stop()";
 }
