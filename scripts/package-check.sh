@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Checks gradsync as a user gets it: an out-of-tree trainer (examples/consumer) built against
 # the installed library with find_package and, separately, with pkg-config; neither link line
-# names gRPC or protobuf, and `ldd` shows no gRPC (libprotobuf is there, needed by libgradsync.so
-# for the daemon's frames: docs/packaging.md says why); a 2-rank allreduce through an installed
-# gradsync-coordinator and gradsyncd started with the units' command lines.
+# names gRPC or protobuf, and neither libgradsync.so's DT_NEEDED nor the consumer's `ldd` shows
+# them (the daemon's frames go through nanopb inside libgradsync.so: docs/packaging.md); a
+# 2-rank allreduce through an installed gradsync-coordinator and gradsyncd started with the
+# units' command lines.
 #
 #   scripts/package-check.sh prefix BUILD_DIR   cmake --install BUILD_DIR into a scratch prefix
 #                                               (the CTest package_install_check; ~1 min)
@@ -38,7 +39,8 @@ installed() {
   fi
   [ -z "$stray" ] || die "files other than the public headers under $prefix/include: $stray"
   say "SONAME: $(objdump -p "$libdir/libgradsync.so" | awk '/SONAME/{print $2}')"
-  ! objdump -p "$libdir/libgradsync.so" | grep -q 'NEEDED.*grpc' || die "libgradsync.so needs gRPC"
+  say "libgradsync.so NEEDED: $(objdump -p "$libdir/libgradsync.so" | awk '/NEEDED/{print $2}' | tr '\n' ' ')"
+  ! objdump -p "$libdir/libgradsync.so" | grep -Eq 'NEEDED.*(grpc|protobuf)' || die "libgradsync.so needs gRPC or protobuf"
 
   export CMAKE_PREFIX_PATH=$prefix PKG_CONFIG_PATH=$libdir/pkgconfig
   cp -r "$here/examples/consumer" "$work/src"
@@ -56,7 +58,9 @@ installed() {
   export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   say "ldd consumer:"
   ldd "$work/pc/consumer" | sed 's/^/    /'
-  if ldd "$work/pc/consumer" | grep -q grpc; then die "ldd shows gRPC"; fi
+  for b in cmake pc; do
+    if ldd "$work/$b/consumer" | grep -Eq 'grpc|protobuf'; then die "ldd of the $b consumer shows gRPC or protobuf"; fi
+  done
 
   # The services' command lines (packaging/systemd/*.service), in a scratch runtime directory;
   # with GRADSYNC_CHECK_USERS=1 (the chroot) as the units run them: coordinator and daemon as

@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake pkg-config libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev
           protobuf-compiler libspdlog-dev libgtest-dev libgmock-dev libibverbs-dev
+          # the daemon protocol inside libgradsync.so without libprotobuf (client/daemon_wire.h):
+          # nanopb's generator and its static runtime (docs/packaging.md)
+          nanopb libnanopb-dev
           # deploy/ manifest check (tests/deploy/check_manifests.py)
           python3-yaml
           # /metrics of gradsyncd and the coordinator (docs/observability.md)

@@ -19,7 +19,6 @@
 #include "client/daemon_client.h"
 #include "common/launch_env.h"
 #include "client/links.h"
-#include "common/framing.h"
 #include "collectives/collective.h"
 #include "collectives/cost_model.h"
 #include "common/limits.h"
@@ -115,7 +114,7 @@ bool Work::done() const {
 class CommunicatorImpl {
  public:
   CommunicatorImpl(JoinOptions opts, DaemonClient daemon, SharedMemory shm, ShmLayout layout,
-                   v1::JoinResponse join, RankLinks links)
+                   wire::JoinResponse join, RankLinks links)
       : opts_(std::move(opts)),
         daemon_(std::move(daemon)),
         shm_(std::move(shm)),
@@ -143,15 +142,15 @@ class CommunicatorImpl {
     // a rank polling for them takes the pumps' cores on a small machine: it sleeps after the
     // spin instead (2 nodes x 1 on the 2-core VM through the proxy: 0.6-0.75 GB/s polling,
     // about 1 GB/s sleeping).
-    const auto& refs = join_.setup().channels();
+    const auto& refs = join_.setup.channels;
     const bool pumped = std::any_of(refs.begin(), refs.end(),
-                                    [](const v1::ChannelRef& r) { return r.remote() && r.socket() == 0; });
+                                    [](const wire::ChannelRef& r) { return r.remote && r.socket == 0; });
     wait_.yield_spin = std::chrono::microseconds(
         std::max(0L, env_long("GRADSYNC_YIELD_US", pumped ? 0 : long(kYieldSpin.count()))));
-    const auto& setup = join_.setup();
     if (layout_.recorders != 0) {
       recorder_ = std::make_unique<FlightRecorder>(
-          static_cast<char*>(shm_.data()) + layout_.recorder_offset(setup.recorder_index()), layout_.recorder_entries);
+          static_cast<char*>(shm_.data()) + layout_.recorder_offset(join_.setup.recorder_index),
+          layout_.recorder_entries);
     } else {
       recorder_ = std::make_unique<FlightRecorder>();
     }
@@ -222,20 +221,15 @@ class CommunicatorImpl {
     if (::write(wake_.get(), &one, sizeof(one)) < 0) { /* monitor also stops on EOF */ }
     if (monitor_.joinable()) monitor_.join();
     if (lost_daemon_.load()) return Status::Ok();
-    v1::ClientMessage req;
-    req.mutable_leave();
-    auto reply = daemon_.call(req, deadline_after(kLeaveTimeout));
+    auto reply = daemon_.call(wire::LeaveRequest{}, deadline_after(kLeaveTimeout));
     return reply.ok() ? Status::Ok() : reply.status();
   }
 
   // Tells the daemon which data path this rank took and why; the daemon logs it and passes
   // it to the coordinator for `gradsyncctl describe`. No reply; a failure costs only the report.
   void report_path(const std::string& path, const std::string& why) {
-    v1::ClientMessage req;
-    req.mutable_path()->set_path(path);
-    req.mutable_path()->set_why(why);
     std::lock_guard lock(send_mu_);
-    if (Status s = send_frame(daemon_.fd(), req); !s.ok()) {
+    if (Status s = daemon_.send(wire::PathReport{path, why}); !s.ok()) {
       log_->warn("job={} rank={}: reporting the data path to gradsyncd: {}", opts_.job, opts_.rank, s.to_string());
     }
   }
@@ -247,10 +241,8 @@ class CommunicatorImpl {
     }
     // Our own waits stop at once through the local flag; the daemon spreads it to the others.
     stop_local_waits("job=" + opts_.job + " rank " + std::to_string(opts_.rank) + " aborted the job: " + reason);
-    v1::ClientMessage req;
-    req.mutable_abort()->set_reason(reason);
     std::lock_guard lock(send_mu_);
-    return send_frame(daemon_.fd(), req);
+    return daemon_.send(wire::AbortRequest{reason, false, 0});
   }
 
   // ShrinkMode::kAbort (client/elastic.cc): ends the job's collectives on every rank like
@@ -263,12 +255,8 @@ class CommunicatorImpl {
     }
     stop_local_waits(reason);
     abort_job(shm_.data(), layout_, -1, reason);
-    v1::ClientMessage req;
-    req.mutable_abort()->set_reason(reason);
-    req.mutable_abort()->set_failure(true);
-    req.mutable_abort()->set_culprit(-1);
     std::lock_guard lock(send_mu_);
-    return send_frame(daemon_.fd(), req);
+    return daemon_.send(wire::AbortRequest{reason, true, -1});
   }
 
   const JoinOptions& options() const { return opts_; }
@@ -316,12 +304,12 @@ class CommunicatorImpl {
     cfg.op_timeout = opts_.op_timeout;
     cfg.hosts = links_.hosts;
     // The node of every rank, as the coordinator numbered the job's nodes (a grouping key).
-    for (uint32_t node : join_.rank_node()) cfg.rank_nodes.push_back("node " + std::to_string(node));
-    if (join_.has_verbs()) {
-      cfg.verbs_device = join_.verbs().device();
-      cfg.verbs_port = int(join_.verbs().port());
-      cfg.gid_index = join_.verbs().gid_index();
-      cfg.verbs_api = join_.verbs().api();
+    for (uint32_t node : join_.rank_node) cfg.rank_nodes.push_back("node " + std::to_string(node));
+    if (join_.verbs) {
+      cfg.verbs_device = join_.verbs->device;
+      cfg.verbs_port = int(join_.verbs->port);
+      cfg.gid_index = join_.verbs->gid_index;
+      cfg.verbs_api = join_.verbs->api;
     }
     auto d = DeviceComm::create(cfg, std::move(ops));
     if (!d.ok()) return d.status();
@@ -428,7 +416,7 @@ class CommunicatorImpl {
     if (!s.ok()) {
       // A failed collective leaves channels mid-stream: the communicator stays failed.
       failed_ = s;
-      log_->error("job={} gen={} rank={}: {}", opts_.job, join_.generation(), opts_.rank,
+      log_->error("job={} gen={} rank={}: {}", opts_.job, join_.generation, opts_.rank,
                   s.to_string());
       fail_together(s);
       request_trace_dump(s);
@@ -445,7 +433,7 @@ class CommunicatorImpl {
     const int culprit = failed_peer(links_, s);
     const std::string me = "rank " + std::to_string(opts_.rank) + " (pid " + std::to_string(::getpid()) +
                            ", host " + host_of(opts_.rank) + ")";
-    std::string reason = "job=" + opts_.job + " gen=" + std::to_string(join_.generation()) + ": ";
+    std::string reason = "job=" + opts_.job + " gen=" + std::to_string(join_.generation) + ": ";
     if (culprit >= 0) {
       reason += me + " lost its connection to " + links_.name(culprit) + ": " + s.message();
     } else {
@@ -453,12 +441,8 @@ class CommunicatorImpl {
     }
     abort_job(shm_.data(), layout_, culprit, reason);
     if (lost_daemon_.load(std::memory_order_acquire)) return;
-    v1::ClientMessage req;
-    req.mutable_abort()->set_reason(reason);
-    req.mutable_abort()->set_failure(true);
-    req.mutable_abort()->set_culprit(culprit);
     std::lock_guard lock(send_mu_);
-    if (Status sent = send_frame(daemon_.fd(), req); !sent.ok()) {
+    if (Status sent = daemon_.send(wire::AbortRequest{reason, true, culprit}); !sent.ok()) {
       log_->warn("job={} rank={}: telling gradsyncd about the failure: {}", opts_.job, opts_.rank, sent.to_string());
     }
   }
@@ -485,10 +469,8 @@ class CommunicatorImpl {
   // directory. No reply; without a daemon there is nobody to ask.
   void request_trace_dump(const Status& why) {
     if (!recorder_->enabled() || lost_daemon_.load()) return;
-    v1::ClientMessage req;
-    req.mutable_trace_dump()->set_reason(why.to_string().substr(0, 1024));
     std::lock_guard lock(send_mu_);
-    (void)send_frame(daemon_.fd(), req);
+    (void)daemon_.send(wire::TraceDumpRequest{why.to_string().substr(0, 1024)});
   }
 
   Algorithm resolve(const CollectiveCall& call) const {
@@ -587,7 +569,7 @@ class CommunicatorImpl {
   DaemonClient daemon_;
   SharedMemory shm_;
   ShmLayout layout_;
-  v1::JoinResponse join_;
+  wire::JoinResponse join_;
   Lineage lineage_;
   std::shared_ptr<spdlog::logger> log_;
   RankLinks links_;
@@ -846,71 +828,70 @@ Result<Communicator> CommunicatorInternals::join(DaemonClient daemon_client, con
   const std::string who = "job=" + o.job + " rank " + std::to_string(o.rank) + ": join refused: ";
   Deadline deadline = deadline_after(o.join_timeout + std::chrono::seconds(5));
   DaemonClient* daemon = &daemon_client;
-  v1::ClientMessage req;
-  auto* j = req.mutable_join();
-  j->set_job_id(o.job);
-  j->set_token(o.token);
-  j->set_rank(o.rank);
-  j->set_world_size(o.world_size);
-  j->set_local_rank(o.local_rank);
-  j->set_local_world_size(o.local_world_size);
-  j->set_timeout_ms(static_cast<uint32_t>(o.join_timeout.count()));
+  wire::JoinRequest req{o.job,
+                        o.token,
+                        uint32_t(o.rank),
+                        uint32_t(o.world_size),
+                        uint32_t(o.local_rank),
+                        uint32_t(o.local_world_size),
+                        static_cast<uint32_t>(o.join_timeout.count())};
   std::vector<Fd> fds;  // the job's shared memory, then this rank's channel sockets
   auto reply = daemon->call(req, deadline, &fds);
   if (!reply.ok()) return reply.status();
-  if (!reply->has_join() || fds.empty() || !fds.front().valid()) {
+  auto* joined = std::get_if<wire::JoinResponse>(&reply.value());
+  if (joined == nullptr || fds.empty() || !fds.front().valid()) {
     return Status(Code::kInternal, "gradsyncd answered join without channel set-up");
   }
+  wire::JoinResponse jr = std::move(*joined);
   Fd shm_fd = std::move(fds.front());
   fds.erase(fds.begin());
-  const auto& setup = reply->join().setup();
+  const wire::ChannelSetup& setup = jr.setup;
   ShmLayout layout;
-  layout.slots = setup.slots();
-  layout.slot_bytes = setup.slot_bytes();
-  layout.num_channels = setup.num_channels();
-  layout.recorders = setup.recorders();
-  layout.recorder_entries = setup.recorder_entries();
+  layout.slots = setup.slots;
+  layout.slot_bytes = setup.slot_bytes;
+  layout.num_channels = setup.num_channels;
+  layout.recorders = setup.recorders;
+  layout.recorder_entries = setup.recorder_entries;
   if ((layout.recorders != 0) != (layout.recorder_entries != 0) || layout.recorder_entries > kMaxRecorderEntries ||
-      (layout.recorders != 0 && setup.recorder_index() >= layout.recorders)) {
+      (layout.recorders != 0 && setup.recorder_index >= layout.recorders)) {
     return Status(Code::kInternal, "gradsyncd's flight recorder set-up is inconsistent (recorders " +
                                        std::to_string(layout.recorders) + ", entries " +
                                        std::to_string(layout.recorder_entries) + ", index " +
-                                       std::to_string(setup.recorder_index()) + ")");
+                                       std::to_string(setup.recorder_index) + ")");
   }
-  if (layout.total_bytes() != setup.shm_bytes()) {
+  if (layout.total_bytes() != setup.shm_bytes) {
     return Status(Code::kInternal, "gradsyncd's channel set-up does not match its layout");
   }
   // A first join pre-faults the region (its first calls then run at full speed); a new
   // elastic generation is wanted at once: its pages fault in as its calls first touch them
   // (MAP_POPULATE of 248 MiB for 7 ranks took about 1 s of the 1.3 s of a shrink on the VM).
-  auto shm = SharedMemory::map(std::move(shm_fd), setup.shm_bytes(), /*populate=*/lineage == nullptr);
+  auto shm = SharedMemory::map(std::move(shm_fd), setup.shm_bytes, /*populate=*/lineage == nullptr);
   if (!shm.ok()) return shm.status();
   GS_RETURN_IF_ERROR(check_job_control(shm->data(), layout));
-  const v1::JoinResponse& jr = reply->join();
-  std::vector<uint32_t> ring(jr.ring().begin(), jr.ring().end());
-  std::vector<std::string> hosts(jr.rank_hosts().begin(), jr.rank_hosts().end());
-  if (ring.size() != size_t(o.world_size) || hosts.size() != ring.size()) {
+  if (jr.ring.size() != size_t(o.world_size) || jr.rank_hosts.size() != jr.ring.size()) {
     return Status(Code::kInternal, "gradsyncd returned a ring of the wrong size");
   }
   const size_t own_sockets = fds.size();
-  auto links = build_links(o.job, o.rank, ring, hosts, setup, shm->data(), layout, std::move(fds));
+  auto links = build_links(o.job, o.rank, jr.ring, jr.rank_hosts, setup, shm->data(), layout, std::move(fds));
   if (!links.ok()) return links.status();
-  auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon_client), std::move(shm).value(),
-                                                 layout, jr, std::move(links).value());
   // Where this rank's slots go: cross-node send channels the daemon still pumps (RDMA, or a
   // peer node that keeps TCP in its proxy); the others are sockets this rank moves itself.
   const int others = o.world_size - o.local_world_size;
-  const int proxied = int(std::count_if(setup.channels().begin(), setup.channels().end(),
-                                        [](const v1::ChannelRef& r) { return r.remote() && r.socket() == 0; }));
+  const int proxied = int(std::count_if(setup.channels.begin(), setup.channels.end(),
+                                        [](const wire::ChannelRef& r) { return r.remote && r.socket == 0; }));
+  const uint64_t generation = jr.generation;
+  const bool daemon_has_verbs = jr.verbs.has_value();
+  auto impl = std::make_shared<CommunicatorImpl>(o, std::move(daemon_client), std::move(shm).value(),
+                                                 layout, std::move(jr), std::move(links).value());
   impl->set_record_path(others == 0        ? RecordPath::kLocal
                         : own_sockets == 0 ? RecordPath::kDaemon
                         : proxied == 0     ? RecordPath::kRankSockets
                                            : RecordPath::kMixed);
-  impl->set_lineage(lineage ? *lineage : Lineage{o.job, jr.generation()});
+  impl->set_lineage(lineage ? *lineage : Lineage{o.job, generation});
   if (lineage == nullptr) GS_RETURN_IF_ERROR(impl->calibrate());
   if (o.device == JoinOptions::kNoDevice) {
     const std::string via_daemon =
-        std::string("through gradsyncd over ") + (jr.has_verbs() ? "RDMA where their node has it, else TCP" : "TCP");
+        std::string("through gradsyncd over ") + (daemon_has_verbs ? "RDMA where their node has it, else TCP" : "TCP");
     const std::string own = "TCP sockets this rank moves itself (" + std::to_string(own_sockets) + " channel(s)";
     std::string why = "shared-memory channels; " + std::to_string(others) + " rank(s) on other nodes ";
     if (others == 0) why = "shared-memory channels; every rank on this node";

@@ -30,29 +30,33 @@ Result<DaemonClient> DaemonClient::connect(const std::string& socket_path, Deadl
                                           "); is the daemon running? (systemctl start gradsyncd, or gradsyncd for your own) "
                                           "set GRADSYNC_DAEMON to its socket");
   }
-  v1::ClientMessage hello;
-  hello.mutable_attach()->set_pid(static_cast<uint32_t>(::getpid()));
-  hello.mutable_attach()->set_protocol_version(kDaemonProtocolVersion);
-  auto reply = c.call(hello, deadline);
+  auto reply = c.call(wire::AttachRequest{static_cast<uint32_t>(::getpid()), kDaemonProtocolVersion}, deadline);
   if (!reply.ok()) return reply.status();
-  if (!reply->has_attach()) return Status(Code::kInternal, "gradsyncd answered attach with junk");
-  c.attach_ = reply->attach();
+  auto* attach = std::get_if<wire::AttachResponse>(&reply.value());
+  if (attach == nullptr) return Status(Code::kInternal, "gradsyncd at " + socket_path + " answered attach with junk");
+  c.attach_ = std::move(*attach);
   return c;
 }
 
-Result<v1::DaemonMessage> DaemonClient::call(const v1::ClientMessage& request, Deadline deadline,
-                                             Fd* passed) {
+Result<wire::DaemonMessage> DaemonClient::call(const wire::ClientMessage& request, Deadline deadline,
+                                               Fd* passed) {
   std::vector<Fd> fds;
   auto reply = call(request, deadline, &fds);
   if (passed && !fds.empty()) *passed = std::move(fds.front());
   return reply;
 }
 
-Result<v1::DaemonMessage> DaemonClient::call(const v1::ClientMessage& request, Deadline deadline,
-                                             std::vector<Fd>* passed) {
-  GS_RETURN_IF_ERROR(send_frame(sock_.get(), request));
-  v1::DaemonMessage reply;
-  Status s = recv_frame(sock_.get(), &reply, deadline, passed);
+Status DaemonClient::send(const wire::ClientMessage& request) {
+  auto bytes = wire::encode(request);
+  if (!bytes.ok()) return bytes.status();
+  return send_frame(sock_.get(), *bytes);
+}
+
+Result<wire::DaemonMessage> DaemonClient::call(const wire::ClientMessage& request, Deadline deadline,
+                                               std::vector<Fd>* passed) {
+  GS_RETURN_IF_ERROR(send(request));
+  std::string body;
+  Status s = recv_frame(sock_.get(), &body, deadline, passed);
   if (!s.ok()) {
     if (s.code() == Code::kUnavailable) {
       return Status(Code::kUnavailable, "gradsyncd at " + path_ + " closed the connection (" +
@@ -60,8 +64,12 @@ Result<v1::DaemonMessage> DaemonClient::call(const v1::ClientMessage& request, D
     }
     return s;
   }
-  if (reply.has_error()) {
-    return Status(static_cast<Code>(reply.error().code()), reply.error().message());
+  auto reply = wire::decode(body);
+  if (!reply.ok()) return Status(reply.status().code(), "gradsyncd at " + path_ + ": " + reply.status().message());
+  if (const auto* error = std::get_if<wire::ErrorResponse>(&reply.value())) {
+    // An error with no code, or one this library does not know, is still an error.
+    const bool known = error->code > uint32_t(Code::kOk) && error->code <= uint32_t(Code::kUnimplemented);
+    return Status(known ? static_cast<Code>(error->code) : Code::kInternal, error->message);
   }
   return reply;
 }

@@ -20,30 +20,29 @@ std::string next_job_id(const std::string& base, uint64_t generation) {
 }
 
 // Sends the regroup on `daemon` and checks the answer before anything is built on it.
-Result<v1::RegroupResponse> ask(DaemonClient& daemon, const v1::RegroupRequest& r, const std::string& who) {
-  v1::ClientMessage req;
-  *req.mutable_regroup() = r;
-  auto reply = daemon.call(req, deadline_after(std::chrono::milliseconds(r.wait_ms()) + kRegroupSlack));
+Result<wire::RegroupResponse> ask(DaemonClient& daemon, const wire::RegroupRequest& r, const std::string& who) {
+  auto reply = daemon.call(r, deadline_after(std::chrono::milliseconds(r.wait_ms) + kRegroupSlack));
   if (!reply.ok()) return Status(reply.status().code(), who + reply.status().message());
-  if (!reply->has_regroup()) return Status(Code::kInternal, who + "gradsyncd answered a regroup with something else");
-  const v1::RegroupResponse& g = reply->regroup();
-  const bool sane = g.world_size() >= 1 && g.world_size() <= kMaxWorldSize && g.rank() < g.world_size() &&
-                    g.local_world_size() >= 1 && g.local_world_size() <= g.world_size() &&
-                    g.local_rank() < g.local_world_size() && g.old_ranks_size() == int(g.world_size()) &&
-                    (r.newcomer() || g.generation() == r.from_generation() + 1);
+  auto* answer = std::get_if<wire::RegroupResponse>(&reply.value());
+  if (answer == nullptr) return Status(Code::kInternal, who + "gradsyncd answered a regroup with something else");
+  const wire::RegroupResponse& g = *answer;
+  const bool sane = g.world_size >= 1 && g.world_size <= kMaxWorldSize && g.rank < g.world_size &&
+                    g.local_world_size >= 1 && g.local_world_size <= g.world_size &&
+                    g.local_rank < g.local_world_size && g.old_ranks.size() == size_t(g.world_size) &&
+                    (r.newcomer || g.generation == r.from_generation + 1);
   if (!sane) return Status(Code::kInternal, who + "the coordinator's regroup answer is inconsistent");
-  if (!r.newcomer() && g.old_ranks(int(g.rank())) != r.old_rank()) {
+  if (!r.newcomer && g.old_ranks[g.rank] != r.old_rank) {
     return Status(Code::kInternal, who + "the coordinator placed this rank at another rank's place");
   }
-  return g;
+  return std::move(*answer);
 }
 
-JoinOptions next_options(JoinOptions o, const std::string& base, const v1::RegroupResponse& g) {
-  o.job = next_job_id(base, g.generation());
-  o.rank = int(g.rank());
-  o.world_size = int(g.world_size());
-  o.local_rank = int(g.local_rank());
-  o.local_world_size = int(g.local_world_size());
+JoinOptions next_options(JoinOptions o, const std::string& base, const wire::RegroupResponse& g) {
+  o.job = next_job_id(base, g.generation);
+  o.rank = int(g.rank);
+  o.world_size = int(g.world_size);
+  o.local_rank = int(g.local_rank);
+  o.local_world_size = int(g.local_world_size);
   return o;
 }
 
@@ -73,15 +72,15 @@ Result<Communicator> regroup(Communicator& comm, uint32_t newcomers, std::chrono
   const auto t0 = std::chrono::steady_clock::now();
   auto daemon = DaemonClient::connect(st->socket_path, deadline_after(std::chrono::seconds(10)));
   if (!daemon.ok()) return Status(daemon.status().code(), who + daemon.status().message());
-  v1::RegroupRequest r;
-  r.set_job_id(st->lineage.base_job);
-  r.set_token(o.token);
-  r.set_from_generation(st->lineage.generation);
-  r.set_old_world_size(uint32_t(o.world_size));
-  r.set_old_rank(o.rank);
-  if (st->culprit >= 0 && st->culprit != o.rank) r.add_failed(st->culprit);
-  r.set_newcomers(newcomers);
-  r.set_wait_ms(uint32_t(wait.count()));
+  wire::RegroupRequest r;
+  r.job_id = st->lineage.base_job;
+  r.token = o.token;
+  r.from_generation = st->lineage.generation;
+  r.old_world_size = uint32_t(o.world_size);
+  r.old_rank = o.rank;
+  if (st->culprit >= 0 && st->culprit != o.rank) r.failed.push_back(st->culprit);
+  r.newcomers = newcomers;
+  r.wait_ms = uint32_t(wait.count());
   auto g = ask(*daemon, r, who);
   if (!g.ok()) return g.status();
   // The set is fixed: this rank belongs to it. The old generation goes (its channels here,
@@ -89,12 +88,12 @@ Result<Communicator> regroup(Communicator& comm, uint32_t newcomers, std::chrono
   if (Status left = comm.leave(); !left.ok()) {
     log::get("client")->warn("{}leaving generation {}: {}", who, st->lineage.generation, left.to_string());
   }
-  const Lineage next{st->lineage.base_job, g->generation()};
+  const Lineage next{st->lineage.base_job, g->generation};
   auto joined = CommunicatorInternals::join(std::move(daemon).value(), next_options(o, next.base_job, *g), &next);
   if (!joined.ok()) return Status(joined.status().code(), who + joined.status().message());
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   log::get("client")->info("{}generation {} ready: rank {} of {} (was rank {} of {}) in {:.0f} ms", who,
-                           g->generation(), g->rank(), g->world_size(), o.rank, o.world_size, ms);
+                           g->generation, g->rank, g->world_size, o.rank, o.world_size, ms);
   return joined;
 }
 
@@ -120,15 +119,15 @@ Result<Communicator> join_newcomer(const JoinOptions& options, const std::string
   const std::string path = socket_path.empty() ? default_daemon_socket() : socket_path;
   auto daemon = DaemonClient::connect(path, deadline_after(std::chrono::seconds(10)));
   if (!daemon.ok()) return Status(daemon.status().code(), who + daemon.status().message());
-  v1::RegroupRequest r;
-  r.set_job_id(options.job);
-  r.set_token(options.token);
-  r.set_newcomer(true);
-  r.set_old_rank(-1);
-  r.set_wait_ms(uint32_t(options.join_timeout.count()));
+  wire::RegroupRequest r;
+  r.job_id = options.job;
+  r.token = options.token;
+  r.newcomer = true;
+  r.old_rank = -1;
+  r.wait_ms = uint32_t(options.join_timeout.count());
   auto g = ask(*daemon, r, who);
   if (!g.ok()) return g.status();
-  const Lineage next{options.job, g->generation()};
+  const Lineage next{options.job, g->generation};
   auto joined = CommunicatorInternals::join(std::move(daemon).value(), next_options(options, options.job, *g), &next);
   if (!joined.ok()) return Status(joined.status().code(), who + joined.status().message());
   return joined;

@@ -11,7 +11,7 @@
 namespace gradsync {
 
 Result<RankLinks> build_links(const std::string& job, int rank, const std::vector<uint32_t>& ring,
-                              const std::vector<std::string>& hosts, const v1::ChannelSetup& setup,
+                              const std::vector<std::string>& hosts, const wire::ChannelSetup& setup,
                               void* base, const ShmLayout& layout, std::vector<Fd> sockets) {
   RankLinks l;
   l.job = job;
@@ -19,7 +19,7 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
   l.world_size = static_cast<int>(ring.size());
   l.ring = ring;
   l.hosts = hosts;
-  l.rings = std::max<uint32_t>(1, setup.rings());
+  l.rings = std::max<uint32_t>(1, setup.rings);
   if (l.rings > kMaxRings) {  // ring tags above the limit would name the trees' channels
     return Status(Code::kInternal, "gradsyncd gave job=" + job + " " + std::to_string(l.rings) +
                                        " rings, above the limit of " + std::to_string(kMaxRings));
@@ -33,21 +33,21 @@ Result<RankLinks> build_links(const std::string& job, int rank, const std::vecto
   std::map<std::tuple<uint32_t, uint32_t, bool>, uint32_t> index;
   std::set<uint32_t> driven;  // channel indexes moved on a socket this rank owns
   std::shared_ptr<SocketDriver> driver;
-  for (const auto& ref : setup.channels()) {
-    if (ref.index() >= layout.num_channels) return Status(Code::kInternal, "channel index out of range");
-    index[{ref.tag(), ref.peer(), ref.send()}] = ref.index();
-    if (ref.socket() == 0) continue;
-    if (ref.socket() > sockets.size() || !sockets[ref.socket() - 1].valid()) {
-      return Status(Code::kInternal, "gradsyncd named socket " + std::to_string(ref.socket()) + " for rank " +
-                                         std::to_string(rank) + "'s channel to rank " + std::to_string(ref.peer()) +
+  for (const auto& ref : setup.channels) {
+    if (ref.index >= layout.num_channels) return Status(Code::kInternal, "channel index out of range");
+    index[{ref.tag, ref.peer, ref.send}] = ref.index;
+    if (ref.socket == 0) continue;
+    if (ref.socket > sockets.size() || !sockets[ref.socket - 1].valid()) {
+      return Status(Code::kInternal, "gradsyncd named socket " + std::to_string(ref.socket) + " for rank " +
+                                         std::to_string(rank) + "'s channel to rank " + std::to_string(ref.peer) +
                                          " but passed " + std::to_string(sockets.size()));
     }
     if (!driver) driver = std::make_shared<SocketDriver>("job=" + job + " " + l.name(rank));
-    Channel ch(base, layout, ref.index());
-    Fd sock = std::move(sockets[ref.socket() - 1]);
-    if (ref.send()) driver->add_sender(ch, std::move(sock), l.name(int(ref.peer())), int(ref.peer()));
-    else driver->add_receiver(ch, std::move(sock), l.name(int(ref.peer())), int(ref.peer()));
-    driven.insert(ref.index());
+    Channel ch(base, layout, ref.index);
+    Fd sock = std::move(sockets[ref.socket - 1]);
+    if (ref.send) driver->add_sender(ch, std::move(sock), l.name(int(ref.peer)), int(ref.peer));
+    else driver->add_receiver(ch, std::move(sock), l.name(int(ref.peer)), int(ref.peer));
+    driven.insert(ref.index);
   }
   auto find = [&](uint32_t tag, int peer, bool send, Channel* out) -> Status {
     auto f = index.find({tag, uint32_t(peer), send});

@@ -5,14 +5,14 @@
 #include <vector>
 
 #include "collectives/collective.h"
-#include "daemon.pb.h"
+#include "client/daemon_wire.h"
 
 namespace gradsync {
 
 // `sockets`: the descriptors that came after the shared memory's with the join reply; a
 // ChannelRef with `socket` = i + 1 takes sockets[i] (rank-owned TCP channels).
 Result<RankLinks> build_links(const std::string& job, int rank, const std::vector<uint32_t>& ring,
-                              const std::vector<std::string>& hosts, const v1::ChannelSetup& setup,
+                              const std::vector<std::string>& hosts, const wire::ChannelSetup& setup,
                               void* base, const ShmLayout& layout, std::vector<Fd> sockets = {});
 
 // This rank leaves the job: marks every shared-memory channel end it owns (Channel::mark_left),

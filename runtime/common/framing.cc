@@ -77,18 +77,10 @@ Status read_all(int sock, void* data, size_t len, Deadline deadline) {
   return Status::Ok();
 }
 
-Status send_frame(int sock, const google::protobuf::MessageLite& msg, int pass_fd) {
-  std::vector<int> fds;
-  if (pass_fd >= 0) fds.push_back(pass_fd);
-  return send_frame(sock, msg, fds);
-}
-
-Status send_frame(int sock, const google::protobuf::MessageLite& msg, const std::vector<int>& pass_fds) {
+Status send_frame(int sock, std::string_view body, const std::vector<int>& pass_fds) {
   if (pass_fds.size() > kMaxPassedFds) {
     return {Code::kInternal, "cannot pass " + std::to_string(pass_fds.size()) + " descriptors in one frame"};
   }
-  std::string body;
-  if (!msg.SerializeToString(&body)) return {Code::kInternal, "cannot serialize message"};
   if (body.size() > kMaxFrameBytes) return {Code::kInvalidArgument, "frame too large"};
   uint32_t len = static_cast<uint32_t>(body.size());
   std::string frame(reinterpret_cast<const char*>(&len), sizeof(len));
@@ -117,15 +109,7 @@ Status send_frame(int sock, const google::protobuf::MessageLite& msg, const std:
   return write_all(sock, frame.data() + n, frame.size() - static_cast<size_t>(n));
 }
 
-Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, Fd* passed,
-                  uint32_t max_bytes) {
-  std::vector<Fd> fds;
-  Status s = recv_frame(sock, msg, deadline, &fds, max_bytes);
-  if (passed && !fds.empty()) *passed = std::move(fds.front());
-  return s;
-}
-
-Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, std::vector<Fd>* passed,
+Status recv_frame(int sock, std::string* body, Deadline deadline, std::vector<Fd>* passed,
                   uint32_t max_bytes) {
   GS_RETURN_IF_ERROR(wait_readable(sock, deadline));
   uint32_t len = 0;
@@ -148,7 +132,8 @@ Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadlin
       for (size_t i = 0; i < count; ++i) {
         int fd;
         std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
-        passed->emplace_back(fd);
+        if (passed) passed->emplace_back(fd);
+        else Fd unwanted(fd);  // closed here: the caller takes no descriptors
       }
     }
   }
@@ -160,10 +145,8 @@ Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadlin
     return {Code::kInternal, "frame of " + std::to_string(len) + " bytes exceeds the limit of " +
                                  std::to_string(std::min(max_bytes, kMaxFrameBytes))};
   }
-  std::string body(len, '\0');
-  GS_RETURN_IF_ERROR(read_all(sock, body.data(), len, deadline));
-  if (!msg->ParseFromString(body)) return {Code::kInternal, "malformed frame"};
-  return Status::Ok();
+  body->assign(len, '\0');
+  return read_all(sock, body->data(), len, deadline);
 }
 
 }  // namespace gradsync

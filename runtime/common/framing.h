@@ -1,10 +1,12 @@
-// Length-prefixed protobuf frames over a stream socket, with an optional file descriptor
-// attached (SCM_RIGHTS). Used between trainers and their daemon; docs/wire.md has the format.
+// Length-prefixed frames over a stream socket, with file descriptors attached (SCM_RIGHTS).
+// Used between trainers and their daemon; docs/wire.md has the format. A frame's body is one
+// serialized message: the library encodes its own with client/daemon_wire.h (nanopb), the
+// daemon with protobuf (common/framing_proto.h). Nothing here needs a protobuf library.
 #pragma once
 
-#include <google/protobuf/message_lite.h>
-
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "common/fd.h"
@@ -17,16 +19,14 @@ constexpr uint32_t kMaxFrameBytes = 16u << 20;
 // Descriptors one frame can carry (the job's shared memory and a rank's channel sockets).
 constexpr size_t kMaxPassedFds = 64;
 
-Status send_frame(int sock, const google::protobuf::MessageLite& msg, int pass_fd = -1);
-Status send_frame(int sock, const google::protobuf::MessageLite& msg, const std::vector<int>& pass_fds);
+// Sends `body` as one frame, the descriptors travelling with its first byte.
+Status send_frame(int sock, std::string_view body, const std::vector<int>& pass_fds = {});
 
-// Reads one frame; fills `*passed` when the sender attached a descriptor. kUnavailable on EOF,
-// kDeadlineExceeded when `deadline` passes first.
-// A frame longer than `max_bytes` is refused before anything is allocated for it.
-Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline,
-                  Fd* passed = nullptr, uint32_t max_bytes = kMaxFrameBytes);
-// The same, keeping every attached descriptor in order.
-Status recv_frame(int sock, google::protobuf::MessageLite* msg, Deadline deadline, std::vector<Fd>* passed,
+// Reads one frame's body, keeping every attached descriptor in order in `*passed` (closing
+// them when `passed` is null). kUnavailable on EOF,
+// kDeadlineExceeded when `deadline` passes first. A frame longer than `max_bytes` is refused
+// before anything is allocated for it.
+Status recv_frame(int sock, std::string* body, Deadline deadline, std::vector<Fd>* passed,
                   uint32_t max_bytes = kMaxFrameBytes);
 
 // Writes/reads exactly `len` bytes (retrying on EINTR and short transfers).

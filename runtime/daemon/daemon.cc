@@ -14,7 +14,7 @@
 #include <set>
 #include <vector>
 
-#include "common/framing.h"
+#include "common/framing_proto.h"
 #include "collectives/topology.h"
 #include "common/log.h"
 #include "common/socket_path.h"

@@ -2,7 +2,7 @@
 
 #include <vector>
 
-#include "common/framing.h"
+#include "common/framing_proto.h"
 #include "common/limits.h"
 
 namespace gradsync {

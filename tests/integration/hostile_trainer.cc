@@ -35,19 +35,19 @@ int resize(int fd, off_t bytes, const char* what) {
   return 1;
 }
 
-int big_slot(Fd shm_fd, const gradsync::v1::ChannelSetup& setup) {
+int big_slot(Fd shm_fd, const gradsync::wire::ChannelSetup& setup) {
   gradsync::ShmLayout layout;
-  layout.num_channels = setup.num_channels();
-  layout.slots = setup.slots();
-  layout.slot_bytes = setup.slot_bytes();
-  auto shm = gradsync::SharedMemory::map(std::move(shm_fd), setup.shm_bytes());
+  layout.num_channels = setup.num_channels;
+  layout.slots = setup.slots;
+  layout.slot_bytes = setup.slot_bytes;
+  auto shm = gradsync::SharedMemory::map(std::move(shm_fd), setup.shm_bytes);
   if (!shm.ok()) {
     std::fprintf(stderr, "map: %s\n", shm.status().to_string().c_str());
     return 1;
   }
   int pumped = -1;
-  for (const auto& ref : setup.channels()) {
-    if (ref.send() && ref.remote() && ref.socket() == 0) pumped = static_cast<int>(ref.index());
+  for (const auto& ref : setup.channels) {
+    if (ref.send && ref.remote && ref.socket == 0) pumped = static_cast<int>(ref.index);
   }
   if (pumped < 0) {
     std::fprintf(stderr, "no channel of this rank is pumped by gradsyncd (start it with --proxy-tcp)\n");
@@ -92,10 +92,10 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   auto joined = gradsync::testing::raw_join();
   if (!joined) return 1;
-  const auto& setup = joined->join.setup();
+  const auto& setup = joined->join.setup;
   int rc = 2;
-  if (mode == "shrink") rc = resize(joined->shm.get(), static_cast<off_t>(setup.shm_bytes() / 2), "SHRINK");
-  else if (mode == "grow") rc = resize(joined->shm.get(), static_cast<off_t>(setup.shm_bytes() * 2), "GROW");
+  if (mode == "shrink") rc = resize(joined->shm.get(), static_cast<off_t>(setup.shm_bytes / 2), "SHRINK");
+  else if (mode == "grow") rc = resize(joined->shm.get(), static_cast<off_t>(setup.shm_bytes * 2), "GROW");
   else if (mode == "bigslot") rc = big_slot(std::move(joined->shm), setup);
   char c;
   while (std::fread(&c, 1, 1, stdin) == 1) {}

@@ -14,7 +14,7 @@ namespace gradsync::testing {
 
 struct RawJoin {
   DaemonClient client;   // the connection: the rank is a member while it is open
-  v1::JoinResponse join;
+  wire::JoinResponse join;
   Fd shm;                // the job's shared memory
 };
 
@@ -27,23 +27,26 @@ inline std::optional<RawJoin> raw_join() {
     std::fprintf(stderr, "connect: %s\n", client.status().to_string().c_str());
     return std::nullopt;
   }
-  v1::ClientMessage req;
-  auto* j = req.mutable_join();
-  j->set_job_id(o.job);
-  j->set_token(o.token);
-  j->set_rank(static_cast<uint32_t>(o.rank));
-  j->set_world_size(static_cast<uint32_t>(o.world_size));
-  j->set_local_rank(static_cast<uint32_t>(o.local_rank));
-  j->set_local_world_size(static_cast<uint32_t>(o.local_world_size));
-  j->set_timeout_ms(static_cast<uint32_t>(o.join_timeout.count()));
+  wire::JoinRequest req{o.job,
+                        o.token,
+                        static_cast<uint32_t>(o.rank),
+                        static_cast<uint32_t>(o.world_size),
+                        static_cast<uint32_t>(o.local_rank),
+                        static_cast<uint32_t>(o.local_world_size),
+                        static_cast<uint32_t>(o.join_timeout.count())};
   Fd shm;
   auto reply = client->call(req, deadline, &shm);
   if (!reply.ok()) {
     std::fprintf(stderr, "join: %s\n", reply.status().to_string().c_str());
     return std::nullopt;
   }
+  auto* join = std::get_if<wire::JoinResponse>(&reply.value());
+  if (join == nullptr) {
+    std::fprintf(stderr, "join: gradsyncd answered with something else\n");
+    return std::nullopt;
+  }
   std::printf("JOINED raw\n");
-  return RawJoin{std::move(client).value(), reply->join(), std::move(shm)};
+  return RawJoin{std::move(client).value(), std::move(*join), std::move(shm)};
 }
 
 }  // namespace gradsync::testing

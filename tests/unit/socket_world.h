@@ -85,7 +85,10 @@ class SocketWorld {
     for (int r = 0; r < n; ++r) {
       v1::ChannelSetup setup = jobs_[r]->setup_for(uint32_t(r));
       std::vector<Fd> socks = jobs_[r]->take_rank_sockets(&setup);
-      auto l = build_links("sockets", r, ring, hosts, setup, shms_[r]->data(), jobs_[r]->layout, std::move(socks));
+      // The daemon's setup (protobuf) as the library reads it off the socket (nanopb).
+      auto read = wire::decode_channel_setup(setup.SerializeAsString());
+      if (!read.ok()) throw std::runtime_error(read.status().to_string());
+      auto l = build_links("sockets", r, ring, hosts, *read, shms_[r]->data(), jobs_[r]->layout, std::move(socks));
       if (!l.ok()) throw std::runtime_error(l.status().to_string());
       links_.push_back(std::move(l).value());
     }

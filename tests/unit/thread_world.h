@@ -58,7 +58,10 @@ class ThreadWorld {
     shm_ = std::make_shared<SharedMemory>(std::move(shm).value());
     init_job_control(shm_->data(), job_.layout);
     for (int r = 0; r < n; ++r) {
-      auto l = build_links("threads", r, ring_, hosts, job_.setup_for(uint32_t(r)), shm_->data(), job_.layout);
+      // The daemon's setup (protobuf) as the library reads it off the socket (nanopb).
+      auto setup = wire::decode_channel_setup(job_.setup_for(uint32_t(r)).SerializeAsString());
+      if (!setup.ok()) throw std::runtime_error(setup.status().to_string());
+      auto l = build_links("threads", r, ring_, hosts, *setup, shm_->data(), job_.layout);
       if (!l.ok()) throw std::runtime_error(l.status().to_string());
       links_.push_back(std::move(l).value());
     }
