@@ -779,7 +779,7 @@ Result<Session> Session::connect(const std::string& socket_path) {
   // Attach once now so that a missing daemon is reported here, not at the first join.
   auto probe = DaemonClient::connect(impl->socket_path, deadline_after(std::chrono::seconds(10)));
   if (!probe.ok()) return probe.status();
-  impl->node_name = probe->attach().node_name();
+  impl->node_name = probe->attach().node_name;
   return Session(impl);
 }
 
