@@ -83,14 +83,14 @@ struct Geometry {
 // Each is called by every thread of the block (barriers inside); `ok` is the block's shared
 // flag, cleared by a failed wait, and false is returned on every thread after one.
 
-// Before storing sequence k into peers' slots: thread 0 waits until every peer finished
-// sequence k - slots (whose slot k reuses).
-__device__ inline bool wait_credits(const NodeArgs& a, const Geometry& g, uint32_t b,
-                                    uint32_t blocks, uint64_t k, int* ok) {
-  if (threadIdx.x == 0 && k >= g.slots) {
-    uint8_t* mine = a.region[a.me];
+// Thread 0 waits until flag(p) >= at_least for every peer p that want(p) names (`stage` tells
+// the error word which wait it was); then the block learns the outcome from `ok`.
+template <class Flag, class Want>
+__device__ inline bool wait_peers(const NodeArgs& a, const Geometry& g, Flag flag, uint64_t at_least,
+                                  Want want, int stage, int* ok) {
+  if (threadIdx.x == 0) {
     for (int p = 0; p < g.nranks; ++p) {
-      if (p != a.me && !wait_at_least(g.freed(mine, b, p, blocks), k - g.slots + 1, a, p, 0)) {
+      if (p != a.me && want(p) && !wait_at_least(flag(p), at_least, a, p, stage)) {
         *ok = 0;
         break;
       }
@@ -98,6 +98,15 @@ __device__ inline bool wait_credits(const NodeArgs& a, const Geometry& g, uint32
   }
   __syncthreads();
   return *ok != 0;
+}
+
+// Before storing sequence k into peers' slots: every peer finished sequence k - slots (whose
+// slot k reuses).
+__device__ inline bool wait_credits(const NodeArgs& a, const Geometry& g, uint32_t b,
+                                    uint32_t blocks, uint64_t k, int* ok) {
+  uint8_t* mine = a.region[a.me];
+  return wait_peers(a, g, [&](int p) { return g.freed(mine, b, p, blocks); },
+                    k >= g.slots ? k - g.slots + 1 : 0, [&](int) { return k >= g.slots; }, 0, ok);
 }
 
 // After every thread stored its part of sequence k (`bytes` in all, payload into peers):
@@ -117,22 +126,13 @@ __device__ inline void publish_ready(const NodeArgs& a, const Geometry& g, uint3
   }
 }
 
-// Before reading sequence k's slots: thread 0 waits for it from every rank `from(r)` says
-// pushes in this sequence.
+// Before reading sequence k's slots: it arrived from every rank `from(r)` says pushes in this
+// sequence.
 template <class From>
 __device__ inline bool wait_ready(const NodeArgs& a, const Geometry& g, uint32_t b, uint64_t k,
                                   From from, int* ok) {
-  if (threadIdx.x == 0) {
-    uint8_t* mine = a.region[a.me];
-    for (int r = 0; r < g.nranks; ++r) {
-      if (r != a.me && from(r) && !wait_at_least(g.ready(mine, b, r), k + 1, a, r, 1)) {
-        *ok = 0;
-        break;
-      }
-    }
-  }
-  __syncthreads();
-  return *ok != 0;
+  uint8_t* mine = a.region[a.me];
+  return wait_peers(a, g, [&](int r) { return g.ready(mine, b, r); }, k + 1, from, 1, ok);
 }
 
 // After every thread finished reading sequence k's slots: run `then`, and tell every peer

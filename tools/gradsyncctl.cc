@@ -22,6 +22,7 @@
 
 #include "common/call_auth.h"
 #include "common/grpc_security.h"
+#include "common/memory_text.h"
 #include "coordinator.grpc.pb.h"
 #include "doctor/doctor.h"
 #include "top/top.h"
@@ -255,7 +256,8 @@ int main(int argc, char** argv) {
       std::fputs(gradsync::topology::render_summary(n.gpu_topology(), "  ").c_str(), stdout);
     }
     for (const auto& p : resp.paths()) {
-      std::printf("rank %u data path: %s (%s)\n", p.rank(), p.path().c_str(), p.why().c_str());
+      std::printf("rank %u data path: %s (%s)%s\n", p.rank(), p.path().c_str(), p.why().c_str(),
+                  gradsync::memory_text(p.gpu_memory_bytes(), p.pinned_host_bytes()).c_str());
     }
     return 0;
   }

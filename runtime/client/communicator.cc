@@ -227,9 +227,10 @@ class CommunicatorImpl {
 
   // Tells the daemon which data path this rank took and why; the daemon logs it and passes
   // it to the coordinator for `gradsyncctl describe`. No reply; a failure costs only the report.
-  void report_path(const std::string& path, const std::string& why) {
+  void report_path(const std::string& path, const std::string& why, uint64_t gpu_bytes = 0,
+                   uint64_t pinned_bytes = 0) {
     std::lock_guard lock(send_mu_);
-    if (Status s = daemon_.send(wire::PathReport{path, why}); !s.ok()) {
+    if (Status s = daemon_.send(wire::PathReport{path, why, gpu_bytes, pinned_bytes}); !s.ok()) {
       log_->warn("job={} rank={}: reporting the data path to gradsyncd: {}", opts_.job, opts_.rank, s.to_string());
     }
   }
@@ -902,7 +903,8 @@ Result<Communicator> CommunicatorInternals::join(DaemonClient daemon_client, con
   } else {
 #if GRADSYNC_HAVE_CUDA
     GS_RETURN_IF_ERROR(impl->attach_device());
-    impl->report_path(impl->gpu()->path(), impl->gpu()->path_why());
+    const DeviceComm::MemoryUse mem = impl->gpu()->memory();
+    impl->report_path(impl->gpu()->path(), impl->gpu()->path_why(), mem.gpu_bytes, mem.pinned_host_bytes);
 #else
     return Status(Code::kUnimplemented, who + "a device was asked for (JoinOptions::device " +
                                             std::to_string(o.device) + ") but gradsync was built without CUDA");

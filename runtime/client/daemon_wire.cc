@@ -182,6 +182,8 @@ Result<std::string> encode(const ClientMessage& msg) {
     m.has_path = true;
     m.path.path = out(p->path);
     m.path.why = out(p->why);
+    m.path.gpu_memory_bytes = p->gpu_memory_bytes;
+    m.path.pinned_host_bytes = p->pinned_host_bytes;
   } else if (const auto* t = std::get_if<TraceDumpRequest>(&msg)) {
     m.has_trace_dump = true;
     m.trace_dump.reason = out(t->reason);

@@ -41,6 +41,7 @@ struct AbortRequest {
 };
 struct PathReport {
   std::string path, why;
+  uint64_t gpu_memory_bytes = 0, pinned_host_bytes = 0;  // the rank's communicator's memory
 };
 struct TraceDumpRequest {
   std::string reason;

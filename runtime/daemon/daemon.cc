@@ -17,6 +17,7 @@
 #include "common/framing_proto.h"
 #include "collectives/topology.h"
 #include "common/log.h"
+#include "common/memory_text.h"
 #include "common/socket_path.h"
 #include "common/secret.h"
 #include "daemon/peer_layout.h"
@@ -436,7 +437,10 @@ void Daemon::serve_trainer(Fd sock) {
         p.set_rank(rank);
         p.set_path(msg.path().path());
         p.set_why(msg.path().why());
-        log->info("{} rank {} data path: {} ({})", job->ids(), rank, p.path(), p.why());
+        p.set_gpu_memory_bytes(msg.path().gpu_memory_bytes());
+        p.set_pinned_host_bytes(msg.path().pinned_host_bytes());
+        log->info("{} rank {} data path: {} ({}){}", job->ids(), rank, p.path(), p.why(),
+                  memory_text(p.gpu_memory_bytes(), p.pinned_host_bytes()));
         // For `gradsyncctl describe`; a coordinator that cannot take it costs only the report.
         if (Status r = link_->report_path(job->id, job->generation, p); !r.ok()) {
           log->warn("{} rank {}: {}", job->ids(), rank, r.message());

@@ -45,6 +45,7 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     }
     std::memset(w, 0, sizeof(HostWords));
     m.words = static_cast<HostWords*>(w);
+    m.held.pinned_host_bytes += sizeof(HostWords);
     void* dev = nullptr;
     if (cudaError_t e = cudaHostGetDevicePointer(&dev, w, 0); e != cudaSuccess) {
       return Status(Code::kInternal, d->who() + ": cudaHostGetDevicePointer: " + cudaGetErrorString(e));
@@ -78,12 +79,11 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     if (ipc) {
       m.path = Impl::Path::kIpc;
       m.why = "every rank on this node: kernels write peers' GPU memory through CUDA IPC; "
-              "GPU memory " + std::to_string((m.layout.region_bytes() + (1 << 20) - 1) >> 20) +
-              " MiB (" + std::to_string(m.layout.blocks) + " blocks x " +
+              "a region of " + std::to_string(m.layout.blocks) + " blocks x " +
               std::to_string(m.layout.nranks) + " sources x " + std::to_string(m.layout.slots) +
               " slots of " + std::to_string(m.layout.chunk_bytes >> 10) +
               " KiB, low-latency lines to " + std::to_string(m.layout.ll_max_bytes >> 10) +
-              " KiB; GRADSYNC_GPU_MEMORY_MAX); two-shot from " +
+              " KiB (GRADSYNC_GPU_MEMORY_MAX); two-shot from " +
               (m.layout.nranks >= 3 && m.layout.two_shot_min_bytes
                    ? std::to_string(m.layout.two_shot_min_bytes) + " bytes"
                    : std::string("never (") + (m.layout.nranks < 3 ? "2 ranks" : "off") + ")");
@@ -163,10 +163,13 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
   m.layout.two_shot_min_bytes = two_shot != nullptr && std::strcmp(two_shot, "0") == 0
                                     ? 0
                                     : uint64_t(env_long("GRADSYNC_GPU_TWOSHOT_MIN", kTwoShotMinBytes));
-  // The region is this path's GPU memory: at most GRADSYNC_GPU_MEMORY_MAX MiB (default 320,
-  // above the defaults at every rank count: 264 MiB at 2 ranks, 288 at 8); a smaller budget
-  // shrinks the chunk, then the low-latency lines.
-  const uint64_t budget = uint64_t(std::max(1L, env_long("GRADSYNC_GPU_MEMORY_MAX", 320))) << 20;
+  // The region is most of the communicator's GPU memory, which stays within
+  // GRADSYNC_GPU_MEMORY_MAX MiB (default 320, above the defaults at every rank count: 264 MiB
+  // at 2 ranks, 288 at 8, plus 8 MiB of GPUDirect slots on the hierarchical path); the region
+  // gets what the GPUDirect slots left, and a smaller budget shrinks the chunk, then the
+  // low-latency lines.
+  const uint64_t limit = gpu_memory_budget(), used = memory().gpu_bytes;
+  const uint64_t budget = limit > used ? limit - used : 0;
   while (m.layout.region_bytes() > budget && m.layout.chunk_bytes > 4096)
     m.layout.chunk_bytes = std::max<uint64_t>(4096, m.layout.chunk_bytes / 2 / 256 * 256);
   while (m.layout.region_bytes() > budget && m.layout.ll_max_bytes > (64u << 10)) m.layout.ll_max_bytes /= 2;
@@ -185,8 +188,8 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
     return {Code::kInvalidArgument,
             who() + ": the CUDA IPC region needs " + std::to_string(m.layout.region_bytes() >> 20) +
                 " MiB with " + std::to_string(blocks) + " blocks and " + std::to_string(n) +
-                " ranks, over GRADSYNC_GPU_MEMORY_MAX = " + std::to_string(budget >> 20) +
-                " MiB: raise it, or lower GRADSYNC_GPU_BLOCKS"};
+                " ranks, over the " + std::to_string(budget >> 20) + " MiB left of GRADSYNC_GPU_MEMORY_MAX = " +
+                std::to_string(limit >> 20) + " MiB: raise it, or lower GRADSYNC_GPU_BLOCKS"};
   }
   if (!m.layout.valid()) {
     return {Code::kInvalidArgument, who() + ": GPU layout blocks=" + std::to_string(blocks) +
@@ -202,6 +205,7 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
   const size_t progress_bytes = (2 * m.layout.blocks + 1) * sizeof(uint64_t);
   GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.progress), progress_bytes), "cudaMalloc");
   GS_CUDA(cudaMemset(m.progress, 0, progress_bytes), "cudaMemset");
+  m.held.gpu_bytes += m.layout.region_bytes() + progress_bytes;
   GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
   std::vector<IpcEntry> table(static_cast<size_t>(world));
@@ -275,6 +279,7 @@ void DeviceComm::release_ipc() {
   m.opened.clear();
   if (m.region) (void)cudaFree(m.region);
   if (m.progress) (void)cudaFree(m.progress);
+  if (m.progress) m.held.gpu_bytes -= m.layout.region_bytes() + (2 * m.layout.blocks + 1) * sizeof(uint64_t);
   m.region = nullptr;
   m.progress = nullptr;
   m.group.clear();
@@ -334,6 +339,7 @@ Status DeviceComm::setup_timeline() {
   GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.timeline), words * sizeof(uint64_t)),
           "cudaMalloc of the timeline");
   GS_CUDA(cudaMemset(m.timeline, 0, words * sizeof(uint64_t)), "cudaMemset");
+  m.held.gpu_bytes += words * sizeof(uint64_t);
   GS_CUDA(cudaEventCreateWithFlags(&m.timeline_event, cudaEventDisableTiming), "cudaEventCreate");
   GS_CUDA(cudaStreamCreateWithFlags(&m.timeline_stream, cudaStreamNonBlocking), "cudaStreamCreate");
   GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -343,6 +349,15 @@ Status DeviceComm::setup_timeline() {
 }
 
 const std::string& DeviceComm::path_why() const { return impl_->why; }
+
+DeviceComm::MemoryUse DeviceComm::memory() const {
+  MemoryUse u = impl_->held;
+#if GRADSYNC_HAVE_GDR
+  if (impl_->gdr) u += impl_->gdr->memory();
+  if (impl_->rail) u += impl_->rail->memory();
+#endif
+  return u;
+}
 
 Result<uint64_t> DeviceComm::bytes_sent() {
   Impl& m = *impl_;

@@ -110,6 +110,21 @@ class DeviceComm {
   // Payload bytes this rank's kernels stored into peers' GPU memory so far (cuda-ipc; 0 on
   // the other paths). Waits for nothing but the copy of the counter.
   Result<uint64_t> bytes_sent();
+  // The memory this communicator holds, stated in `gradsyncctl describe`: GPU memory (the
+  // CUDA IPC region and its counters, GPUDirect RDMA slots, the timeline) and pinned host
+  // memory (staging slots, mapped words, RDMA slots the NIC reaches in host memory). Its GPU
+  // memory stays within GRADSYNC_GPU_MEMORY_MAX MiB (default 320): the IPC region shrinks its
+  // chunks to fit, and GPUDirect slots that do not fit leave the calls host-staged.
+  struct MemoryUse {
+    uint64_t gpu_bytes = 0;
+    uint64_t pinned_host_bytes = 0;
+    MemoryUse& operator+=(const MemoryUse& o) {
+      gpu_bytes += o.gpu_bytes;
+      pinned_host_bytes += o.pinned_host_bytes;
+      return *this;
+    }
+  };
+  MemoryUse memory() const;
   // Before the memory goes (leave, after the stream is idle): the GPUDirect ring's worker
   // sends its last credits and stops.
   void quiesce();
@@ -139,6 +154,7 @@ class DeviceComm {
   Status setup_hierarchical();
   Status agree_algorithm();
   GdrConfig gdr_config() const;  // gpu/gdr_ring.h, with GPUDirect RDMA only
+  std::string slots_over_budget(const GdrConfig& g) const;
   Status run_hierarchical(const CollectiveCall& call, cudaStream_t stream);
   Status measure_gdr_min_bytes();
   Status setup_timeline();

@@ -39,6 +39,16 @@ GdrConfig DeviceComm::gdr_config() const {
   g.abort_host = &m.words->abort;
   return g;
 }
+
+// Non-empty when a ring of `g`'s slots (GPU memory) would take this communicator past
+// GRADSYNC_GPU_MEMORY_MAX with what it holds already (memory()): why.
+std::string DeviceComm::slots_over_budget(const GdrConfig& g) const {
+  const uint64_t slots = 2 * uint64_t(g.link.slots) * g.link.slot_bytes, limit = gpu_memory_budget();
+  if (memory().gpu_bytes + slots <= limit) return {};
+  return "its slots (2 x " + std::to_string(g.link.slots) + " x " + std::to_string(g.link.slot_bytes) +
+         " bytes) with the " + std::to_string(memory().gpu_bytes >> 20) + " MiB held do not fit GRADSYNC_GPU_MEMORY_MAX = " +
+         std::to_string(limit >> 20) + " MiB";
+}
 #endif
 
 // GPUDirect RDMA between the nodes, where every rank's daemon has an RDMA device and every
@@ -58,12 +68,13 @@ Status DeviceComm::setup_gdr() {
   const char* on = std::getenv("GRADSYNC_GDR");
   const bool asked = on == nullptr || std::strcmp(on, "0") != 0;
   const bool staged = std::getenv("GRADSYNC_GPU_STAGED") != nullptr;
-  const std::string off = !asked ? "GRADSYNC_GDR=0 is set" : staged ? "GRADSYNC_GPU_STAGED is set" : "";
+  std::string off = !asked ? "GRADSYNC_GDR=0 is set" : staged ? "GRADSYNC_GPU_STAGED is set" : "";
+  GdrConfig g = gdr_config();
+  if (g.link.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
+  if (off.empty()) off = slots_over_budget(g);
   // Still collective when this rank does not want it: the others may. It takes part and
   // fails locally, and then every rank keeps the host-staged path.
-  GdrConfig g = gdr_config();
-  if (!asked || staged) g.link.verbs_device.clear();
-  if (g.link.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
+  if (!off.empty()) g.link.verbs_device.clear();
   std::string why;
   auto ring = GdrRing::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());

@@ -80,30 +80,33 @@ Status DeviceComm::setup_hierarchical() {
     if (std::find(n.begin(), n.end(), cfg_.rank) != n.end()) mine = &n;
   }
   const size_t local = size_t(std::find(mine->begin(), mine->end(), cfg_.rank) - mine->begin());
-  bool ipc = false;
-  GS_RETURN_IF_ERROR(setup_ipc(*mine, &ipc));
-  if (!ipc) {
-    m.why += "; not hierarchical: no CUDA IPC between the GPUs of a node";
-    return Status::Ok();
-  }
+  // The rail's ring first, then the IPC region in what GRADSYNC_GPU_MEMORY_MAX leaves.
   GdrConfig g = gdr_config();
   for (const auto& n : nodes) g.link.ring.push_back(n[local]);
-  std::string why;
+  // Over GRADSYNC_GPU_MEMORY_MAX: the ring's set-up still runs (collective) and fails here.
+  std::string why, over = slots_over_budget(g);
+  if (!over.empty()) g.link.verbs_device.clear();
   auto ring = GdrRing::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
   if (!*ring) {
-    release_ipc();
-    m.why += "; not hierarchical: the rails' rings: " + why;
+    m.why += "; not hierarchical: the rails' rings: " + (over.empty() ? why : over);
     return Status::Ok();
   }
   m.rail = std::move(ring).value();
+  bool ipc = false;
+  if (Status s = setup_ipc(*mine, &ipc); !s.ok() || !ipc) {
+    m.rail->quiesce();
+    m.rail.reset();
+    if (!s.ok()) return s;
+    m.why += "; not hierarchical: no CUDA IPC between the GPUs of a node";
+    return Status::Ok();
+  }
   m.path = Impl::Path::kHierarchical;
   std::string members;
   for (int r : g.link.ring) members += (members.empty() ? "" : ", ") + std::to_string(r);
   m.why = std::to_string(nodes.size()) + " nodes x " + std::to_string(per) +
           " GPUs: allreduce from " + std::to_string(m.gdr_min_bytes) +
-          " bytes hierarchical: inside the node CUDA IPC kernels (reduce_scatter, all_gather; GPU memory " +
-          std::to_string((m.layout.region_bytes() + (1 << 20) - 1) >> 20) + " MiB), between the nodes rail " +
+          " bytes hierarchical: inside the node CUDA IPC kernels (reduce_scatter, all_gather), between the nodes rail " +
           std::to_string(local) + " (ranks " + members + ") over " + m.rail->describe() +
           "; other collectives and smaller allreduces: " + m.gdr->describe() + " or host-staged "
           "(GRADSYNC_GPU_HIERARCHICAL=0 turns it off)";

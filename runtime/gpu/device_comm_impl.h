@@ -38,6 +38,9 @@ inline long env_long(const char* name, long fallback) {
   return (end && *end == '\0' && x > 0) ? x : fallback;
 }
 
+// A communicator's GPU memory at most (DeviceComm::memory()): GRADSYNC_GPU_MEMORY_MAX MiB.
+inline uint64_t gpu_memory_budget() { return uint64_t(env_long("GRADSYNC_GPU_MEMORY_MAX", 320)) << 20; }
+
 // Words the kernels and the host share, in mapped pinned host memory.
 struct HostWords {
   kernels::NodeError error;
@@ -178,6 +181,8 @@ struct DeviceComm::Impl {
   uint64_t* progress = nullptr;
   device_comm_detail::HostWords* words = nullptr;      // host view
   device_comm_detail::HostWords* words_dev = nullptr;  // device view of the same memory
+  // What this file's allocations hold (the GPUDirect rings count their own): memory().
+  MemoryUse held;
 
   // host-staged
   static constexpr size_t kStagingSlots = 4;

@@ -27,6 +27,7 @@ Status DeviceComm::setup_staged() {
   GS_CUDA(cudaHostAlloc(&p, Impl::kStagingSlots * m.slot_bytes, cudaHostAllocDefault),
           "cudaHostAlloc of the staging slots");
   m.staging = static_cast<uint8_t*>(p);
+  m.held.pinned_host_bytes += Impl::kStagingSlots * m.slot_bytes;
   return Status::Ok();
 }
 

@@ -102,6 +102,7 @@ struct GdrRing::Impl {
   std::unique_ptr<GdrLink> link;
   std::string description;
   bool gpu_slots = true;          // false: the slots are in pinned host memory
+  uint64_t slot_region_bytes = 0;  // the send and receive slots (GPU or pinned host memory)
   GdrWords* words = nullptr;      // mapped pinned host memory: host view
   GdrWords* words_dev = nullptr;  // device view
   // Messages numbered at enqueue (the caller's thread), per direction.
@@ -217,6 +218,7 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
   }
   m.link = std::move(link).value();
   m.gpu_slots = in_host->empty();
+  m.slot_region_bytes = 2 * uint64_t(lc.slots) * lc.slot_bytes;  // GdrLink's one region
   m.description = m.gpu_slots ? "GPUDirect RDMA over " + m.link->describe() + where +
                                     (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "")
                               : "host-staged RDMA over " + m.link->describe() + " (" + *in_host + ")";
@@ -224,6 +226,13 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
 }
 
 bool GdrRing::gpu_slots() const { return impl_->gpu_slots; }
+
+DeviceComm::MemoryUse GdrRing::memory() const {
+  DeviceComm::MemoryUse u;
+  (impl_->gpu_slots ? u.gpu_bytes : u.pinned_host_bytes) += impl_->slot_region_bytes;
+  u.pinned_host_bytes += sizeof(GdrWords);
+  return u;
+}
 
 const std::string& GdrRing::describe() const { return impl_->description; }
 Status GdrRing::error() const { return impl_->link->error(); }

@@ -66,6 +66,9 @@ class GdrRing {
   // memory it cannot register, or GRADSYNC_GDR_HOST_SLOTS). The kernels and the protocol are
   // the same; each rank decides for itself, so one ring may mix both.
   bool gpu_slots() const;
+  // The ring's memory: its slots (2 x slots x slot bytes, in GPU or pinned host memory) and
+  // its mapped words.
+  DeviceComm::MemoryUse memory() const;
 
   struct Impl;
 

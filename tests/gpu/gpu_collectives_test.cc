@@ -168,6 +168,33 @@ TEST(GpuCollectives, FourRanksTwoNodesHostStaged) {
   EXPECT_EQ(bad, "") << c.report(ranks);
 }
 
+// The host-staged shapes 2 nodes x 4 and 3 x 2, each rank a process of its own (the real
+// layout: a CUDA context per rank): allreduce with GPU calls forced to the host ring and to
+// the host tree (GRADSYNC_ALGO), and reduce_scatter, all_gather and broadcast. With the ranks
+// as threads of one process (verbs_gdr_gpu_test's StagedShapes) 6 to 8 streams of one context
+// each hold a wait kernel, and one rank's copy to host memory waited behind them past the op
+// timeout: an artefact of sharing a context, so these shapes run as processes.
+TEST(GpuCollectives, StagedTwoByFourAndThreeByTwoAsProcesses) {
+  REQUIRE_GPU();
+  for (const std::vector<int>& layout : {std::vector<int>{4, 4}, std::vector<int>{2, 2, 2}}) {
+    Cluster c({.daemons = int(layout.size())});
+    ASSERT_TRUE(c.ok()) << c.error();
+    const int world = layout[0] * int(layout.size());
+    const std::string shape = std::to_string(layout.size()) + "x" + std::to_string(layout[0]);
+    for (const char* algo : {"ring", "tree"}) {
+      JobSpec spec = gpu_job("staged-" + shape + "-" + algo, world, layout, {"matrix", counts("1,1000,65537")});
+      spec.env["GRADSYNC_ALGO"] = algo;
+      auto ranks = c.spawn_ranks(spec);
+      std::string bad = all_succeeded(ranks, Millis(300'000));
+      EXPECT_EQ(bad, "") << shape << " " << algo << ": " << c.report(ranks);
+      EXPECT_NE(ranks[0].output().find("path host-staged"), std::string::npos) << ranks[0].output();
+    }
+    auto ranks = c.spawn_ranks(gpu_job("staged-" + shape + "-coll", world, layout, {"collectives", counts("1,1000,65537")}));
+    std::string bad = all_succeeded(ranks, Millis(300'000));
+    EXPECT_EQ(bad, "") << shape << ": " << c.report(ranks);
+  }
+}
+
 TEST(GpuCollectives, AllFourCapturedInOneCudaGraphReplay) {
   REQUIRE_GPU();
   Cluster c({.daemons = 1});

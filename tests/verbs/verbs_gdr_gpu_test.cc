@@ -101,6 +101,7 @@ class Gdr : public ::testing::Test {
     ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");
     ::unsetenv("GRADSYNC_GPU_HIERARCHICAL");
     ::unsetenv("GRADSYNC_GPU_BLOCKS");
+    ::unsetenv("GRADSYNC_GPU_MEMORY_MAX");
   }
 };
 
@@ -121,6 +122,10 @@ TEST_F(Gdr, OneAllreduceEveryRank) {
   for (const auto& p : d.paths()) {
     EXPECT_EQ(p.path(), "gpudirect-rdma") << "rank " << p.rank();
     EXPECT_NE(p.why().find("dma-buf"), std::string::npos) << p.why();
+    // Its memory: the ring's slots (2 x 4 x 4096 bytes) in GPU memory; the staging slots for
+    // small calls (4 x 8 MiB) and the mapped words in pinned host memory.
+    EXPECT_EQ(p.gpu_memory_bytes(), 2u * 4 * 4096) << "rank " << p.rank();
+    EXPECT_GE(p.pinned_host_bytes(), 4u * (8u << 20)) << "rank " << p.rank();
   }
   GpuWorld gpus(world);
   std::vector<std::vector<float>> v = {std::vector<float>(3000, 1.0f), std::vector<float>(3000, 2.0f)};
@@ -252,6 +257,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GdrShapes,
                          shape_name);
 
 // The same shapes with TCP between the nodes (no RDMA device): host-staged, ring and tree.
+// 2x1 and 2x2 only: at 2x4 and 3x2 the 6-8 ranks' streams, all in this process's one CUDA
+// context, each hold a wait kernel for the host's results, and one rank's copy of its piece
+// to host memory waited behind them past the op timeout (its worker never reached the host
+// collective that the other ranks were in). Each rank in a process of its own, the real
+// layout, runs those shapes: gpu_collectives_test's StagedTwoByFourAndThreeByTwoAsProcesses.
 class StagedShapes : public Gdr, public ::testing::WithParamInterface<std::pair<int, int>> {};
 
 TEST_P(StagedShapes, OverTcpRingAndTree) {
@@ -269,8 +279,7 @@ TEST_P(StagedShapes, OverTcpRingAndTree) {
   testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kTree);
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, StagedShapes,
-                         ::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4}, std::pair{3, 2}),
+INSTANTIATE_TEST_SUITE_P(Shapes, StagedShapes, ::testing::Values(std::pair{2, 1}, std::pair{2, 2}),
                          shape_name);
 
 // The bytes of the hierarchical path inside the node, counted by the IPC kernels: 2 (L-1)/L
@@ -590,6 +599,49 @@ TEST(GdrBench, DISABLED_BusbwGpuDirectBesideHostStaged) {
     std::printf("  %11zu %11.2f %11.2f %13.2f %11.2f %9.2fx %9.2fx\n", row.bytes, bw[0], bw[1], bw[2], bw[3],
                 bw[0] / bw[2], bw[0] / bw[3]);
   }
+}
+
+// A communicator's memory is stated (`gradsyncctl describe`) and its GPU memory stays within
+// GRADSYNC_GPU_MEMORY_MAX: at 2 nodes x 2 with 32 MiB GPUDirect rings, 100 MiB leaves the
+// hierarchical path a smaller IPC region; 48 MiB has no room for the rails' rings (flat
+// GPUDirect ring); 16 MiB none for any ring (host-staged). Every allreduce exact.
+TEST_F(Gdr, GpuMemoryStatedAndWithinGpuMemoryMax) {
+  ASSERT_TRUE(kEagerLoading);
+  ::setenv("GRADSYNC_GDR_SLOT_BYTES", "4194304", 1);
+  ::setenv("GRADSYNC_GDR_SLOTS", "4", 1);
+  const uint64_t ring = 2ull * 4 * (4 << 20);
+  struct Case {
+    const char* max_mib;
+    const char* path;
+    uint64_t min_gpu, max_gpu;
+  };
+  for (const Case& k : {Case{"100", "hierarchical", 2 * ring, 100ull << 20}, Case{"48", "gpudirect-rdma", ring, ring},
+                        Case{"16", "host-staged", 0, 0}}) {
+    SCOPED_TRACE(std::string("GRADSYNC_GPU_MEMORY_MAX=") + k.max_mib);
+    ::setenv("GRADSYNC_GPU_MEMORY_MAX", k.max_mib, 1);
+    DaemonCluster cluster({.nodes = 2});
+    ASSERT_TRUE(cluster.ok()) << cluster.error();
+    const std::string job = std::string("gpu-memory-") + k.max_mib;
+    DaemonWorld world(cluster, 2, 2, job, 60s, on_gpus);
+    ASSERT_EQ(world.join_error(), "");
+    expect_path(world, k.path);
+    auto d = cluster.describe(job, 4);
+    ASSERT_EQ(d.paths_size(), 4);
+    for (const auto& p : d.paths()) {
+      EXPECT_GE(p.gpu_memory_bytes(), k.min_gpu) << "rank " << p.rank() << ": " << p.why();
+      EXPECT_LE(p.gpu_memory_bytes(), k.max_gpu) << "rank " << p.rank() << ": " << p.why();
+      EXPECT_GT(p.pinned_host_bytes(), 0u) << "rank " << p.rank();
+      std::printf("GRADSYNC_GPU_MEMORY_MAX=%s MiB: rank %u %s, GPU memory %llu bytes, pinned host %llu bytes\n",
+                  k.max_mib, p.rank(), p.path().c_str(), (unsigned long long)p.gpu_memory_bytes(),
+                  (unsigned long long)p.pinned_host_bytes());
+      if (std::string(k.path) != "hierarchical") {
+        EXPECT_NE(p.why().find("GRADSYNC_GPU_MEMORY_MAX"), std::string::npos) << p.why();
+      }
+    }
+    GpuWorld gpus(world);
+    testing::allreduce_matrix(gpus, Algorithm::kRing);
+  }
+  ::unsetenv("GRADSYNC_GPU_MEMORY_MAX");
 }
 
 }  // namespace

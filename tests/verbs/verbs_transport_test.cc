@@ -51,6 +51,27 @@ INSTANTIATE_TEST_SUITE_P(Shapes, VerbsCollectives,
                                   "_" + to_string(std::get<2>(p)) + "_rings" + std::to_string(std::get<3>(p));
                          });
 
+// The shapes of the host-staged GPU path (verbs_gdr_gpu_test's StagedShapes) on the CPU: the
+// same daemons as objects, channels over TCP, ring and tree, every collective.
+class TcpCollectives : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(TcpCollectives, MatrixRingAndTree) {
+  const auto [nodes, per_node] = GetParam();
+  DaemonCluster cluster({.nodes = nodes, .transport = std::vector<std::string>(size_t(nodes), "tcp")});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, nodes, per_node, "tcp-matrix");
+  ASSERT_EQ(world.join_error(), "");
+  for (Algorithm algo : {Algorithm::kRing, Algorithm::kTree}) {
+    testing::allreduce_matrix(world, algo);
+    testing::reduce_scatter_all_gather_broadcast_matrix(world, algo);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, TcpCollectives, ::testing::Values(std::pair{2, 4}, std::pair{3, 2}),
+                         [](const auto& info) {
+                           return std::to_string(info.param.first) + "nodes_x" + std::to_string(info.param.second);
+                         });
+
 // InfiniBand ports: QPs addressed by LID without a GRH (RoCE, above, uses GIDs).
 TEST(VerbsTransport, InfiniBandChannelsAddressByLid) {
   DaemonCluster cluster({.nodes = 2, .link_layer = verbs::LinkLayer::kInfiniBand});
