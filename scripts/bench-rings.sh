@@ -9,6 +9,8 @@
 set -uo pipefail
 # The coordinator started here and its daemons share a cluster secret (coordinator/authz.h).
 export GRADSYNC_CLUSTER_SECRET=${GRADSYNC_CLUSTER_SECRET:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
+# A multi-node job needs a job token, the same on both nodes (docs/security.md).
+export GRADSYNC_JOB_TOKEN=${GRADSYNC_JOB_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}
 bin=${GRADSYNC_BIN_DIR:-$PWD/${GRADSYNC_BUILD_DIR:-build}/bin}
 OUT=${OUT:-$PWD/bench-out/rings}; mkdir -p "$OUT"
 rings=${RINGS:-1 2 4}
