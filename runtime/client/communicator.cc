@@ -280,16 +280,13 @@ class CommunicatorImpl {
     ops.run_on_worker = [this](const CollectiveCall& call) {
       CollectiveCall c = call;  // its algorithm: kAuto, or what the GPU call forced
       c.algorithm = resolve(c);
-      {
-        std::lock_guard lock(mu_);
-        c.seq = next_seq_++;
-      }
       return run(c, kRecordGpuStaged);
     };
-    ops.enqueue = [this](std::function<Status()> task) {
-      auto work = std::make_shared<WorkImpl>(std::move(task));
+    ops.enqueue = [this](size_t host_calls, std::function<Status(uint32_t)> task) {
       std::lock_guard lock(mu_);
-      queue_.push_back(work);
+      const uint32_t first = next_seq_;
+      next_seq_ += uint32_t(host_calls);
+      queue_.push_back(std::make_shared<WorkImpl>([task = std::move(task), first] { return task(first); }));
       cv_.notify_all();
     };
     ops.abort_reason = [this] { return abort_reason(); };

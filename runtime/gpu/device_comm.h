@@ -2,7 +2,10 @@
 // device memory, queued on the caller's stream; the call returns without waiting for the GPU.
 // Same semantics as the host collectives (gradsync.h; in place like NCCL), same numeric rules.
 //
-// Two paths, chosen once at join and agreed by every rank; every collective takes the same one:
+// The path is chosen once at join and agreed by every rank (gradsyncctl describe shows it and
+// why): cuda-ipc and host-staged below; between nodes, calls from a measured size take a
+// GPUDirect RDMA ring (gpu/gdr_ring.h) where every rank has one, and allreduce the
+// hierarchical path (device_comm_hierarchical.cc) where nodes hold L >= 2 ranks each:
 // - cuda-ipc: every rank on one node (and at most kernels::kMaxNodeRanks of them). Each rank
 //   allocates one region of its GPU's memory (flags + slots, kernels/cuda_node.cuh), exports
 //   it with cudaIpcGetMemHandle, and opens every peer's; one kernel per call pushes into the
@@ -60,10 +63,13 @@ struct GdrConfig;  // gpu/gdr_ring.h
 struct HostOps {
   // A host allreduce, run now on the calling thread (set-up, before the worker starts).
   std::function<Status(const void* send, void* recv, size_t count, DataType, ReduceOp)> allreduce_now;
-  // Runs `task` on the communicator's worker, after everything queued before it.
-  std::function<void(std::function<Status()> task)> enqueue;
+  // Runs `task` on the communicator's worker, after everything queued before it. The task's
+  // `host_calls` host collectives get their sequence numbers now, from the one passed to the
+  // task on: a host call the caller makes after this one is numbered after them on every
+  // rank, however far the worker got (numbered when the task ran, ranks would disagree).
+  std::function<void(size_t host_calls, std::function<Status(uint32_t first_seq)> task)> enqueue;
   // A host collective (allreduce, reduce_scatter, all_gather or broadcast: call.kind, on host
-  // buffers) from inside a task on the worker; the communicator numbers it.
+  // buffers, call.seq one that enqueue reserved) from inside a task on the worker.
   std::function<Status(const CollectiveCall& call)> run_on_worker;
   // Non-empty once the job was aborted or the daemon lost: GPU waits stop.
   std::function<std::string()> abort_reason;

@@ -115,7 +115,8 @@ Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint
   }
   GS_CUDA(kernels::launch_signal_host(&w->done, seq, &stamp_dev->done_ns, stream), "signal kernel");
 
-  ops_.enqueue([this, c, number, seq, base, pieces, per, rows, es, me]() -> Status {
+  // One host collective per piece, numbered now (HostOps::enqueue).
+  ops_.enqueue(pieces, [this, c, number, seq, base, pieces, per, rows, es, me](uint32_t first_seq) -> Status {
     Impl& m = *impl_;
     const auto deadline = Clock::now() + cfg_.op_timeout;
     auto word = [](const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); };
@@ -142,6 +143,7 @@ Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint
       // layouts: reduce_scatter's recv is row `rank` of send, all_gather's send row `rank`).
       uint8_t* mem = m.staging + (i % K) * m.slot_bytes;
       CollectiveCall h = c;
+      h.seq = first_seq + uint32_t(i);
       h.count = std::min(per, c.count - i * per);
       h.send = mem;
       h.recv = mem;

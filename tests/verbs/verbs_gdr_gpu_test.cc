@@ -11,10 +11,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -642,6 +644,50 @@ TEST_F(Gdr, GpuMemoryStatedAndWithinGpuMemoryMax) {
     testing::allreduce_matrix(gpus, Algorithm::kRing);
   }
   ::unsetenv("GRADSYNC_GPU_MEMORY_MAX");
+}
+
+// A host collective right after a host-staged GPU call, without waiting for the stream: every
+// rank must number it after the GPU call's pieces. Rank 0's stream is held 300 ms by a host
+// function, so its worker takes the piece only after the host call was made; rank 1's worker
+// takes its first piece before its host call, made 100 ms after the GPU call. When the pieces
+// were numbered as the worker ran them, the two ranks gave the host call and the pieces
+// different numbers and the job failed.
+void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }
+
+TEST_F(Gdr, HostCallRightAfterAStagedCallKeepsItsPlace) {
+  DaemonCluster cluster({.nodes = 2, .transport = {"tcp", "tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 1, "staged-order", 10s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "host-staged");
+  const size_t count = 1 << 20;
+  auto st = world.run([&](int r) -> Status {
+    Communicator& comm = world.comm(r);
+    GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
+    std::vector<float> host(count, float(r + 1));
+    float* buf = nullptr;
+    GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(reinterpret_cast<void**>(&buf), count * 4), "cudaMalloc"));
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    Status s = cuda_status(cudaMemcpyAsync(buf, host.data(), count * 4, cudaMemcpyHostToDevice, stream), "H2D");
+    if (s.ok() && r == 0) s = cuda_status(cudaLaunchHostFunc(stream, hold_stream, nullptr), "cudaLaunchHostFunc");
+    if (s.ok()) s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream);
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    std::vector<double> scalar{double(10 * (r + 1))};
+    if (s.ok()) s = comm.allreduce(scalar.data(), scalar.data(), 1, DataType::kFloat64, ReduceOp::kSum);
+    if (s.ok() && scalar[0] != 30.0) s = {Code::kInternal, "host allreduce gave " + std::to_string(scalar[0])};
+    if (s.ok()) s = cuda_status(cudaMemcpyAsync(host.data(), buf, count * 4, cudaMemcpyDeviceToHost, stream), "D2H");
+    Status synced = cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+    if (s.ok()) s = synced;
+    if (s.ok()) s = comm.async_error();
+    for (size_t i = 0; s.ok() && i < count; i += 4099) {
+      if (host[i] != 3.0f) s = {Code::kInternal, "element " + std::to_string(i) + " = " + std::to_string(host[i])};
+    }
+    cudaStreamDestroy(stream);
+    cudaFree(buf);
+    return s;
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_TRUE(st[size_t(r)].ok()) << "rank " << r << ": " << st[size_t(r)].to_string();
 }
 
 }  // namespace

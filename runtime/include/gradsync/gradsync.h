@@ -141,7 +141,9 @@ class Communicator {
   // communicator must be ordered (one stream, or streams ordered by events), as with NCCL.
   // On one node the calls can be captured in a CUDA graph; across nodes (host-staged) they
   // cannot (refused while capturing). Without CUDA in the build: kUnimplemented. CallOptions'
-  // algorithm has no effect on the GPU paths.
+  // algorithm (else GRADSYNC_ALGO) picks the GPU schedule where the path has a choice
+  // (docs/architecture.md). A host collective called after a GPU call comes after it on every
+  // rank, whether or not the stream got there yet.
   Status allreduce(const void* send, void* recv, size_t count, DataType type, ReduceOp op,
                    CUstream_st* stream, CallOptions opts = {});
   // send holds world_size * recv_count elements; rank r receives block r of the reduction.
