@@ -51,6 +51,11 @@ TEST(DaemonWire, RequestsReadByTheDaemon) {
   ASSERT_TRUE(m.has_path());
   EXPECT_EQ(m.path().path(), "host-channels");
   EXPECT_EQ(m.path().why(), "every rank on this node");
+  EXPECT_EQ(m.path().gpu_memory_bytes(), 0u);
+
+  m = parsed(wire::PathReport{"hierarchical", "2 nodes x 4 GPUs", 311427072ull, 33556080ull});
+  EXPECT_EQ(m.path().gpu_memory_bytes(), 311427072ull);
+  EXPECT_EQ(m.path().pinned_host_bytes(), 33556080ull);
 
   m = parsed(wire::TraceDumpRequest{std::string(1000, 'x')});
   ASSERT_TRUE(m.has_trace_dump());
