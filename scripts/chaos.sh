@@ -1,16 +1,39 @@
 #!/usr/bin/env bash
-# Chaos trials (issue 17): kill -9 of a trainer or a daemon, and SIGSTOP of a trainer, in the
-# middle of allreduces, on a coordinator and daemons on loopback (each daemon one "node").
-# Each trial checks: every surviving trainer ends with an error within the limit (no hang),
-# the error names the culprit (a killed trainer's rank; for a daemon, a rank of its node or
-# its connection), no trainer process is left, the daemons that were not killed are alive,
-# their open descriptors did not grow, and they run a checked job right after (no wrong
-# result). A killed daemon is restarted for the next trial.
+# Chaos trials (issue 17) on a coordinator and one gradsyncd per "node", every process on this
+# machine. Each trial starts a job of `allreduce_worker loop` ranks (every result checked) and
+# does one of these kinds at a random moment:
+#   trainer      kill -9 of a trainer: every survivor fails within 1 s naming that rank
+#   daemon       kill -9 of a gradsyncd: every rank fails within 1 s naming a rank of that node
+#                or its lost daemon connection
+#   stop         SIGSTOP of a trainer (op timeout 3 s): every other rank fails within 4.5 s
+#                naming it or saying the rank at fault is not known
+#   coordinator  kill -9 of the coordinator. In memory (the default): the job goes on while it
+#                is down (every rank makes progress); started again on its port after 1.5-3.5 s,
+#                it has lost the job, and every rank fails within lease + 1 s of its return
+#                naming that ("forgotten by the coordinator ... restarted"). With --store etcd
+#                (an etcd and two coordinators): the leader is killed, the job goes on through
+#                the takeover, the killed one comes back as the standby, and `gradsyncctl abort`
+#                through the new leader ends every rank within 1 s
+#   pause        SIGSTOP of a gradsyncd for --pause-s (20), SIGCONT: every rank ends with a named
+#                error within 2 s of the resume; a pause shorter than the lease: the job goes on
+#   partition    (namespaces) a node's links go down for --partition-s (5) and come back: the
+#                other nodes' ranks end with a named error within the lease + 1 s of the cut,
+#                the cut node's within 5 s of the heal (TCP's retransmission backoff)
+#   lossy        (namespaces) 5% loss and 50 ms delay on every data packet between nodes: the
+#                job (--lossy-iters allreduces of --lossy-sizes floats, every result checked) passes
+# Every trial also checks: no wrong result (silent corruption), no trainer left, the daemons not
+# killed are alive with no more descriptors (2 of slack) and threads (4) than before, and a
+# checked job passes right after on the same daemons (a killed daemon is restarted first).
 #
 #   scripts/chaos.sh [--trials N] [--build DIR] [--proxy-tcp] [--placements "2x1 2x2 3x2"]
-#                    [--kinds "trainer daemon stop"] [--sizes "2 262144 4194304"]
-# Prints one line per trial and a summary; exits 1 if any trial failed. Figures for
-# docs/reliability.md: `scripts/chaos.sh --trials 500`.
+#                    [--kinds "trainer daemon stop coordinator pause partition lossy"]
+#                    [--sizes "2 262144 4194304"] [--store etcd] [--lease-ms 2000]
+#                    [--pause-s 20] [--partition-s 5] [--lossy-iters 10] [--lossy-sizes "2 1024 65536"]
+#                    [--netns]
+# `partition` and `lossy` (or --netns) run each node in a network namespace of its own
+# (scripts/chaos-net.sh); they need root, and are skipped with a message (exit 0 when nothing
+# else ran) where namespaces cannot be made. Prints one line per trial and a summary; exits 1
+# if any trial failed. CHAOS_VERBOSE=1 prints every survivor's error; CHAOS_KEEP=1 keeps the logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +43,13 @@ daemon_flags=()
 placements="2x1 2x2 3x2"
 kinds="trainer daemon stop"
 sizes="2 262144 4194304"  # floats: 8 B, 1 MiB, 16 MiB
+store=memory
+lease_ms=2000
+pause_s=20
+partition_s=5
+lossy_iters=10
+lossy_sizes="2 1024 65536"  # floats: 8 B, 4 KiB, 256 KiB (through 5% loss and 100 ms round trips)
+use_netns=0
 while (($#)); do
   case "$1" in
     --trials) trials=$2; shift 2 ;;
@@ -28,28 +58,69 @@ while (($#)); do
     --placements) placements=$2; shift 2 ;;
     --kinds) kinds=$2; shift 2 ;;
     --sizes) sizes=$2; shift 2 ;;
-    *) echo "usage: $0 [--trials N] [--build DIR] [--proxy-tcp] [--placements P] [--kinds K] [--sizes S]" >&2; exit 2 ;;
+    --store) store=$2; shift 2 ;;
+    --lease-ms) lease_ms=$2; shift 2 ;;
+    --pause-s) pause_s=$2; shift 2 ;;
+    --partition-s) partition_s=$2; shift 2 ;;
+    --lossy-iters) lossy_iters=$2; shift 2 ;;
+    --lossy-sizes) lossy_sizes=$2; shift 2 ;;
+    --netns) use_netns=1; shift ;;
+    *) sed -n '/^#   scripts/,/^#  *\[--netns\]/p' "$0" >&2; exit 2 ;;
   esac
 done
+case $store in memory|etcd) ;; *) echo "chaos: --store memory|etcd" >&2; exit 2 ;; esac
 bin=$(cd "$build/bin" && pwd) || { echo "chaos: no $build/bin (build first)" >&2; exit 2; }
 dir=$(mktemp -d "${TMPDIR:-/tmp}/gradsync-chaos-XXXXXX")
 export GRADSYNC_CLUSTER_SECRET=chaos-cluster-secret GRADSYNC_OPERATOR_TOKEN=chaos-operator
-coordinator_pid=""
+source scripts/chaos-net.sh
+
+read -r -a placement_list <<<"$placements"
+read -r -a kind_list <<<"$kinds"
+read -r -a size_list <<<"$sizes"
+read -r -a lossy_size_list <<<"$lossy_sizes"
+for k in "${kind_list[@]}"; do
+  case $k in
+    trainer|daemon|stop|coordinator|pause) ;;
+    partition|lossy) use_netns=1 ;;
+    *) echo "chaos: unknown kind $k" >&2; exit 2 ;;
+  esac
+done
+if ((use_netns)); then
+  why=$(net_unavailable)
+  if [ -n "$why" ]; then
+    echo "chaos: SKIPPED network namespaces: $why; the trials of kinds partition and lossy are not run"
+    kept=()
+    for k in "${kind_list[@]}"; do [ "$k" = partition ] || [ "$k" = lossy ] || kept+=("$k"); done
+    ((${#kept[@]})) || { rm -rf "$dir"; exit 0; }
+    kind_list=("${kept[@]}")
+    use_netns=0
+  else
+    export GRADSYNC_INSECURE=1  # plaintext gRPC between namespaces (never off this machine)
+  fi
+fi
+((use_netns)) && [ ! -x "$bin/lossy_link" ] && { echo "chaos: no $bin/lossy_link (build it)" >&2; exit 2; }
+[ "$store" = etcd ] && [ ! -x /usr/bin/etcd ] && { echo "chaos: --store etcd needs /usr/bin/etcd (etcd-server)" >&2; exit 2; }
+
+declare -a cpids=()   # coordinators (one in memory; two on etcd)
+declare -a cports=()
 declare -a dpids=()
 declare -a rpids=()
+etcd_pid=""
+leader=0
 
 cleanup() {
-  for p in "${rpids[@]}" "${dpids[@]}" $coordinator_pid; do
+  for p in "${rpids[@]}" "${dpids[@]}" "${cpids[@]}" $etcd_pid; do
     [ -n "$p" ] && kill -9 "$p" 2>/dev/null
   done
   wait 2>/dev/null
-  rm -rf "$dir"
+  ((use_netns)) && net_down
+  if [ -n "${CHAOS_KEEP:-}" ]; then echo "chaos: logs kept in $dir"; else rm -rf "$dir"; fi
 }
 trap cleanup EXIT
 
 now_ms() { date +%s%3N; }
 
-# Waits (up to $2 s) for file $1 to exist.
+# Waits (up to $2 s) for file $1 to exist and not be empty.
 wait_file() {
   local end=$(( $(now_ms) + $2 * 1000 ))
   while [ ! -s "$1" ]; do
@@ -57,28 +128,84 @@ wait_file() {
     sleep 0.02
   done
 }
+# Waits (up to $3 ms) for file $1 to hold a line matching $2 after its first $4 lines (0).
+wait_line() {
+  local end=$(( $(now_ms) + $3 )) skip=$((${4:-0} + 1))
+  until tail -n "+$skip" "$1" 2>/dev/null | grep -q "$2"; do
+    (( $(now_ms) > end )) && return 1
+    sleep 0.02
+  done
+}
+# Sets node_prefix to what runs a command in node $1's namespace (nothing without namespaces);
+# `ip netns exec` execs the command, so $! is the command's own pid.
+node_prefix=()
+set_node_prefix() { node_prefix=(); ((use_netns)) && node_prefix=(ip netns exec "$(net_ns "$1")"); }
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+listen_host() { ((use_netns)) && echo 0.0.0.0 || echo 127.0.0.1; }
+
+start_coordinator() {  # index (0 or 1)
+  local i=$1 args=(--lease-ms "$lease_ms")
+  [ "$store" = etcd ] && args+=(--store "etcd://127.0.0.1:$etcd_port/chaos" --election-ttl-s 2)
+  "$bin/gradsync-coordinator" --listen "$(listen_host):${cports[$i]}" "${args[@]}" >>"$dir/c$i.log" 2>&1 &
+  cpids[$i]=$!
+}
+
+# The coordinator addresses node i's daemon is given.
+coordinator_list() {
+  local host=127.0.0.1 out="" c
+  ((use_netns)) && host=$(net_coordinator_host "$1")
+  for c in "${!cports[@]}"; do out+="${out:+,}$host:${cports[$c]}"; done
+  echo "$out"
+}
 
 start_daemon() {  # index
-  local i=$1
+  local i=$1 data=127.0.0.1
+  ((use_netns)) && data=$(net_data_host "$i")
   rm -f "$dir/d$i.ready"
-  "$bin/gradsyncd" --coordinator "127.0.0.1:$port" --socket "$dir/d$i.sock" --node-name "node$i" \
-    --data-listen 127.0.0.1 --ready-file "$dir/d$i.ready" "${daemon_flags[@]}" >>"$dir/d$i.log" 2>&1 &
+  set_node_prefix "$i"
+  "${node_prefix[@]}" "$bin/gradsyncd" --coordinator "$(coordinator_list "$i")" --socket "$dir/d$i.sock" --node-name "node$i" \
+    --data-listen "$data" --ready-file "$dir/d$i.ready" "${daemon_flags[@]}" >>"$dir/d$i.log" 2>&1 &
   dpids[$i]=$!
-  wait_file "$dir/d$i.ready" 20 || { echo "chaos: gradsyncd $i did not start" >&2; exit 2; }
+  wait_file "$dir/d$i.ready" 20 || { echo "chaos: gradsyncd $i did not start: $(tail -3 "$dir/d$i.log")" >&2; exit 2; }
 }
 
 start_cluster() {  # daemons
-  "$bin/gradsync-coordinator" --listen 127.0.0.1:0 --port-file "$dir/port" --lease-ms 2000 >>"$dir/coordinator.log" 2>&1 &
-  coordinator_pid=$!
-  wait_file "$dir/port" 20 || { echo "chaos: coordinator did not start" >&2; exit 2; }
-  port=$(cat "$dir/port")
+  if ((use_netns)); then net_up "$1" "$bin/lossy_link" "$dir" || { echo "chaos: could not set up namespaces" >&2; exit 2; }; fi
+  if [ "$store" = etcd ]; then
+    etcd_port=$(free_port)
+    local peer_port; peer_port=$(free_port)
+    rm -rf "$dir/etcd"
+    local skip; skip=$(lines_of "$dir/etcd.log")
+    /usr/bin/etcd --name chaos --data-dir "$dir/etcd" --listen-client-urls "http://127.0.0.1:$etcd_port" \
+      --advertise-client-urls "http://127.0.0.1:$etcd_port" --listen-peer-urls "http://127.0.0.1:$peer_port" \
+      --initial-advertise-peer-urls "http://127.0.0.1:$peer_port" --initial-cluster "chaos=http://127.0.0.1:$peer_port" \
+      >>"$dir/etcd.log" 2>&1 &
+    etcd_pid=$!
+    wait_line "$dir/etcd.log" "ready to serve client requests" 20000 "$skip" || { echo "chaos: etcd did not start" >&2; exit 2; }
+    cports=("$(free_port)" "$(free_port)")
+    skip=$(lines_of "$dir/c0.log")
+    start_coordinator 0
+    wait_line "$dir/c0.log" "serving as the leader" 20000 "$skip" || { echo "chaos: coordinator 0 did not lead" >&2; exit 2; }
+    skip=$(lines_of "$dir/c1.log")
+    start_coordinator 1
+    wait_line "$dir/c1.log" "standing by" 20000 "$skip" || { echo "chaos: coordinator 1 did not stand by" >&2; exit 2; }
+    leader=0
+  else
+    cports=("$(free_port)")
+    local skip; skip=$(lines_of "$dir/c0.log")
+    start_coordinator 0
+    wait_line "$dir/c0.log" "listening on" 20000 "$skip" || { echo "chaos: coordinator did not start: $(tail -3 "$dir/c0.log")" >&2; exit 2; }
+  fi
   for ((i = 0; i < $1; i++)); do start_daemon "$i"; done
 }
 
 stop_cluster() {
-  for p in "${dpids[@]}" $coordinator_pid; do kill -9 "$p" 2>/dev/null; done
+  for p in "${dpids[@]}" "${cpids[@]}" $etcd_pid; do kill -9 "$p" 2>/dev/null; done
   wait 2>/dev/null
-  dpids=(); coordinator_pid=""; rm -f "$dir/port"
+  dpids=(); cpids=(); etcd_pid=""
+  ((use_netns)) && net_down
 }
 
 # Starts WORLD ranks over NODES daemons (ranks in order, PER per node) running `$@`.
@@ -87,31 +214,59 @@ spawn_ranks() {  # job nodes per -- args...
   rpids=()
   local world=$((nodes * per)) r=0
   for ((d = 0; d < nodes; d++)); do
+    set_node_prefix "$d"
     for ((l = 0; l < per; l++)); do
       RANK=$r WORLD_SIZE=$world LOCAL_RANK=$l LOCAL_WORLD_SIZE=$per GRADSYNC_DAEMON="$dir/d$d.sock" \
         GRADSYNC_JOB_ID=$job GRADSYNC_JOB_TOKEN=chaos GRADSYNC_JOIN_TIMEOUT_MS=30000 \
-        GRADSYNC_OP_TIMEOUT_MS=${op_timeout_ms:-60000} GRADSYNC_TUNE=0 "$bin/allreduce_worker" "$@" >"$dir/r$r.log" 2>&1 &
+        GRADSYNC_OP_TIMEOUT_MS=${op_timeout_ms:-60000} GRADSYNC_TUNE=0 \
+        "${node_prefix[@]}" "$bin/allreduce_worker" "$@" >"$dir/r$r.log" 2>&1 &
       rpids[$r]=$!
       r=$((r + 1))
     done
   done
 }
 
+lines_of() { cat "$1" 2>/dev/null | wc -l; }
 fd_count() { ls "/proc/$1/fd" 2>/dev/null | wc -l; }
+thread_count() { ls "/proc/$1/task" 2>/dev/null | wc -l; }
+iters_of() { grep -c "^ITER" "$dir/r$1.log" 2>/dev/null; }
+all_alive() { local p; for p in "${rpids[@]}"; do kill -0 "$p" 2>/dev/null || return 1; done; }
 
 pass=0
 fail=0
-worst_ms=0
-declare -A worst_by_kind=()
-log_fail() { echo "FAIL trial $1: $2"; fail=$((fail + 1)); }
+wrong=0
+hangs=0
+declare -A worst_by_kind=() trials_by_kind=() passed_by_kind=()
+log_fail() { echo "FAIL trial $1: $2"; fail=$((fail + 1)); ok=0; }
 
-read -r -a placement_list <<<"$placements"
-read -r -a kind_list <<<"$kinds"
-read -r -a size_list <<<"$sizes"
+# How long rank $1 may take to end, from $start.
+limit_of() { [ -n "$victim_limit_ms" ] && (( $1 / per == victim_node )) && echo "$victim_limit_ms" || echo "$limit_ms"; }
+
+# What a survivor's error must contain, by kind (the culprit, or what ended the job).
+named_pattern() {
+  case $kind in
+    trainer) echo "rank $victim\b" ;;
+    daemon)
+      local v p="lost the connection to gradsyncd|node node$victim_node\b"
+      for ((v = victim_node * per; v < (victim_node + 1) * per; v++)); do p+="|rank $v\b"; done
+      echo "$p" ;;
+    stop) echo "not known|rank $victim\b" ;;
+    coordinator) [ "$store" = etcd ] && echo "aborted by an operator" || echo "forgotten by the coordinator" ;;
+    # A rank of the node (its sockets closed), the node lost at the coordinator, or the daemon
+    # that found itself forgotten when it came back.
+    pause|partition)
+      local v p="forgotten by the coordinator|node lost|node node$victim_node\b"
+      for ((v = victim_node * per; v < (victim_node + 1) * per; v++)); do p+="|rank $v\b"; done
+      echo "$p" ;;
+  esac
+}
+
+trials_run=0
 current=""
 for ((t = 0; t < trials; t++)); do
-  placement=${placement_list[$((t % ${#placement_list[@]}))]}
-  kind=${kind_list[$(((t / ${#placement_list[@]}) % ${#kind_list[@]}))]}
+  # Placements in blocks (a new cluster for each), kinds in turn within a block.
+  placement=${placement_list[$((t * ${#placement_list[@]} / trials))]}
+  kind=${kind_list[$((t % ${#kind_list[@]}))]}
   size=${size_list[$((RANDOM % ${#size_list[@]}))]}
   nodes=${placement%x*}
   per=${placement#*x}
@@ -121,106 +276,201 @@ for ((t = 0; t < trials; t++)); do
     start_cluster "$nodes"
     current=$placement
   fi
-  declare -a fds_before=()
-  for ((d = 0; d < nodes; d++)); do fds_before[$d]=$(fd_count "${dpids[$d]}"); done
+  trials_run=$((trials_run + 1))
+  ok=1
+  declare -a fds_before=() threads_before=()
+  for ((d = 0; d < nodes; d++)); do
+    fds_before[$d]=$(fd_count "${dpids[$d]}")
+    threads_before[$d]=$(thread_count "${dpids[$d]}")
+  done
   job="chaos-$t"
   # A stopped rank is found by the op timeout: 3 s there, 60 s (never reached) otherwise.
   op_timeout_ms=60000
   [ "$kind" = stop ] && op_timeout_ms=3000
-  spawn_ranks "$job" "$nodes" "$per" -- loop "$size" 1000000
-  # Every rank in its loop, then a random moment in it.
-  ok=1
-  for ((r = 0; r < world; r++)); do
-    end=$(( $(now_ms) + 60000 ))
-    until grep -q LOOPING "$dir/r$r.log" 2>/dev/null; do
-      if (( $(now_ms) > end )) || ! kill -0 "${rpids[$r]}" 2>/dev/null; then ok=0; break; fi
-      sleep 0.02
-    done
-  done
-  if ((ok == 0)); then
-    log_fail "$t" "$placement $kind: a rank never started looping ($(cat "$dir"/r*.log | grep -v LOOPING | head -2 | tr '\n' ' '))"
-    for p in "${rpids[@]}"; do kill -9 "$p" 2>/dev/null; done
-    wait "${rpids[@]}" 2>/dev/null
-    continue
+  iters=1000000
+  if [ "$kind" = lossy ]; then
+    iters=$lossy_iters
+    size=${lossy_size_list[$((RANDOM % ${#lossy_size_list[@]}))]}
+    net_impair
   fi
-  sleep "0.$((RANDOM % 5))"
+  spawn_ranks "$job" "$nodes" "$per" -- loop "$size" "$iters"
+  start=$(now_ms)
   victim=$((RANDOM % world))
   victim_node=$((victim / per))
-  start=$(now_ms)
-  case $kind in
-    trainer) kill -9 "${rpids[$victim]}" ;;
-    stop) kill -STOP "${rpids[$victim]}" ;;
-    daemon) kill -9 "${dpids[$victim_node]}" ;;
-  esac
-  # Survivors: every rank but the victim (trainer, stop) or, for a daemon, every rank.
-  limit_ms=1000
-  [ "$kind" = stop ] && limit_ms=4500  # the op timeout (3 s), then the abort
+  detail=""
   declare -a exit_ms=()
-  for ((r = 0; r < world; r++)); do
-    if [ "$kind" != daemon ] && ((r == victim)); then continue; fi
-    end=$((start + limit_ms + 5000))
-    while kill -0 "${rpids[$r]}" 2>/dev/null && (( $(now_ms) < end )); do sleep 0.005; done
-    if kill -0 "${rpids[$r]}" 2>/dev/null; then
-      log_fail "$t" "$placement $kind victim $victim: rank $r still running $((limit_ms + 5000)) ms after (hang)"
-      ok=0
+  if [ "$kind" = lossy ]; then
+    # The job must pass through the loss and delay; each rank checked every result.
+    limit_ms=180000
+    for ((r = 0; r < world; r++)); do
+      if ! timeout $((limit_ms / 1000)) tail --pid="${rpids[$r]}" -f /dev/null; then
+        log_fail "$t" "$placement lossy: rank $r still running after $((limit_ms / 1000)) s (hang)"; hangs=$((hangs + 1))
+      fi
+    done
+    net_clear
+    wait "${rpids[@]}" 2>/dev/null
+    for ((r = 0; r < world; r++)); do
+      grep -q "^PASS" "$dir/r$r.log" || log_fail "$t" "$placement lossy size $((size * 4)) B: rank $r: $(grep -v '^ITER\|^LOOPING\|^JOINED' "$dir/r$r.log" | head -2 | tr '\n' ' ')"
+    done
+    trial_worst=$(( $(now_ms) - start ))
+    detail="$lossy_iters allreduces in $trial_worst ms"
+  else
+    # Every rank in its loop, then a random moment in it.
+    for ((r = 0; r < world; r++)); do
+      if ! wait_line "$dir/r$r.log" LOOPING 60000; then
+        log_fail "$t" "$placement $kind: rank $r never started looping ($(grep -v LOOPING "$dir/r$r.log" | head -2 | tr '\n' ' '))"
+        break
+      fi
+    done
+    if ((ok == 0)); then
+      for p in "${rpids[@]}"; do kill -9 "$p" 2>/dev/null; done
+      wait "${rpids[@]}" 2>/dev/null
       continue
     fi
-    exit_ms[$r]=$(( $(now_ms) - start ))
-  done
-  [ "$kind" = stop ] && kill -9 "${rpids[$victim]}" 2>/dev/null
-  for p in "${rpids[@]}"; do kill -9 "$p" 2>/dev/null; done
-  wait "${rpids[@]}" 2>/dev/null
-  trial_worst=0
-  for ((r = 0; r < world; r++)); do
-    [ -z "${exit_ms[$r]:-}" ] && continue
-    line=$(grep -m1 "FAILED" "$dir/r$r.log")
-    ms=${exit_ms[$r]}
-    ((ms > trial_worst)) && trial_worst=$ms
-    if [ -z "$line" ]; then
-      log_fail "$t" "$placement $kind victim $victim: rank $r ended without an error ($(tail -1 "$dir/r$r.log"))"; ok=0; continue
-    fi
-    if ((ms > limit_ms)); then log_fail "$t" "$placement $kind: rank $r took $ms ms: $line"; ok=0; fi
+    sleep "0.$((RANDOM % 5))"
+    start=$(now_ms)
+    limit_ms=1000
+    victim_limit_ms=""     # another limit for the victim node's ranks
+    survivors_of_victim=0  # the victim's own rank is not checked (trainer, stop)
+    goes_on=0              # the job must go on (no rank may end) instead of failing
     case $kind in
-      trainer)
-        grep -qE "rank $victim\b" <<<"$line" || { log_fail "$t" "$placement trainer $victim: rank $r names another culprit: $line"; ok=0; } ;;
-      daemon)
-        # A rank of the dead daemon's node, or its own lost daemon connection.
-        named=0
-        for ((v = victim_node * per; v < (victim_node + 1) * per; v++)); do grep -qE "rank $v\b" <<<"$line" && named=1; done
-        grep -q "lost the connection to gradsyncd\|node node$victim_node\b" <<<"$line" && named=1
-        ((named)) || { log_fail "$t" "$placement daemon of node $victim_node: rank $r names no rank of it: $line"; ok=0; } ;;
-      stop)
-        grep -q "not known\|rank $victim\b" <<<"$line" || { log_fail "$t" "$placement stop $victim: rank $r: $line"; ok=0; } ;;
+      trainer) kill -9 "${rpids[$victim]}"; survivors_of_victim=1 ;;
+      stop) kill -STOP "${rpids[$victim]}"; survivors_of_victim=1; limit_ms=4500 ;;  # op timeout 3 s, then the abort
+      daemon) kill -9 "${dpids[$victim_node]}" ;;
+      coordinator)
+        declare -a before=()
+        for ((r = 0; r < world; r++)); do before[$r]=$(iters_of "$r"); done
+        killed=$leader
+        other=$((1 - leader))
+        other_lines=$(lines_of "$dir/c$other.log")
+        killed_lines=$(lines_of "$dir/c$killed.log")
+        kill -9 "${cpids[$leader]}"; wait "${cpids[$leader]}" 2>/dev/null
+        if [ "$store" = etcd ]; then
+          # The standby takes over within the election TTL (2 s) + ~0.7 s; the job never notices.
+          if wait_line "$dir/c$other.log" "serving as the leader" 5000 "$other_lines"; then
+            detail="takeover after $(( $(now_ms) - start )) ms"
+          else
+            log_fail "$t" "coordinator $other did not take over within 5 s"
+          fi
+          leader=$other
+          sleep 1
+        else
+          outage=$((1500 + RANDOM % 2000))
+          sleep "$((outage / 1000)).$(printf %03d $((outage % 1000)))"
+          detail="down $outage ms"
+        fi
+        # While it was down (or changing hands) the job went on: no rank ended, each progressed.
+        for ((r = 0; r < world; r++)); do
+          kill -0 "${rpids[$r]}" 2>/dev/null || log_fail "$t" "$placement coordinator kill: rank $r ended while the coordinator was down: $(grep -m1 'FAILED\|WRONG' "$dir/r$r.log")"
+          (( $(iters_of "$r") > before[r] )) || log_fail "$t" "$placement coordinator kill: rank $r made no progress while the coordinator was down"
+        done
+        start_coordinator "$killed"
+        if [ "$store" = etcd ]; then
+          # Back as the standby; then the operator ends the job through the new leader.
+          wait_line "$dir/c$killed.log" "standing by" 20000 "$killed_lines" || log_fail "$t" "the restarted coordinator did not stand by"
+          start=$(now_ms)
+          "$bin/gradsyncctl" --coordinator "$(coordinator_list 0)" abort "$job" --reason "chaos trial $t" >>"$dir/ctl.log" 2>&1 ||
+            log_fail "$t" "gradsyncctl abort through the new leader failed: $(tail -1 "$dir/ctl.log")"
+        else
+          # In memory: the coordinator that comes back has lost the job; the daemons hear so on
+          # their next heartbeat (a third of the lease) and end it.
+          wait_line "$dir/c$killed.log" "listening on" 20000 "$killed_lines" || log_fail "$t" "the coordinator did not start again"
+          start=$(now_ms)
+          limit_ms=$((lease_ms + 1000))
+        fi ;;
+      pause)
+        kill -STOP "${dpids[$victim_node]}"
+        sleep "$pause_s"
+        kill -CONT "${dpids[$victim_node]}"
+        detail="paused ${pause_s} s"
+        start=$(now_ms)  # every rank ends within 2 s of the resume
+        limit_ms=2000
+        ((pause_s * 1000 < lease_ms)) && goes_on=1 ;;
+      partition)
+        # From the cut: the other nodes' ranks end within the lease + 1 s (the coordinator
+        # drops the node); the cut node's within 5 s of the heal (its daemon finds itself
+        # forgotten, or its sockets are reset, once TCP's retransmission backoff tries again).
+        net_cut "$victim_node"
+        sleep "$partition_s"
+        net_heal "$victim_node"
+        detail="node $victim_node cut off ${partition_s} s"
+        limit_ms=$((lease_ms + 1000))
+        victim_limit_ms=$((partition_s * 1000 + 5000)) ;;
     esac
-  done
+    if ((goes_on)); then
+      sleep 2
+      all_alive || log_fail "$t" "$placement $kind: a rank ended although the pause was within the lease"
+      limit_ms=0
+    fi
+    for ((r = 0; r < world; r++)); do
+      ((goes_on)) && break
+      if ((survivors_of_victim)) && ((r == victim)); then continue; fi
+      end=$((start + $(limit_of "$r") + 5000))
+      while kill -0 "${rpids[$r]}" 2>/dev/null && (( $(now_ms) < end )); do sleep 0.005; done
+      if kill -0 "${rpids[$r]}" 2>/dev/null; then
+        log_fail "$t" "$placement $kind victim $victim: rank $r still running $(( $(limit_of "$r") + 5000)) ms after (hang)"
+        hangs=$((hangs + 1))
+        continue
+      fi
+      exit_ms[$r]=$(( $(now_ms) - start ))
+    done
+    [ "$kind" = stop ] && kill -9 "${rpids[$victim]}" 2>/dev/null
+    for p in "${rpids[@]}"; do kill -9 "$p" 2>/dev/null; done
+    wait "${rpids[@]}" 2>/dev/null
+    trial_worst=0
+    pattern=$(named_pattern)
+    for ((r = 0; r < world; r++)); do
+      [ -z "${exit_ms[$r]:-}" ] && continue
+      line=$(grep -m1 "FAILED" "$dir/r$r.log")
+      ms=${exit_ms[$r]}
+      ((ms > trial_worst)) && trial_worst=$ms
+      [ -n "${CHAOS_VERBOSE:-}" ] && echo "  rank $r after $ms ms: ${line:-(no error)}"
+      if [ -z "$line" ]; then
+        log_fail "$t" "$placement $kind victim $victim: rank $r ended without an error ($(tail -1 "$dir/r$r.log"))"; continue
+      fi
+      (( ms > $(limit_of "$r") )) && log_fail "$t" "$placement $kind: rank $r took $ms ms: $line"
+      grep -qE "$pattern" <<<"$line" || log_fail "$t" "$placement $kind victim $victim (node $victim_node): rank $r names another culprit: $line"
+    done
+  fi
+  n_wrong=$(cat "$dir"/r*.log | grep -c "^WRONG")
+  ((n_wrong)) && { wrong=$((wrong + n_wrong)); log_fail "$t" "$n_wrong wrong results: $(grep -h -m1 '^WRONG' "$dir"/r*.log | head -1)"; }
   if [ "$kind" = daemon ]; then
     wait "${dpids[$victim_node]}" 2>/dev/null
     start_daemon "$victim_node"
     fds_before[$victim_node]=$(fd_count "${dpids[$victim_node]}")
+    threads_before[$victim_node]=$(thread_count "${dpids[$victim_node]}")
   fi
-  # The daemons serve a checked job; then their descriptors are back where they were.
+  # The daemons serve a checked job; then their descriptors and threads are back where they were.
   op_timeout_ms=60000
   spawn_ranks "check-$t" "$nodes" "$per" -- check 0,1,1000,262144
   for ((r = 0; r < world; r++)); do
-    if ! timeout 60 tail --pid="${rpids[$r]}" -f /dev/null; then log_fail "$t" "check job rank $r hung"; ok=0; fi
+    if ! timeout 60 tail --pid="${rpids[$r]}" -f /dev/null; then log_fail "$t" "check job rank $r hung"; hangs=$((hangs + 1)); fi
   done
+  for p in "${rpids[@]}"; do kill -9 "$p" 2>/dev/null; done
   wait "${rpids[@]}" 2>/dev/null
   for ((r = 0; r < world; r++)); do
-    grep -q PASS "$dir/r$r.log" || { log_fail "$t" "$placement: the next job failed on rank $r: $(grep -v ok "$dir/r$r.log" | head -2 | tr '\n' ' ')"; ok=0; }
+    grep -q PASS "$dir/r$r.log" || log_fail "$t" "$placement: the next job failed on rank $r: $(grep -v ok "$dir/r$r.log" | head -2 | tr '\n' ' ')"
+    grep -q "^count=.*: element" "$dir/r$r.log" && wrong=$((wrong + 1))
   done
   sleep 0.3
   for ((d = 0; d < nodes; d++)); do
-    kill -0 "${dpids[$d]}" 2>/dev/null || { log_fail "$t" "gradsyncd $d died"; ok=0; start_daemon "$d"; continue; }
+    kill -0 "${dpids[$d]}" 2>/dev/null || { log_fail "$t" "gradsyncd $d died"; start_daemon "$d"; continue; }
     after=$(fd_count "${dpids[$d]}")
     # A little slack: a gRPC connection to the coordinator may come and go.
-    if ((after > fds_before[d] + 2)); then log_fail "$t" "gradsyncd $d holds $after descriptors, $((fds_before[d])) before the trial"; ok=0; fi
+    ((after > fds_before[d] + 2)) && log_fail "$t" "gradsyncd $d holds $after descriptors, $((fds_before[d])) before the trial"
+    after=$(thread_count "${dpids[$d]}")
+    ((after > threads_before[d] + 4)) && log_fail "$t" "gradsyncd $d runs $after threads, $((threads_before[d])) before the trial"
   done
-  leftover=$(pgrep -f "$bin/allreduce_worker" | wc -l)
-  ((leftover > 0)) && { log_fail "$t" "$leftover trainer processes left"; ok=0; }
-  ((ok)) && pass=$((pass + 1))
-  key="$kind"
-  ((trial_worst > ${worst_by_kind[$key]:-0})) && worst_by_kind[$key]=$trial_worst
-  echo "trial $t: $placement $kind victim $victim size $((size * 4)) B: slowest survivor $trial_worst ms $([ "$ok" = 1 ] && echo ok || echo FAILED)"
+  for ((r = 0; r < world; r++)); do
+    kill -0 "${rpids[$r]}" 2>/dev/null && log_fail "$t" "trainer $r (pid ${rpids[$r]}) is left"
+  done
+  ((ok)) && pass=$((pass + 1)) && passed_by_kind[$kind]=$(( ${passed_by_kind[$kind]:-0} + 1 ))
+  trials_by_kind[$kind]=$(( ${trials_by_kind[$kind]:-0} + 1 ))
+  ((trial_worst > ${worst_by_kind[$kind]:-0})) && worst_by_kind[$kind]=$trial_worst
+  echo "trial $t: $placement $kind victim $victim size $((size * 4)) B${detail:+ ($detail)}: slowest $trial_worst ms $([ "$ok" = 1 ] && echo ok || echo FAILED)"
 done
-echo "chaos: $pass of $trials trials passed; slowest survivor by kind:$(for k in "${!worst_by_kind[@]}"; do printf ' %s %s ms' "$k" "${worst_by_kind[$k]}"; done)"
+echo "chaos: $pass of $trials_run trials passed ($([ ${#daemon_flags[@]} -gt 0 ] && echo proxy || echo rank sockets), store $store); wrong results $wrong; hangs $hangs"
+for k in "${!trials_by_kind[@]}"; do
+  echo "chaos:   $k: ${passed_by_kind[$k]:-0} of ${trials_by_kind[$k]} passed; slowest ${worst_by_kind[$k]:-0} ms"
+done
 ((fail == 0))

@@ -16,8 +16,11 @@ constexpr std::chrono::milliseconds kTraceCallTimeout{3'000};
 // fails, so the page gets longer; a busy coordinator is retried (below) until kTableTimeout.
 constexpr std::chrono::milliseconds kTablePageTimeout{20'000};
 constexpr std::chrono::milliseconds kTableTimeout{60'000};
-// Pause before re-opening a broken event stream.
+// Pause before re-opening an event stream that ended (the coordinator is up).
 constexpr std::chrono::milliseconds kRetryPause{500};
+// gRPC's longest pause between connection attempts to a coordinator that is down (its default
+// is 2 minutes): a restarted coordinator is found within about this.
+constexpr std::chrono::milliseconds kMaxReconnect{250};
 
 // Jittered exponential backoff: attempt 0 waits 50-100 ms, doubling up to 1-2 s, so that a
 // herd of daemons retrying a busy coordinator spreads out instead of arriving together.
@@ -65,7 +68,7 @@ CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::Chan
   }
   grpc::ChannelArguments args;
   // Reconnect quickly after a coordinator restart instead of gRPC's default backoff (up to 2 min).
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, int(kMaxReconnect.count()));
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   // After a failed connection gRPC asks its resolver again, and the DNS resolver answers at
   // most every 30 s by default: calls failed "Connection refused" for seconds after the
@@ -176,6 +179,8 @@ Status CoordinatorLink::register_node() {
   auth_->set_node(resp.node_id(), key);
   std::lock_guard lock(mu_);
   node_id_ = resp.node_id();
+  ++registrations_;
+  cv_.notify_all();  // a join that found the node unknown waits for this (join)
   lease_ms_ = std::max<uint32_t>(resp.lease_ms(), 300);
   log::get("daemon")->info("registered with coordinator {} as node={} lease={}ms", address, node_id_, lease_ms_);
   return Status::Ok();
@@ -211,15 +216,49 @@ std::string CoordinatorLink::node_id() const {
   return node_id_;
 }
 
+namespace {
+
+// Why a coordinator answered a heartbeat NOT_FOUND, from what this daemon saw since its last
+// acknowledged heartbeat `silent_ms` ago: heartbeats that failed (the coordinator was down or
+// cut off), none sent (this process was paused), or an acknowledgement within the lease (the
+// coordinator restarted, losing what it kept in memory).
+std::string forgotten_cause(int64_t silent_ms, int failed, int refused, uint32_t lease_ms) {
+  const std::string lease = " (its lease is " + std::to_string(lease_ms) + " ms)";
+  const std::string in_memory =
+      "(a coordinator keeps them in memory unless it runs with --store etcd://...)";
+  if (silent_ms < lease_ms) {
+    return "its last heartbeat was acknowledged " + std::to_string(silent_ms) + " ms ago" + lease +
+           ", so the coordinator restarted and lost the node and its jobs " + in_memory;
+  }
+  if (failed > 0 && refused == failed) {
+    return "the coordinator refused every heartbeat for " + std::to_string(silent_ms) + " ms" + lease +
+           " (it was down), and came back without the node and its jobs: it restarted and lost them " + in_memory;
+  }
+  if (failed > 0) {
+    return "it could not reach the coordinator for " + std::to_string(silent_ms) + " ms" + lease + " (" +
+           std::to_string(failed) + " heartbeats failed: a network partition or a coordinator outage), and the "
+           "coordinator gave up the node and its jobs, or restarted without a store";
+  }
+  return "no heartbeat went out for " + std::to_string(silent_ms) + " ms" + lease +
+         ": this gradsyncd was paused (SIGSTOP, a debugger) or starved, and the coordinator gave up the node and "
+         "its jobs";
+}
+
+}  // namespace
+
 void CoordinatorLink::heartbeat_loop() {
   auto log = log::get("daemon");
+  auto acknowledged = Clock::now();  // the registration counts as one
+  int failed = 0;                    // heartbeats that failed since then ...
+  int refused = 0;                   // ... of which with a refused connection (nobody listened)
   std::unique_lock lock(mu_);
   while (!stopping_) {
     // A third of the lease: two heartbeats may be lost before the lease expires.
     cv_.wait_for(lock, std::chrono::milliseconds(lease_ms_ / 3));
     if (stopping_) return;
     std::string id = node_id_;
-    const std::chrono::milliseconds period(lease_ms_ / 3);
+    const uint32_t lease_ms = lease_ms_;
+    const std::chrono::milliseconds period(lease_ms / 3);
     lock.unlock();
     v1::HeartbeatRequest req;
     req.set_node_id(id);
@@ -234,11 +273,22 @@ void CoordinatorLink::heartbeat_loop() {
         },
         deadline_after(period), &address);
     if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-      log->warn("coordinator {} forgot node={} (restarted or lease expired); re-registering", address, id);
-      if (on_forgotten_) on_forgotten_(id);
-      (void)register_node();
+      const auto silent_ms =
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - acknowledged).count();
+      const std::string cause = forgotten_cause(silent_ms, failed, refused, lease_ms);
+      log->warn("coordinator {} forgot node={}: {}; re-registering", address, id, cause);
+      if (on_forgotten_) on_forgotten_(id, cause);
+      if (register_node().ok()) {
+        acknowledged = Clock::now();
+        failed = refused = 0;
+      }
     } else if (!s.ok()) {
+      ++failed;
+      if (s.error_message().find("refused") != std::string::npos) ++refused;
       log->warn("heartbeat to coordinator {} failed: {}", address, s.error_message());
+    } else {
+      acknowledged = Clock::now();
+      failed = refused = 0;
     }
     lock.lock();
   }
@@ -264,10 +314,19 @@ void CoordinatorLink::watch_loop() {
     std::unique_lock lock(mu_);
     watch_ctx_ = nullptr;
     if (stopping_) return;
+    // The coordinator does not know this node (it restarted without a store, or dropped the
+    // node): wake the heartbeat, which finds out at once and ends the node's jobs, so that every
+    // node hears of a restart within this retry pause of it, not a heartbeat period apart.
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) cv_.notify_all();
     log->debug("event stream from {} ended: {}", targets_[index].address, s.error_message());
     // Another coordinator to try: soon (a standby may name a leader that just died, so never
     // at once: that would spin); the same one again: after a longer pause.
-    cv_.wait_for(lock, current_ != index ? backoff(1) : kRetryPause);
+    // A coordinator that is down: soon too (gRPC's reconnect backoff, at most kMaxReconnect,
+    // bounds the connection attempts), so that every node finds a restarted one within about
+    // that, and the nodes end the jobs it lost together (within the ranks' 500 ms grace for an
+    // abort after a broken socket), not a retry pause apart.
+    const bool down = s.error_code() == grpc::StatusCode::UNAVAILABLE || s.error_code() == grpc::StatusCode::NOT_FOUND;
+    cv_.wait_for(lock, current_ != index ? backoff(1) : down ? backoff(0) : kRetryPause);
   }
 }
 
@@ -276,20 +335,36 @@ Result<v1::JoinJobResponse> CoordinatorLink::join(v1::JoinJobRequest req,
   // The coordinator fails the join itself at `timeout`; our deadline is a backstop. A join cut
   // off by the leader's death is made again at the new leader, with what is left of `timeout`.
   const Deadline deadline = deadline_after(timeout);
-  req.set_node_id(node_id());
   auth_->set_job_token(req.job_id(), req.token());  // the job's later calls carry it
   v1::JoinJobResponse resp;
   std::string address;
-  grpc::Status st = with_failover(
-      [&](v1::Coordinator::Stub& stub) {
-        grpc::ClientContext ctx;
-        const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
-                                   std::chrono::milliseconds(1));
-        set_deadline(ctx, left + kCallTimeout);
-        req.set_timeout_ms(static_cast<uint32_t>(left.count()));
-        return stub.JoinJob(&ctx, req, &resp);
-      },
-      deadline, &address);
+  grpc::Status st;
+  for (int attempt = 0;; ++attempt) {
+    uint64_t registered;
+    {
+      std::lock_guard lock(mu_);
+      req.set_node_id(node_id_);
+      registered = registrations_;
+    }
+    st = with_failover(
+        [&](v1::Coordinator::Stub& stub) {
+          grpc::ClientContext ctx;
+          const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+                                     std::chrono::milliseconds(1));
+          set_deadline(ctx, left + kCallTimeout);
+          req.set_timeout_ms(static_cast<uint32_t>(left.count()));
+          return stub.JoinJob(&ctx, req, &resp);
+        },
+        deadline, &address);
+    if (st.error_code() != grpc::StatusCode::NOT_FOUND || attempt > 0) break;
+    // The coordinator does not know this node (it restarted before the heartbeat found out):
+    // wake the heartbeat, which registers again, then join once more.
+    // At most a lease (three heartbeat periods): the heartbeat may be in a call just now.
+    std::unique_lock lock(mu_);
+    cv_.notify_all();
+    const Deadline until = std::min(deadline, Clock::now() + std::chrono::milliseconds(lease_ms_));
+    if (!cv_.wait_until(lock, until, [&] { return registrations_ != registered || stopping_; }) || stopping_) break;
+  }
   Status s = from_grpc(st, "join of job " + req.job_id(), address);
   if (!s.ok()) return s;
   return resp;

@@ -43,9 +43,11 @@ class CoordinatorLink {
   // background threads, re-registering if the coordinator forgot this node.
   Status start(std::chrono::milliseconds timeout);
   // Called (on the heartbeat thread, before re-registering) when the coordinator no longer
-  // knows this node: its lease expired (the daemon was paused or cut off) or it restarted.
+  // knows this node: its lease expired (the daemon was paused or cut off) or it restarted
+  // without a store. `cause` says which, as far as the heartbeats tell (forgotten_cause).
   // Set before start().
-  void set_on_forgotten(std::function<void(const std::string& node_id)> fn) { on_forgotten_ = std::move(fn); }
+  using ForgottenHandler = std::function<void(const std::string& node_id, const std::string& cause)>;
+  void set_on_forgotten(ForgottenHandler fn) { on_forgotten_ = std::move(fn); }
   void stop();
 
   std::string node_id() const;
@@ -93,7 +95,7 @@ class CoordinatorLink {
   v1::NodeInfo node_;  // set once in the constructor
   const EventHandler on_event_;
   const std::shared_ptr<CallAuth> auth_;
-  std::function<void(const std::string&)> on_forgotten_;
+  ForgottenHandler on_forgotten_;
   std::vector<Target> targets_;  // fixed after the constructor
   size_t current_ = 0;           // guarded by mu_
   log::RateLimit failover_logs_;
@@ -101,6 +103,7 @@ class CoordinatorLink {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::string node_id_;
+  uint64_t registrations_ = 0;  // RegisterNode calls that succeeded (cv_ is notified)
   uint32_t lease_ms_ = 5000;
   bool stopping_ = false;
   grpc::ClientContext* watch_ctx_ = nullptr;  // to cancel the stream on stop

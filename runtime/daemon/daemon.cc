@@ -192,7 +192,7 @@ Status Daemon::start() {
   link_ = std::make_unique<CoordinatorLink>(cfg_.coordinator, *credentials,
                                             std::make_shared<CallAuth>(cfg_.cluster_secret, ""), node,
                                             [this](const v1::Event& ev) { on_event(ev); });
-  link_->set_on_forgotten([this](const std::string& node_id) { forgotten(node_id); });
+  link_->set_on_forgotten([this](const std::string& node_id, const std::string& cause) { forgotten(node_id, cause); });
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
 
   trainer_acceptor_ = std::thread([this] {

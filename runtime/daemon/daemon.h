@@ -104,9 +104,10 @@ class Daemon {
   void abort(const std::shared_ptr<LocalJob>& job, int failed_rank, const std::string& reason,
              bool tell);
   void on_event(const v1::Event& ev);
-  // The coordinator forgot this node (CoordinatorLink::set_on_forgotten): it has aborted the
-  // node's running jobs, so their local ranks are aborted here too.
-  void forgotten(const std::string& node_id);
+  // The coordinator forgot this node (CoordinatorLink::set_on_forgotten) for `cause`: it has
+  // aborted the node's running jobs, or lost them in a restart, so their local ranks are
+  // aborted here too.
+  void forgotten(const std::string& node_id, const std::string& cause);
   // Reads the job's local flight recorders and writes them to the log directory; returns the
   // path ("" when there was nothing to write). Takes mu_.
   std::string dump_traces(const std::shared_ptr<LocalJob>& job, const std::string& why);

@@ -207,7 +207,7 @@ void Daemon::on_event(const v1::Event& ev) {
   abort(job, ev.failed_rank(), ev.reason(), false);
 }
 
-void Daemon::forgotten(const std::string& node_id) {
+void Daemon::forgotten(const std::string& node_id, const std::string& cause) {
   std::vector<std::shared_ptr<LocalJob>> running;
   {
     std::lock_guard lock(mu_);
@@ -217,11 +217,11 @@ void Daemon::forgotten(const std::string& node_id) {
   }
   for (auto& job : running) {
     // The coordinator aborted these generations when it dropped the node (and the other nodes
-    // heard it then); this node's ranks hear it now instead of waiting for their op timeout.
+    // heard it then), or lost them in a restart; this node's ranks hear it now instead of
+    // waiting for their op timeout.
     abort(job, -1,
           job->ids() + ": gradsyncd on " + hostname_ + " (node " + node_id + ") was forgotten by the coordinator at " +
-              link_->address() + ": it was paused or cut off from it for longer than its lease, and the coordinator "
-              "gave up the node's jobs",
+              link_->address() + ": " + cause,
           false);
   }
 }

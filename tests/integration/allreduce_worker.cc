@@ -2,7 +2,9 @@
 // (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GRADSYNC_*), then
 //   check COUNTS   allreduce every count (comma list), in-place and out-of-place, checking
 //                  exact results (integer-valued floats); prints "PASS" at the end
-//   loop COUNT N   N allreduces of COUNT elements (for kill tests); prints each failure
+//   loop COUNT N   N allreduces of COUNT elements (for kill tests), each result checked (a
+//                  wrong one prints "WRONG ..."); "ITER n" about every 500 ms; prints a failure
+//                  as "FAILED after MS ms: STATUS"
 //   paced COUNT    allreduces of COUNT elements every 10 ms, each checked, "ITER n" every 50,
 //                  until aborted (exit 1, the error on stderr) or 120 s (rank 0 decides when,
 //                  so every rank makes the same calls; "PASS")
@@ -83,18 +85,31 @@ int check(gradsync::Communicator& comm, const std::vector<size_t>& counts) {
 }
 
 int loop(gradsync::Communicator& comm, size_t count, int iters) {
+  using Clock = std::chrono::steady_clock;
   std::vector<float> buf(count, 1.0f);
+  const float want = static_cast<float>(comm.world_size());
+  auto printed = Clock::now();
   for (int it = 0; it < iters; ++it) {
-    auto t0 = std::chrono::steady_clock::now();
+    auto t0 = Clock::now();
     gradsync::Status s = comm.allreduce(buf.data(), count, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
     if (!s.ok()) {
-      double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
       std::fprintf(stderr, "FAILED after %.0f ms: %s\n", ms, s.to_string().c_str());
+      return 1;
+    }
+    // Chaos trials count silent corruptions: every element of every result is checked.
+    auto bad = std::find_if(buf.begin(), buf.end(), [want](float v) { return v != want; });
+    if (bad != buf.end()) {
+      std::fprintf(stderr, "WRONG at iteration %d: element %zu is %g, expected %g\n", it,
+                   static_cast<size_t>(bad - buf.begin()), *bad, want);
       return 1;
     }
     std::fill(buf.begin(), buf.end(), 1.0f);
     if (it == 0) std::printf("LOOPING\n");
-    std::fflush(stdout);
+    if (Clock::now() - printed > std::chrono::milliseconds(500)) {
+      std::printf("ITER %d\n", it);
+      printed = Clock::now();
+    }
   }
   std::printf("PASS\n");
   return 0;
