@@ -17,10 +17,11 @@
 #   pause        SIGSTOP of a gradsyncd for --pause-s (20), SIGCONT: every rank ends with a named
 #                error within 2 s of the resume; a pause shorter than the lease: the job goes on
 #   partition    (namespaces) a node's links go down for --partition-s (5) and come back: the
-#                other nodes' ranks end with a named error within the lease + 1 s of the cut,
+#                other nodes' ranks end with a named error within the lease + 2 s of the cut,
 #                the cut node's within 5 s of the heal (TCP's retransmission backoff)
 #   lossy        (namespaces) 5% loss and 50 ms delay on every data packet between nodes: the
-#                job (--lossy-iters allreduces of --lossy-sizes floats, every result checked) passes
+#                job (--lossy-iters allreduces, every result checked) passes
+#                (partition and lossy trials take their sizes from --net-sizes: the relay is slow)
 # Every trial also checks: no wrong result (silent corruption), no trainer left, the daemons not
 # killed are alive with no more descriptors (2 of slack) and threads (4) than before, and a
 # checked job passes right after on the same daemons (a killed daemon is restarted first).
@@ -28,7 +29,7 @@
 #   scripts/chaos.sh [--trials N] [--build DIR] [--proxy-tcp] [--placements "2x1 2x2 3x2"]
 #                    [--kinds "trainer daemon stop coordinator pause partition lossy"]
 #                    [--sizes "2 262144 4194304"] [--store etcd] [--lease-ms 2000]
-#                    [--pause-s 20] [--partition-s 5] [--lossy-iters 10] [--lossy-sizes "2 1024 65536"]
+#                    [--pause-s 20] [--partition-s 5] [--lossy-iters 10] [--net-sizes "2 1024 65536"]
 #                    [--netns]
 # `partition` and `lossy` (or --netns) run each node in a network namespace of its own
 # (scripts/chaos-net.sh); they need root, and are skipped with a message (exit 0 when nothing
@@ -48,7 +49,7 @@ lease_ms=2000
 pause_s=20
 partition_s=5
 lossy_iters=10
-lossy_sizes="2 1024 65536"  # floats: 8 B, 4 KiB, 256 KiB (through 5% loss and 100 ms round trips)
+net_sizes="2 1024 65536"  # floats: 8 B, 4 KiB, 256 KiB (through lossy_link; 5% loss and 100 ms round trips)
 use_netns=0
 while (($#)); do
   case "$1" in
@@ -63,7 +64,7 @@ while (($#)); do
     --pause-s) pause_s=$2; shift 2 ;;
     --partition-s) partition_s=$2; shift 2 ;;
     --lossy-iters) lossy_iters=$2; shift 2 ;;
-    --lossy-sizes) lossy_sizes=$2; shift 2 ;;
+    --net-sizes) net_sizes=$2; shift 2 ;;
     --netns) use_netns=1; shift ;;
     *) sed -n '/^#   scripts/,/^#  *\[--netns\]/p' "$0" >&2; exit 2 ;;
   esac
@@ -77,7 +78,7 @@ source scripts/chaos-net.sh
 read -r -a placement_list <<<"$placements"
 read -r -a kind_list <<<"$kinds"
 read -r -a size_list <<<"$sizes"
-read -r -a lossy_size_list <<<"$lossy_sizes"
+read -r -a net_size_list <<<"$net_sizes"
 for k in "${kind_list[@]}"; do
   case $k in
     trainer|daemon|stop|coordinator|pause) ;;
@@ -166,7 +167,7 @@ start_daemon() {  # index
   rm -f "$dir/d$i.ready"
   set_node_prefix "$i"
   "${node_prefix[@]}" "$bin/gradsyncd" --coordinator "$(coordinator_list "$i")" --socket "$dir/d$i.sock" --node-name "node$i" \
-    --data-listen "$data" --ready-file "$dir/d$i.ready" "${daemon_flags[@]}" >>"$dir/d$i.log" 2>&1 &
+    --data-listen "$data" --data-host "$data" --ready-file "$dir/d$i.ready" "${daemon_flags[@]}" >>"$dir/d$i.log" 2>&1 &
   dpids[$i]=$!
   wait_file "$dir/d$i.ready" 20 || { echo "chaos: gradsyncd $i did not start: $(tail -3 "$dir/d$i.log")" >&2; exit 2; }
 }
@@ -239,6 +240,39 @@ hangs=0
 declare -A worst_by_kind=() trials_by_kind=() passed_by_kind=()
 log_fail() { echo "FAIL trial $1: $2"; fail=$((fail + 1)); ok=0; }
 
+# Until $1 (ms), notes in exit_at[r] when each rank that ends does so.
+poll_exits() {
+  local r
+  while (( $(now_ms) < $1 )); do
+    for ((r = 0; r < world; r++)); do
+      [ -z "${exit_at[$r]:-}" ] && { ! kill -0 "${rpids[$r]}" 2>/dev/null || grep -q "^FAILED" "$dir/r$r.log"; } &&
+        exit_at[$r]=$(now_ms)
+    done
+    sleep 0.01
+  done
+}
+# When rank $1 ended: its failed call's return ("FAILED after .. ms (at EPOCH_MS)"), else its exit
+# (a rank whose daemon is paused prints its error at once but exits only once leave() returns).
+ended_at() {
+  local at; at=$(sed -n 's/^FAILED after [0-9]* ms (at \([0-9]*\)).*/\1/p' "$dir/r$1.log" | head -1)
+  echo "${at:-${exit_at[$1]}}"
+}
+# ", node D's ranks ended A-B ms after it began$2" for the ranks that ended, by node.
+exits_since() {
+  local d r out="" lo hi
+  for ((d = 0; d < nodes; d++)); do
+    lo=""; hi=""
+    for ((r = d * per; r < (d + 1) * per; r++)); do
+      [ -z "${exit_at[$r]:-}" ] && continue
+      local ms=$(( $(ended_at "$r") - $1 ))
+      [ -z "$lo" ] || ((ms < lo)) && lo=$ms
+      [ -z "$hi" ] || ((ms > hi)) && hi=$ms
+    done
+    [ -n "$lo" ] && out+="; node $d's ranks ended $lo-$hi ms after it began"
+  done
+  [ -n "$out" ] && echo "$out$2"
+}
+
 # How long rank $1 may take to end, from $start.
 limit_of() { [ -n "$victim_limit_ms" ] && (( $1 / per == victim_node )) && echo "$victim_limit_ms" || echo "$limit_ms"; }
 
@@ -288,9 +322,9 @@ for ((t = 0; t < trials; t++)); do
   op_timeout_ms=60000
   [ "$kind" = stop ] && op_timeout_ms=3000
   iters=1000000
+  [ "$kind" = lossy ] || [ "$kind" = partition ] && size=${net_size_list[$((RANDOM % ${#net_size_list[@]}))]}
   if [ "$kind" = lossy ]; then
     iters=$lossy_iters
-    size=${lossy_size_list[$((RANDOM % ${#lossy_size_list[@]}))]}
     net_impair
   fi
   spawn_ranks "$job" "$nodes" "$per" -- loop "$size" "$iters"
@@ -298,7 +332,7 @@ for ((t = 0; t < trials; t++)); do
   victim=$((RANDOM % world))
   victim_node=$((victim / per))
   detail=""
-  declare -a exit_ms=()
+  declare -a exit_ms=() exit_at=()
   if [ "$kind" = lossy ]; then
     # The job must pass through the loss and delay; each rank checked every result.
     limit_ms=180000
@@ -380,21 +414,21 @@ for ((t = 0; t < trials; t++)); do
         fi ;;
       pause)
         kill -STOP "${dpids[$victim_node]}"
-        sleep "$pause_s"
+        poll_exits $((start + pause_s * 1000))
         kill -CONT "${dpids[$victim_node]}"
-        detail="paused ${pause_s} s"
+        detail="paused ${pause_s} s$(exits_since "$start" " before the resume")"
         start=$(now_ms)  # every rank ends within 2 s of the resume
         limit_ms=2000
         ((pause_s * 1000 < lease_ms)) && goes_on=1 ;;
       partition)
-        # From the cut: the other nodes' ranks end within the lease + 1 s (the coordinator
-        # drops the node); the cut node's within 5 s of the heal (its daemon finds itself
+        # From the cut: the other nodes' ranks end within the lease + 2 s (the coordinator
+        # drops the node a lease after its last heartbeat, which may be late on a loaded machine); the cut node's within 5 s of the heal (its daemon finds itself
         # forgotten, or its sockets are reset, once TCP's retransmission backoff tries again).
         net_cut "$victim_node"
-        sleep "$partition_s"
+        poll_exits $((start + partition_s * 1000))
         net_heal "$victim_node"
-        detail="node $victim_node cut off ${partition_s} s"
-        limit_ms=$((lease_ms + 1000))
+        detail="node $victim_node cut off ${partition_s} s$(exits_since "$start" " before the heal")"
+        limit_ms=$((lease_ms + 2000))
         victim_limit_ms=$((partition_s * 1000 + 5000)) ;;
     esac
     if ((goes_on)); then
@@ -405,6 +439,7 @@ for ((t = 0; t < trials; t++)); do
     for ((r = 0; r < world; r++)); do
       ((goes_on)) && break
       if ((survivors_of_victim)) && ((r == victim)); then continue; fi
+      if [ -n "${exit_at[$r]:-}" ]; then exit_ms[$r]=$(( $(ended_at "$r") - start )); continue; fi
       end=$((start + $(limit_of "$r") + 5000))
       while kill -0 "${rpids[$r]}" 2>/dev/null && (( $(now_ms) < end )); do sleep 0.005; done
       if kill -0 "${rpids[$r]}" 2>/dev/null; then
@@ -412,7 +447,8 @@ for ((t = 0; t < trials; t++)); do
         hangs=$((hangs + 1))
         continue
       fi
-      exit_ms[$r]=$(( $(now_ms) - start ))
+      exit_at[$r]=$(now_ms)
+      exit_ms[$r]=$(( $(ended_at "$r") - start ))
     done
     [ "$kind" = stop ] && kill -9 "${rpids[$victim]}" 2>/dev/null
     for p in "${rpids[@]}"; do kill -9 "$p" 2>/dev/null; done

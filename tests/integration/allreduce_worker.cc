@@ -4,7 +4,7 @@
 //                  exact results (integer-valued floats); prints "PASS" at the end
 //   loop COUNT N   N allreduces of COUNT elements (for kill tests), each result checked (a
 //                  wrong one prints "WRONG ..."); "ITER n" about every 500 ms; prints a failure
-//                  as "FAILED after MS ms: STATUS"
+//                  as "FAILED after MS ms (at EPOCH_MS): STATUS"
 //   paced COUNT    allreduces of COUNT elements every 10 ms, each checked, "ITER n" every 50,
 //                  until aborted (exit 1, the error on stderr) or 120 s (rank 0 decides when,
 //                  so every rank makes the same calls; "PASS")
@@ -84,6 +84,14 @@ int check(gradsync::Communicator& comm, const std::vector<size_t>& counts) {
   return 0;
 }
 
+// "FAILED after MS ms (at EPOCH_MS): STATUS": how long the call took, and when it returned
+// (wall clock, for scripts that compare it with what they did when: scripts/chaos.sh).
+void report_failure(double ms, const gradsync::Status& s) {
+  const long long at = std::chrono::duration_cast<std::chrono::milliseconds>(
+                           std::chrono::system_clock::now().time_since_epoch()).count();
+  std::fprintf(stderr, "FAILED after %.0f ms (at %lld): %s\n", ms, at, s.to_string().c_str());
+}
+
 int loop(gradsync::Communicator& comm, size_t count, int iters) {
   using Clock = std::chrono::steady_clock;
   std::vector<float> buf(count, 1.0f);
@@ -93,8 +101,7 @@ int loop(gradsync::Communicator& comm, size_t count, int iters) {
     auto t0 = Clock::now();
     gradsync::Status s = comm.allreduce(buf.data(), count, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
     if (!s.ok()) {
-      double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      std::fprintf(stderr, "FAILED after %.0f ms: %s\n", ms, s.to_string().c_str());
+      report_failure(std::chrono::duration<double, std::milli>(Clock::now() - t0).count(), s);
       return 1;
     }
     // Chaos trials count silent corruptions: every element of every result is checked.
@@ -146,8 +153,7 @@ bool timed_allreduce(gradsync::Communicator& comm, float* buf, size_t count) {
   auto t0 = std::chrono::steady_clock::now();
   gradsync::Status s = comm.allreduce(buf, count, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
   if (s.ok()) return true;
-  double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  std::fprintf(stderr, "FAILED after %.0f ms: %s\n", ms, s.to_string().c_str());
+  report_failure(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(), s);
   return false;
 }
 
