@@ -21,7 +21,10 @@ packages=(build-essential cmake pkg-config libgrpc++-dev protobuf-compiler-grpc 
           clang
           # etcd 3.4 for the coordinator's --store tests (coordinator_store_test,
           # coordinator_takeover_test start their own on free ports)
-          etcd-server)
+          etcd-server
+          # `ip netns` for the network faults of scripts/chaos.sh (CTest chaos_network_short,
+          # which also needs root and skips without)
+          iproute2)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
