@@ -113,8 +113,8 @@ cleanup() {
   for p in "${rpids[@]}" "${dpids[@]}" "${cpids[@]}" $etcd_pid; do
     [ -n "$p" ] && kill -9 "$p" 2>/dev/null
   done
+  ((use_netns)) && net_down  # before `wait`, which would wait for the relay too
   wait 2>/dev/null
-  ((use_netns)) && net_down
   if [ -n "${CHAOS_KEEP:-}" ]; then echo "chaos: logs kept in $dir"; else rm -rf "$dir"; fi
 }
 trap cleanup EXIT
@@ -204,9 +204,9 @@ start_cluster() {  # daemons
 
 stop_cluster() {
   for p in "${dpids[@]}" "${cpids[@]}" $etcd_pid; do kill -9 "$p" 2>/dev/null; done
+  ((use_netns)) && net_down  # before `wait`, which would wait for the relay too
   wait 2>/dev/null
   dpids=(); cpids=(); etcd_pid=""
-  ((use_netns)) && net_down
 }
 
 # Starts WORLD ranks over NODES daemons (ranks in order, PER per node) running `$@`.
