@@ -276,8 +276,17 @@ exits_since() {
 # How long rank $1 may take to end, from $start.
 limit_of() { [ -n "$victim_limit_ms" ] && (( $1 / per == victim_node )) && echo "$victim_limit_ms" || echo "$limit_ms"; }
 
-# What a survivor's error must contain, by kind (the culprit, or what ended the job).
+# The reason in an error line: what follows the last "...) failed: ", without the reporting
+# rank's own "job=J [gen=G: ]rank R (host H): " (so that a rank never matches itself).
+reason_of() { sed -E 's/^.*\) failed: //; s/^job=[^ ]+ (gen=[0-9]+: )?//; s/^rank [0-9]+ \(host [^)]*\): //' <<<"$1"; }
+
+# What rank $1's reason must contain, by kind (the culprit, or what ended the job).
 named_pattern() {
+  # A paused or cut-off node's own ranks: their daemon forgot (or they lost their connection
+  # to a rank elsewhere, which exited when the job was aborted there: the documented guess).
+  if [ "$kind" = pause ] || [ "$kind" = partition ]; then
+    (( $1 / per == victim_node )) && { echo "forgotten by the coordinator|lost its connection to rank|TCP connection (to|from) rank"; return; }
+  fi
   case $kind in
     trainer) echo "rank $victim\b" ;;
     daemon)
@@ -286,10 +295,9 @@ named_pattern() {
       echo "$p" ;;
     stop) echo "not known|rank $victim\b" ;;
     coordinator) [ "$store" = etcd ] && echo "aborted by an operator" || echo "forgotten by the coordinator" ;;
-    # A rank of the node (its sockets closed), the node lost at the coordinator, or the daemon
-    # that found itself forgotten when it came back.
+    # The other nodes' ranks: the node lost at the coordinator, or a rank of it.
     pause|partition)
-      local v p="forgotten by the coordinator|node lost|node node$victim_node\b"
+      local v p="node node$victim_node\b"
       for ((v = victim_node * per; v < (victim_node + 1) * per; v++)); do p+="|rank $v\b"; done
       echo "$p" ;;
   esac
@@ -454,7 +462,6 @@ for ((t = 0; t < trials; t++)); do
     for p in "${rpids[@]}"; do kill -9 "$p" 2>/dev/null; done
     wait "${rpids[@]}" 2>/dev/null
     trial_worst=0
-    pattern=$(named_pattern)
     for ((r = 0; r < world; r++)); do
       [ -z "${exit_ms[$r]:-}" ] && continue
       line=$(grep -m1 "FAILED" "$dir/r$r.log")
@@ -465,7 +472,7 @@ for ((t = 0; t < trials; t++)); do
         log_fail "$t" "$placement $kind victim $victim: rank $r ended without an error ($(tail -1 "$dir/r$r.log"))"; continue
       fi
       (( ms > $(limit_of "$r") )) && log_fail "$t" "$placement $kind: rank $r took $ms ms: $line"
-      grep -qE "$pattern" <<<"$line" || log_fail "$t" "$placement $kind victim $victim (node $victim_node): rank $r names another culprit: $line"
+      grep -qE "$(named_pattern "$r")" <<<"$(reason_of "$line")" || log_fail "$t" "$placement $kind victim $victim (node $victim_node): rank $r names another culprit: $line"
     done
   fi
   n_wrong=$(cat "$dir"/r*.log | grep -c "^WRONG")
