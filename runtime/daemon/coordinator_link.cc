@@ -219,13 +219,19 @@ std::string CoordinatorLink::node_id() const {
 namespace {
 
 // Why a coordinator answered a heartbeat NOT_FOUND, from what this daemon saw since its last
-// acknowledged heartbeat `silent_ms` ago: heartbeats that failed (the coordinator was down or
-// cut off), none sent (this process was paused), or an acknowledgement within the lease (the
-// coordinator restarted, losing what it kept in memory).
-std::string forgotten_cause(int64_t silent_ms, int failed, int refused, uint32_t lease_ms) {
+// acknowledged heartbeat `silent_ms` ago: a heartbeat thread that did not run for longer than
+// the lease (`idle_ms`: this process was paused), heartbeats refused (the coordinator was down),
+// failed or unanswered (cut off), or an acknowledgement within the lease (the coordinator
+// restarted, losing what it kept in memory).
+std::string forgotten_cause(int64_t silent_ms, int64_t idle_ms, int failed, int refused, uint32_t lease_ms) {
   const std::string lease = " (its lease is " + std::to_string(lease_ms) + " ms)";
   const std::string in_memory =
       "(a coordinator keeps them in memory unless it runs with --store etcd://...)";
+  if (idle_ms > lease_ms) {
+    return "no heartbeat went out for " + std::to_string(idle_ms) + " ms" + lease +
+           ": this gradsyncd was paused (SIGSTOP, a debugger) or starved, and the coordinator gave up the node "
+           "and its jobs";
+  }
   if (silent_ms < lease_ms) {
     return "its last heartbeat was acknowledged " + std::to_string(silent_ms) + " ms ago" + lease +
            ", so the coordinator restarted and lost the node and its jobs " + in_memory;
@@ -234,14 +240,9 @@ std::string forgotten_cause(int64_t silent_ms, int failed, int refused, uint32_t
     return "the coordinator refused every heartbeat for " + std::to_string(silent_ms) + " ms" + lease +
            " (it was down), and came back without the node and its jobs: it restarted and lost them " + in_memory;
   }
-  if (failed > 0) {
-    return "it could not reach the coordinator for " + std::to_string(silent_ms) + " ms" + lease + " (" +
-           std::to_string(failed) + " heartbeats failed: a network partition or a coordinator outage), and the "
-           "coordinator gave up the node and its jobs, or restarted without a store";
-  }
-  return "no heartbeat went out for " + std::to_string(silent_ms) + " ms" + lease +
-         ": this gradsyncd was paused (SIGSTOP, a debugger) or starved, and the coordinator gave up the node and "
-         "its jobs";
+  return "it could not reach the coordinator for " + std::to_string(silent_ms) + " ms" + lease + " (" +
+         std::to_string(failed) + " heartbeats failed, the others unanswered: a network partition or a coordinator "
+         "outage), and the coordinator gave up the node and its jobs, or restarted without a store";
 }
 
 }  // namespace
@@ -251,11 +252,14 @@ void CoordinatorLink::heartbeat_loop() {
   auto acknowledged = Clock::now();  // the registration counts as one
   int failed = 0;                    // heartbeats that failed since then ...
   int refused = 0;                   // ... of which with a refused connection (nobody listened)
+  auto last_end = Clock::now();      // of the last heartbeat call
+  std::chrono::milliseconds idle{0}; // the longest time between two calls since `acknowledged`
   std::unique_lock lock(mu_);
   while (!stopping_) {
     // A third of the lease: two heartbeats may be lost before the lease expires.
     cv_.wait_for(lock, std::chrono::milliseconds(lease_ms_ / 3));
     if (stopping_) return;
+    idle = std::max(idle, std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - last_end));
     std::string id = node_id_;
     const uint32_t lease_ms = lease_ms_;
     const std::chrono::milliseconds period(lease_ms / 3);
@@ -272,15 +276,17 @@ void CoordinatorLink::heartbeat_loop() {
           return stub.Heartbeat(&ctx, req, &resp);
         },
         deadline_after(period), &address);
+    last_end = Clock::now();
     if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
       const auto silent_ms =
           std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - acknowledged).count();
-      const std::string cause = forgotten_cause(silent_ms, failed, refused, lease_ms);
+      const std::string cause = forgotten_cause(silent_ms, idle.count(), failed, refused, lease_ms);
       log->warn("coordinator {} forgot node={}: {}; re-registering", address, id, cause);
       if (on_forgotten_) on_forgotten_(id, cause);
       if (register_node().ok()) {
         acknowledged = Clock::now();
         failed = refused = 0;
+        idle = std::chrono::milliseconds(0);
       }
     } else if (!s.ok()) {
       ++failed;
@@ -289,6 +295,7 @@ void CoordinatorLink::heartbeat_loop() {
     } else {
       acknowledged = Clock::now();
       failed = refused = 0;
+      idle = std::chrono::milliseconds(0);
     }
     lock.lock();
   }
