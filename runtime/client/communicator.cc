@@ -547,9 +547,14 @@ class CommunicatorImpl {
       if (fds[1].revents) return;
       if (rc < 0 || fds[0].revents) break;
     }
-    stop_local_waits("job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
-                     ": lost the connection to gradsyncd at " + daemon_.socket_path() +
-                     " (the daemon died or was stopped)");
+    const std::string reason = "job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
+                               ": lost the connection to gradsyncd at " + daemon_.socket_path() +
+                               " (the daemon died or was stopped)";
+    stop_local_waits(reason);
+    // The dead daemon cannot abort the job on this node: the ranks here hear it from the job's
+    // shared memory, before this rank leaves and marks its channels left (which a sibling still
+    // waiting there would read as one call more: MISMATCH; seen in a chaos trial).
+    abort_job(shm_.data(), layout_, -1, reason);
     // Sleeping waiters notice the flag within one wait slice (channel.cc).
   }
 
