@@ -121,16 +121,23 @@ class TraceReactor final : public grpc::ServerUnaryReactor {
   bool cancelled = false;
 };
 
-// One node's event stream: writes its queued events one at a time; no thread, no wake-ups
-// while there is nothing to send.
-class WatchReactor final : public grpc::ServerWriteReactor<v1::Event> {
+// One node's event stream, both ways: writes its queued events one at a time (no thread, no
+// wake-ups while there is nothing to send) and reads the node's heartbeats. Reads start only in
+// the handler and in OnReadDone, so they need no lock; a heartbeat takes only the lease table's.
+class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::Event> {
  public:
-  WatchReactor(CoordinatorService* service, std::string node_id) : service_(service), node_id(std::move(node_id)) {}
+  WatchReactor(CoordinatorService* service, grpc::CallbackServerContext* ctx) : service_(service), ctx_(ctx) {}
+  void OnReadDone(bool ok) override;
   void OnWriteDone(bool ok) override;
   void OnCancel() override;
   void OnDone() override;
   CoordinatorService* const service_;
-  const std::string node_id;
+  grpc::CallbackServerContext* const ctx_;  // valid until OnDone
+  v1::WatchRequest in;  // the message being read
+  bool named = false;   // the first message arrived (touched by reads only)
+  // Set under the service's mutex when the first message names the node; read by later reads
+  // (after it, through StartRead) and under the service's mutex.
+  std::string node_id;
   // Guarded by the service's mutex.
   v1::Event current;
   bool writing = false;
@@ -372,37 +379,47 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     return r;
   }
 
-  grpc::ServerWriteReactor<v1::Event>* WatchEvents(grpc::CallbackServerContext* ctx,
-                                                    const v1::WatchRequest* req) override {
-    auto* r = new WatchReactor(this, req->node_id());
-    if (Status a = authz_.node_call(*ctx, req->node_id(), "WatchEvents"); !a.ok()) {
+  // The stream is named by its first message (read in watch_read); a caller without a node
+  // credential is refused at once.
+  grpc::ServerBidiReactor<v1::WatchRequest, v1::Event>* WatchEvents(grpc::CallbackServerContext* ctx) override {
+    auto* r = new WatchReactor(this, ctx);
+    if (Status a = authz_.node_call(*ctx, "", "WatchEvents"); !a.ok()) {
       std::lock_guard lock(mu_);
       r->finished = true;
       r->Finish(to_grpc(a));
       return r;
     }
-    std::lock_guard lock(mu_);
-    if (stopping_) {
-      r->finished = true;
-      r->Finish(shutting_down());
-      return r;
-    }
-    auto q = queues_.find(r->node_id);
-    if (q == queues_.end() || !table_.has_node(r->node_id)) {
-      r->finished = true;
-      r->Finish(to_grpc(lost_or_unknown(r->node_id)));
-      return r;
-    }
-    // One watcher per node: a newer WatchEvents (a daemon that reconnected) replaces this one.
-    if (q->second.watcher) {
-      finish_watch_locked(q->second.watcher,
-                          {grpc::StatusCode::ABORTED,
-                           "WatchEvents for node " + r->node_id + " was replaced by a newer WatchEvents call"});
-    }
-    q->second.watcher = r;
-    log::get("coordinator")->debug("node={} watching events", r->node_id);
-    pump_locked(q->second);
+    r->StartRead(&r->in);
     return r;
+  }
+
+  // A message on a node's stream: the first names the node, every later one is a heartbeat.
+  void watch_read(WatchReactor* r, bool ok) {
+    if (!r->named) {
+      r->named = true;
+      std::lock_guard lock(mu_);
+      if (!ok) {  // the client went before naming its node
+        finish_watch_locked(r, {grpc::StatusCode::INVALID_ARGUMENT,
+                                "WatchEvents: the stream ended before a WatchRequest named the node"});
+        return;
+      }
+      if (attach_watch_locked(r)) r->StartRead(&r->in);
+      return;
+    }
+    // Not ok: the node half-closed (it keeps the stream for events and heartbeats with unary
+    // calls) or the call is over. Either way no more reads.
+    if (!ok) return;
+    bool known = false;
+    {
+      std::lock_guard leases(lease_mu_);
+      known = leases_.renew(r->node_id, Clock::now());
+    }
+    if (!known) {
+      std::lock_guard lock(mu_);
+      finish_watch_locked(r, to_grpc(lost_or_unknown(r->node_id)));
+      return;
+    }
+    r->StartRead(&r->in);
   }
 
   void write_done(WatchReactor* r, bool ok) {
@@ -654,6 +671,41 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     WatchReactor* watcher = nullptr;  // the node's current stream, if any
   };
 
+  // The first message of a stream names its node: checks the caller holds the node's key, makes
+  // the stream the node's one watcher (a newer one, from a daemon that reconnected, replaces
+  // the older), renews the lease (opening the stream is a proof of life) and writes what is
+  // queued. False when the stream was finished instead.
+  bool attach_watch_locked(WatchReactor* r) {
+    r->node_id = r->in.node_id();
+    if (Status a = authz_.node_call(*r->ctx_, r->node_id, "WatchEvents"); !a.ok()) {
+      finish_watch_locked(r, to_grpc(a));
+      return false;
+    }
+    if (stopping_) {
+      finish_watch_locked(r, shutting_down());
+      return false;
+    }
+    auto q = queues_.find(r->node_id);
+    bool known = q != queues_.end() && table_.has_node(r->node_id);
+    if (known) {
+      std::lock_guard leases(lease_mu_);
+      known = leases_.renew(r->node_id, Clock::now());
+    }
+    if (!known) {
+      finish_watch_locked(r, to_grpc(lost_or_unknown(r->node_id)));
+      return false;
+    }
+    if (q->second.watcher) {
+      finish_watch_locked(q->second.watcher,
+                          {grpc::StatusCode::ABORTED,
+                           "WatchEvents for node " + r->node_id + " was replaced by a newer WatchEvents call"});
+    }
+    q->second.watcher = r;
+    log::get("coordinator")->debug("node={} watching events", r->node_id);
+    pump_locked(q->second);
+    return true;
+  }
+
   Status lost_or_unknown(const std::string& id) const {
     return {Code::kNotFound, "WatchEvents: node '" + id +
                                  "' is not registered (unknown, or lost after its lease of " +
@@ -842,6 +894,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
 
 void JoinReactor::OnCancel() { service_->cancel_join(this); }
 void TraceReactor::OnCancel() { service_->cancel_trace(this); }
+void WatchReactor::OnReadDone(bool ok) { service_->watch_read(this, ok); }
 void WatchReactor::OnWriteDone(bool ok) { service_->write_done(this, ok); }
 void WatchReactor::OnCancel() { service_->watch_cancelled(this); }
 void WatchReactor::OnDone() {
@@ -877,6 +930,10 @@ Status CoordinatorServer::start(const std::string& listen_addr) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                              kMinClientPingIntervalMs);
   builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  // No bandwidth-delay probes: every message received on a connection idle for a while starts
+  // one (a PING and its answer), which tripled the cost of an idle node's heartbeat. The
+  // coordinator receives only small messages, so the default receive window is enough.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   auto credentials = server_credentials(options_.tls, listen_addr);
   if (!credentials.ok()) {
     service_.reset();

@@ -4,9 +4,12 @@
 // per-node event queues and the pending joins; heartbeats take only the lease table's own
 // mutex (coordinator/leases.h), so they never queue behind a join or a peer table. A pending
 // JoinJob is a reactor finished when its generation completes or fails (or withdrawn when the
-// call is cancelled); an event stream is a reactor that writes when an event is queued. One
-// ticker expires leases (a heap) and join deadlines every `tick`, and wakes nothing else, so
-// idle nodes cost their heartbeats and nothing more. Nothing busy-waits.
+// call is cancelled). A node's event stream (WatchEvents) is one bidirectional reactor: it
+// writes when an event is queued and reads the node's heartbeats, one small message each
+// lease/3 on the open stream, authorised once when the stream is named (the unary Heartbeat
+// remains for clients without a stream). One ticker expires leases (a heap) and join
+// deadlines every `tick`, and wakes nothing else, so an idle node costs a message read every
+// lease/3 and nothing more. Nothing busy-waits.
 #pragma once
 
 #include <chrono>

@@ -8,7 +8,7 @@
 namespace gradsync {
 namespace {
 
-// Deadline of one short control call (register, heartbeat, leave, abort).
+// Deadline of one short control call (register, leave, abort).
 constexpr std::chrono::milliseconds kCallTimeout{5'000};
 // Deadline of a ReportTrace call: past it, gradsyncctl trace has stopped waiting anyway.
 constexpr std::chrono::milliseconds kTraceCallTimeout{3'000};
@@ -200,13 +200,15 @@ Status CoordinatorLink::start(std::chrono::milliseconds timeout) {
 }
 
 void CoordinatorLink::stop() {
+  std::shared_ptr<EventStream> stream;
   {
     std::lock_guard lock(mu_);
     if (stopping_) return;
     stopping_ = true;
-    if (watch_ctx_) watch_ctx_->TryCancel();
+    stream = stream_;
     cv_.notify_all();
   }
+  if (stream) stream->cancel();  // not under mu_: the stream's callbacks take it
   if (heartbeat_.joinable()) heartbeat_.join();
   if (watcher_.joinable()) watcher_.join();
 }
@@ -247,93 +249,134 @@ std::string forgotten_cause(int64_t silent_ms, int64_t idle_ms, int failed, int 
 
 }  // namespace
 
+// Every lease/3 one heartbeat on the open event stream (two may be late before the lease runs
+// out). Between streams none is sent: opening the next one renews the lease.
 void CoordinatorLink::heartbeat_loop() {
   auto log = log::get("daemon");
-  auto acknowledged = Clock::now();  // the registration counts as one
-  int failed = 0;                    // heartbeats that failed since then ...
-  int refused = 0;                   // ... of which with a refused connection (nobody listened)
-  auto last_end = Clock::now();      // of the last heartbeat call
-  std::chrono::milliseconds idle{0}; // the longest time between two calls since `acknowledged`
   std::unique_lock lock(mu_);
-  while (!stopping_) {
-    // A third of the lease: two heartbeats may be lost before the lease expires.
-    cv_.wait_for(lock, std::chrono::milliseconds(lease_ms_ / 3));
-    if (stopping_) return;
-    idle = std::max(idle, std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - last_end));
-    std::string id = node_id_;
-    const uint32_t lease_ms = lease_ms_;
-    const std::chrono::milliseconds period(lease_ms / 3);
+  for (;;) {
+    const std::chrono::milliseconds lease(lease_ms_);
+    if (cv_.wait_for(lock, lease / 3, [this] { return stopping_; })) return;
+    // How long this thread did not run (a paused or starved daemon): forgotten_cause.
+    const auto now = Clock::now();
+    longest_gap_ = std::max(longest_gap_, std::chrono::duration_cast<std::chrono::milliseconds>(now - heartbeat_ran_));
+    heartbeat_ran_ = now;
+    std::shared_ptr<EventStream> stream = stream_;
+    if (!stream) continue;
     lock.unlock();
-    v1::HeartbeatRequest req;
-    req.set_node_id(id);
-    v1::HeartbeatResponse resp;
-    std::string address;
-    // Within a third of the lease: the next heartbeat is due then.
-    grpc::Status s = with_failover(
-        [&](v1::Coordinator::Stub& stub) {
-          grpc::ClientContext ctx;
-          set_deadline(ctx, kCallTimeout);
-          return stub.Heartbeat(&ctx, req, &resp);
-        },
-        deadline_after(period), &address);
-    last_end = Clock::now();
-    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-      const auto silent_ms =
-          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - acknowledged).count();
-      const std::string cause = forgotten_cause(silent_ms, idle.count(), failed, refused, lease_ms);
-      log->warn("coordinator {} forgot node={}: {}; re-registering", address, id, cause);
-      if (on_forgotten_) on_forgotten_(id, cause);
-      if (register_node().ok()) {
-        acknowledged = Clock::now();
-        failed = refused = 0;
-        idle = std::chrono::milliseconds(0);
+    if (stream->heartbeat() == EventStream::Sent::kBusy) {  // not under mu_ (its callbacks take it)
+      // The coordinator reads every message, so a write pending this long means the connection
+      // is stuck (a partition): end the stream, and the event-stream thread opens another.
+      const auto stuck = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - stream->pending_since());
+      if (stuck >= lease) {
+        log->warn("no heartbeat could be sent to coordinator {} for {} ms (lease {} ms); reopening the event stream",
+                  address(), stuck.count(), lease.count());
+        stream->cancel();
       }
-    } else if (!s.ok()) {
-      ++failed;
-      if (s.error_message().find("refused") != std::string::npos) ++refused;
-      log->warn("heartbeat to coordinator {} failed: {}", address, s.error_message());
-    } else {
-      acknowledged = Clock::now();
-      failed = refused = 0;
-      idle = std::chrono::milliseconds(0);
     }
     lock.lock();
   }
 }
 
+grpc::Status CoordinatorLink::watch_once(v1::Coordinator::Stub& stub) {
+  std::unique_lock lock(mu_);
+  const std::string id = node_id_;
+  stream_over_ = false;
+  events_.clear();
+  lock.unlock();
+  // The events are handled here, not on gRPC's threads: a handler may block (ReportTrace).
+  auto stream = EventStream::open(
+      stub, id, [](grpc::ClientContext&) {},
+      [this](const v1::Event& ev) {
+        std::lock_guard l(mu_);
+        events_.push_back(ev);
+        cv_.notify_all();
+      },
+      [this](const grpc::Status& s) {
+        std::lock_guard l(mu_);
+        stream_over_ = true;
+        stream_status_ = s;
+        cv_.notify_all();
+      });
+  lock.lock();
+  stream_ = stream;
+  if (stopping_) {
+    lock.unlock();
+    stream->cancel();
+    lock.lock();
+  }
+  // Bounded: the stream ends when stop() cancels it, when the heartbeat thread finds it stuck
+  // for a lease, or when the server's keepalive finds the connection dead.
+  for (;;) {
+    cv_.wait(lock, [this] { return stream_over_ || !events_.empty(); });
+    if (events_.empty()) break;
+    v1::Event ev = std::move(events_.front());
+    events_.pop_front();
+    lock.unlock();
+    on_event_(ev);
+    lock.lock();
+  }
+  // The coordinator had this node's heartbeats until the last one written on this stream,
+  // unless a write got stuck (a partition): until that one started. A stream that wrote
+  // nothing never reached it. (watch_loop takes these unless the stream ended NOT_FOUND.)
+  stream_stuck_ = stream->pending_since();
+  stream_sent_ = stream->last_sent();
+  stream_.reset();
+  return stream_status_;
+}
+
 void CoordinatorLink::watch_loop() {
   auto log = log::get("daemon");
   for (;;) {
-    grpc::ClientContext ctx;
-    v1::WatchRequest req;
-    {
-      std::lock_guard lock(mu_);
-      if (stopping_) return;
-      req.set_node_id(node_id_);
-      watch_ctx_ = &ctx;
-    }
     auto [index, stub] = current();
-    auto reader = stub->WatchEvents(&ctx, req);
-    v1::Event ev;
-    while (reader->Read(&ev)) on_event_(ev);
-    grpc::Status s = reader->Finish();
-    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) fail_over(index, s);
+    const std::string id = node_id();
+    grpc::Status s = watch_once(*stub);
     std::unique_lock lock(mu_);
-    watch_ctx_ = nullptr;
     if (stopping_) return;
-    // The coordinator does not know this node (it restarted without a store, or dropped the
-    // node): wake the heartbeat, which finds out at once and ends the node's jobs, so that every
-    // node hears of a restart within this retry pause of it, not a heartbeat period apart.
-    if (s.error_code() == grpc::StatusCode::NOT_FOUND) cv_.notify_all();
+    lock.unlock();
     log->debug("event stream from {} ended: {}", targets_[index].address, s.error_message());
-    // Another coordinator to try: soon (a standby may name a leader that just died, so never
-    // at once: that would spin); the same one again: after a longer pause.
-    // A coordinator that is down: soon too (gRPC's reconnect backoff, at most kMaxReconnect,
-    // bounds the connection attempts), so that every node finds a restarted one within about
-    // that, and the nodes end the jobs it lost together (within the ranks' 500 ms grace for an
-    // abort after a broken socket), not a retry pause apart.
+    if (s.error_code() == grpc::StatusCode::UNAVAILABLE) fail_over(index, s);
+    bool registered = false;
+    if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+      std::string cause;
+      {
+        std::lock_guard l(mu_);
+        const auto now = Clock::now();
+        // The heartbeat thread may not have run yet since a pause ended: count that gap too.
+        const auto idle = std::max(longest_gap_, std::chrono::duration_cast<std::chrono::milliseconds>(now - heartbeat_ran_));
+        cause = forgotten_cause(std::chrono::duration_cast<std::chrono::milliseconds>(now - last_known_).count(),
+                                idle.count(), failed_, refused_, lease_ms_);
+      }
+      log->warn("coordinator {} forgot node={}: {}; re-registering", targets_[index].address, id, cause);
+      if (on_forgotten_) on_forgotten_(id, cause);
+      Status r = register_node();
+      registered = r.ok();
+      if (!registered) log->warn("{}", r.to_string());
+    }
+    lock.lock();
+    if (registered) {
+      last_known_ = heartbeat_ran_ = Clock::now();
+      longest_gap_ = std::chrono::milliseconds(0);
+      failed_ = refused_ = 0;
+    } else if (s.error_code() != grpc::StatusCode::NOT_FOUND) {
+      const bool reached = stream_sent_ != Clock::time_point{};
+      if (reached) last_known_ = std::max(last_known_, stream_stuck_ != Clock::time_point{} ? stream_stuck_ : stream_sent_);
+      if (!reached || stream_stuck_ != Clock::time_point{}) {  // could not reach the coordinator
+        ++failed_;
+        if (s.error_message().find("refused") != std::string::npos) ++refused_;
+      }
+    }
+    // Registered again: a stream at once. Another coordinator to try: soon (a standby may name a
+    // leader that just died, so never at once: that would spin). A coordinator that is down
+    // (or forgot the node and refused it again): soon too (gRPC's reconnect backoff, at most
+    // kMaxReconnect, bounds the connection attempts), so that every node finds a restarted one
+    // within about that and the nodes end the jobs it lost together. The same one: a longer pause.
     const bool down = s.error_code() == grpc::StatusCode::UNAVAILABLE || s.error_code() == grpc::StatusCode::NOT_FOUND;
-    cv_.wait_for(lock, current_ != index ? backoff(1) : down ? backoff(0) : kRetryPause);
+    const auto pause = registered          ? std::chrono::milliseconds(0)
+                       : current_ != index ? backoff(1)
+                       : down              ? backoff(0)
+                                           : kRetryPause;
+    if (cv_.wait_for(lock, pause, [this] { return stopping_; })) return;
   }
 }
 
@@ -364,8 +407,9 @@ Result<v1::JoinJobResponse> CoordinatorLink::join(v1::JoinJobRequest req,
         },
         deadline, &address);
     if (st.error_code() != grpc::StatusCode::NOT_FOUND || attempt > 0) break;
-    // The coordinator does not know this node (it restarted before the heartbeat found out):
-    // wake the heartbeat, which registers again, then join once more.
+    // The coordinator does not know this node (it restarted before the event stream found
+    // out): the event-stream thread registers again (its next stream ends NOT_FOUND); then
+    // join once more.
     // At most a lease (three heartbeat periods): the heartbeat may be in a call just now.
     std::unique_lock lock(mu_);
     cv_.notify_all();

@@ -1,6 +1,6 @@
-// gradsyncd's side of the coordinator: registration, the heartbeat lease, the event stream,
-// and the per-node job calls. Every call has a deadline; an unreachable coordinator is an
-// error naming its address, never a hang.
+// gradsyncd's side of the coordinator: registration, the event stream that carries the
+// node's heartbeats (daemon/event_stream.h), and the per-node job calls. Every call has a
+// deadline; an unreachable coordinator is an error naming its address, never a hang.
 //
 // Several coordinators ("a:29500,b:29500", elected through etcd: coordinator/election.h): the
 // link talks to one at a time. A call answered UNAVAILABLE (a dead coordinator, or a standby,
@@ -12,7 +12,9 @@
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -25,6 +27,7 @@
 #include "common/fd.h"
 #include "common/log.h"
 #include "coordinator.grpc.pb.h"
+#include "daemon/event_stream.h"
 #include "gradsync/status.h"
 
 namespace gradsync {
@@ -39,12 +42,12 @@ class CoordinatorLink {
                   std::shared_ptr<CallAuth> auth, v1::NodeInfo node, EventHandler on_event);
   ~CoordinatorLink();
 
-  // Registers (retrying until `timeout`), then keeps the lease and the event stream alive in
-  // background threads, re-registering if the coordinator forgot this node.
+  // Registers (retrying until `timeout`), then keeps the event stream open and heartbeats on
+  // it every lease/3 (two threads), re-registering if the coordinator forgot this node.
   Status start(std::chrono::milliseconds timeout);
-  // Called (on the heartbeat thread, before re-registering) when the coordinator no longer
+  // Called (on the event-stream thread, before re-registering) when the coordinator no longer
   // knows this node: its lease expired (the daemon was paused or cut off) or it restarted
-  // without a store. `cause` says which, as far as the heartbeats tell (forgotten_cause).
+  // without a store. `cause` says which, as far as the stream and heartbeats tell (forgotten_cause).
   // Set before start().
   using ForgottenHandler = std::function<void(const std::string& node_id, const std::string& cause)>;
   void set_on_forgotten(ForgottenHandler fn) { on_forgotten_ = std::move(fn); }
@@ -74,6 +77,8 @@ class CoordinatorLink {
   Status register_node();
   void heartbeat_loop();
   void watch_loop();
+  // Opens one event stream and handles its events on this thread until it ends; its status.
+  grpc::Status watch_once(v1::Coordinator::Stub& stub);
   Status from_grpc(const grpc::Status& s, const std::string& what, const std::string& address) const;
   struct Target {
     std::string address;
@@ -106,7 +111,19 @@ class CoordinatorLink {
   uint64_t registrations_ = 0;  // RegisterNode calls that succeeded (cv_ is notified)
   uint32_t lease_ms_ = 5000;
   bool stopping_ = false;
-  grpc::ClientContext* watch_ctx_ = nullptr;  // to cancel the stream on stop
+  // The open event stream (heartbeats go on it), its events not yet handled, and its end.
+  std::shared_ptr<EventStream> stream_;
+  // For forgotten_cause: when the coordinator was last known to have this node's heartbeats,
+  // when the heartbeat thread last ran and its longest gap since (a paused daemon), and the
+  // streams that failed since (with a refused connection: nobody listened).
+  std::chrono::steady_clock::time_point last_known_ = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point heartbeat_ran_ = std::chrono::steady_clock::now();
+  std::chrono::milliseconds longest_gap_{0};
+  int failed_ = 0, refused_ = 0;
+  std::chrono::steady_clock::time_point stream_sent_{}, stream_stuck_{};  // of the last stream (watch_once)
+  std::deque<v1::Event> events_;
+  bool stream_over_ = false;
+  grpc::Status stream_status_;
   std::thread heartbeat_;
   std::thread watcher_;
 };

@@ -4,7 +4,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <future>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <thread>
@@ -12,6 +14,7 @@
 
 #include "coordinator.grpc.pb.h"
 #include "coordinator/service.h"
+#include "daemon/event_stream.h"
 
 namespace gradsync::coordinator {
 namespace {
@@ -92,13 +95,16 @@ class CoordinatorServiceTest : public ::testing::Test {
     }
   }
 
-  // Reads the node's event stream until an event of `kind` arrives (or the stream ends).
+  // Reads the node's event stream until an event of `kind` arrives (or the stream ends). The
+  // stream is half-closed after the message naming the node: events only, no heartbeats.
   std::vector<v1::Event> watch_until(const std::string& node, v1::Event::Kind kind) {
     grpc::ClientContext ctx;
     set_deadline(ctx);
     v1::WatchRequest req;
     req.set_node_id(node);
-    auto reader = stub->WatchEvents(&ctx, req);
+    auto reader = stub->WatchEvents(&ctx);
+    EXPECT_TRUE(reader->Write(req));
+    EXPECT_TRUE(reader->WritesDone());
     std::vector<v1::Event> seen;
     v1::Event ev;
     while (reader->Read(&ev)) {
@@ -224,6 +230,82 @@ TEST_F(CoordinatorServiceTest, LeaseExpiryAbortsTheJobForSurvivors) {
   EXPECT_EQ(stub->Heartbeat(&ctx, req, &resp).error_code(), StatusCode::NOT_FOUND);
 }
 
+// gradsyncd's liveness: heartbeats on the node's event stream (daemon/event_stream.h), no
+// unary call. Node a heartbeats on its stream for several leases and stays; node b keeps its
+// stream open but sends nothing (a paused daemon) and is lost within its lease, its stream
+// ended NOT_FOUND, and a's stream carries the abort.
+TEST_F(CoordinatorServiceTest, StreamHeartbeatsKeepANodeAndASilentStreamIsLost) {
+  lease_ = kShortLease;
+  start(kShortLease);
+  std::string a = register_node("host-a");
+  std::string b = register_node("host-b");
+  struct Seen {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<v1::Event> events;
+    bool over = false;
+    grpc::Status status;
+  };
+  auto open = [&](const std::string& node, Seen& seen) {
+    return EventStream::open(
+        *stub, node, [](grpc::ClientContext&) {},
+        [&seen](const v1::Event& ev) {
+          std::lock_guard lock(seen.mu);
+          seen.events.push_back(ev);
+          seen.cv.notify_all();
+        },
+        [&seen](const grpc::Status& s) {
+          std::lock_guard lock(seen.mu);
+          seen.over = true;
+          seen.status = s;
+          seen.cv.notify_all();
+        });
+  };
+  Seen seen_a, seen_b;
+  auto stream_a = open(a, seen_a);
+  const auto b_silent_since = std::chrono::steady_clock::now();  // its stream's first message is its last
+  auto stream_b = open(b, seen_b);
+  std::atomic<bool> stop{false};
+  std::thread heartbeats([&] {
+    while (!stop) {
+      EXPECT_NE(stream_a->heartbeat(), EventStream::Sent::kOver);
+      std::this_thread::sleep_for(kShortLease / 4);
+    }
+  });
+  join_both(a, b);
+  {
+    std::unique_lock lock(seen_b.mu);
+    ASSERT_TRUE(seen_b.cv.wait_for(lock, 5s, [&] { return seen_b.over; }));
+    EXPECT_EQ(seen_b.status.error_code(), StatusCode::NOT_FOUND) << seen_b.status.error_message();
+  }
+  const auto detected_after = std::chrono::steady_clock::now() - b_silent_since;
+  EXPECT_LT(detected_after, kShortLease + 1s);
+  {
+    std::unique_lock lock(seen_a.mu);
+    ASSERT_TRUE(seen_a.cv.wait_for(lock, 5s, [&] {
+      return !seen_a.events.empty() && seen_a.events.back().kind() == v1::Event::JOB_ABORTED;
+    }));
+    EXPECT_EQ(seen_a.events.back().failed_node(), b);
+    EXPECT_NE(seen_a.events.back().reason().find("host host-b"), std::string::npos);
+  }
+  std::this_thread::sleep_for(kShortLease * 3);  // a lives on through three more leases
+  stop = true;
+  heartbeats.join();
+  {
+    std::lock_guard lock(seen_a.mu);
+    EXPECT_FALSE(seen_a.over) << seen_a.status.error_message();
+  }
+  grpc::ClientContext ctx;
+  set_deadline(ctx);
+  v1::HeartbeatRequest req;
+  req.set_node_id(a);
+  v1::HeartbeatResponse resp;
+  EXPECT_TRUE(stub->Heartbeat(&ctx, req, &resp).ok());
+  stream_a->cancel();
+  std::unique_lock lock(seen_a.mu);
+  EXPECT_TRUE(seen_a.cv.wait_for(lock, 5s, [&] { return seen_a.over; }));
+}
+
 TEST_F(CoordinatorServiceTest, WrongTokenIsDeniedToEveryNodeAtOnce) {
   start();
   std::string a = register_node("host-a");
@@ -281,10 +363,20 @@ TEST_F(CoordinatorServiceTest, UnknownNodesAndBadRequests) {
   set_deadline(wctx);
   v1::WatchRequest w;
   w.set_node_id("ghost-1");
-  auto reader = stub->WatchEvents(&wctx, w);
+  auto reader = stub->WatchEvents(&wctx);
+  reader->Write(w);  // may fail: the coordinator can end the stream first
   v1::Event ev;
   EXPECT_FALSE(reader->Read(&ev));
   EXPECT_EQ(reader->Finish().error_code(), StatusCode::NOT_FOUND);
+
+  // A stream that ends before a message names its node.
+  grpc::ClientContext nctx;
+  set_deadline(nctx);
+  auto nameless = stub->WatchEvents(&nctx);
+  nameless->WritesDone();
+  EXPECT_FALSE(nameless->Read(&ev));
+  grpc::Status s = nameless->Finish();
+  EXPECT_EQ(s.error_code(), StatusCode::INVALID_ARGUMENT) << s.error_message();
 
   std::string a = register_node("host-a");
   JoinOutcome bad = join(a, {5}, 4);

@@ -206,6 +206,7 @@ struct Phase {  // CPU of both processes over one phase
   Clock::time_point t0;
   pid_t pid;
   explicit Phase(pid_t p) : coord0(sample_process(p)), self0(sample_process(0)), t0(Clock::now()), pid(p) {}
+  double coordinator_cpu_s() const { return sample_process(pid).cpu_s - coord0.cpu_s; }
   std::string report() const {
     ProcSample c = sample_process(pid), s = sample_process(0);
     const double wall = since(t0);
@@ -352,9 +353,12 @@ int run(const Flags& flags) {
       const uint64_t hb0 = totals.heartbeats.load();
       Phase idle(pid);
       std::this_thread::sleep_for(Seconds(f.idle_s));
-      std::printf("idle: %.1f s with %u nodes heartbeating every %u ms (%llu heartbeats): %s\n", f.idle_s,
-                  f.nodes, lease_ms / 3, (unsigned long long)(totals.heartbeats.load() - hb0),
-                  idle.report().c_str());
+      const uint64_t beats = totals.heartbeats.load() - hb0;
+      const double cpu = idle.coordinator_cpu_s();
+      std::printf("idle: %.1f s with %u nodes heartbeating on their event streams every %u ms (%llu heartbeats): "
+                  "%s; coordinator %.1f us CPU per heartbeat, %.3f%% of a core per idle node\n",
+                  f.idle_s, f.nodes, lease_ms / 3, (unsigned long long)beats, idle.report().c_str(),
+                  beats ? 1e6 * cpu / double(beats) : 0.0, 100 * cpu / f.idle_s / f.nodes);
     }
 
     if (rc == 0) {

@@ -2,7 +2,7 @@
 
 #include "common/call_auth.h"
 
-#include <condition_variable>
+#include <algorithm>
 #include <cstdlib>
 
 namespace gradsync::loadgen {
@@ -45,59 +45,21 @@ void Totals::error(const std::string& what) {
   if (first_error.empty()) first_error = what;
 }
 
-class SimNode::Watcher : public grpc::ClientReadReactor<v1::Event> {
- public:
-  explicit Watcher(SimNode* node) : node_(node) {
-    req_.set_node_id(node->node_id_);
-    node->credentials(ctx_);
-  }
-  void begin() {
-    node_->stub_->async()->WatchEvents(&ctx_, &req_, this);
-    StartRead(&ev_);
-    StartCall();
-  }
-  void cancel() { ctx_.TryCancel(); }
-  void wait_done() {
-    std::unique_lock lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(10), [this] { return done_; });
-  }
-  void OnReadDone(bool ok) override {
-    if (!ok) return;
-    node_->totals_->bytes_received += ev_.ByteSizeLong();
-    {
-      std::lock_guard lock(node_->mu_);
-      node_->events_.push_back({ev_.kind(), ev_.job_id(), Clock::now()});
-    }
-    StartRead(&ev_);
-  }
-  void OnDone(const grpc::Status&) override {
-    std::lock_guard lock(mu_);
-    done_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  SimNode* node_;
-  grpc::ClientContext ctx_;
-  v1::WatchRequest req_;
-  v1::Event ev_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-};
-
 SimNode::SimNode(uint32_t index, std::shared_ptr<v1::Coordinator::Stub> stub, Totals* totals)
     : index_(index), stub_(std::move(stub)), totals_(totals) {}
 
-SimNode::~SimNode() {
-  stop();
-  delete watcher_;
-}
+SimNode::~SimNode() { stop(); }
 
 void SimNode::stop() {
-  if (!watcher_) return;
-  watcher_->cancel();
-  watcher_->wait_done();
+  std::shared_ptr<EventStream> stream;
+  {
+    std::lock_guard lock(mu_);
+    stream = stream_;
+  }
+  if (!stream) return;
+  stream->cancel();  // not under mu_: the stream's callbacks take it
+  std::unique_lock lock(mu_);
+  stream_cv_.wait_for(lock, std::chrono::seconds(10), [this] { return stream_over_; });
 }
 
 void SimNode::start(Clock::time_point deadline, std::function<void(bool)> done) {
@@ -119,7 +81,7 @@ void SimNode::start(Clock::time_point deadline, std::function<void(bool)> done) 
       if (auto key = md.find(kNodeKeyHeader); key != md.end()) node_key_.assign(key->second.data(), key->second.size());
       {
         std::lock_guard lock(mu_);
-        last_ok_ = Clock::now();
+        registered_at_ = Clock::now();
       }
       delete c;
       ++totals_->registered;
@@ -141,30 +103,40 @@ void SimNode::start(Clock::time_point deadline, std::function<void(bool)> done) 
 }
 
 void SimNode::watch() {
-  watcher_ = new Watcher(this);
-  watcher_->begin();
+  auto stream = EventStream::open(
+      *stub_, node_id_, [this](grpc::ClientContext& ctx) { credentials(ctx); },
+      [this](const v1::Event& ev) {
+        totals_->bytes_received += ev.ByteSizeLong();
+        std::lock_guard lock(mu_);
+        events_.push_back({ev.kind(), ev.job_id(), Clock::now()});
+      },
+      [this](const grpc::Status& s) {
+        if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
+          ++totals_->lost;
+          totals_->error("sim" + std::to_string(index_) + " was declared lost: " + s.error_message());
+        } else if (!s.ok() && s.error_code() != grpc::StatusCode::CANCELLED) {
+          totals_->error("event stream of sim" + std::to_string(index_) + ": " + describe(s));
+        }
+        std::lock_guard lock(mu_);
+        stream_over_ = true;
+        stream_cv_.notify_all();
+      });
+  std::lock_guard lock(mu_);
+  stream_ = std::move(stream);
 }
 
 void SimNode::heartbeat() {
-  if (silent_ || node_id_.empty()) return;
-  auto* c = new Call<v1::HeartbeatRequest, v1::HeartbeatResponse>(kCallTimeout, &totals_->in_flight);
-  c->req.set_node_id(node_id_);
-  credentials(c->ctx);
-  stub_->async()->Heartbeat(&c->ctx, &c->req, &c->resp, [this, c](grpc::Status s) {
+  if (silent_) return;
+  std::shared_ptr<EventStream> stream;
+  {
+    std::lock_guard lock(mu_);
+    stream = stream_;
+  }
+  if (stream && stream->heartbeat() == EventStream::Sent::kSent) {
     ++totals_->heartbeats;
-    if (s.ok()) {
-      totals_->bytes_received += c->resp.ByteSizeLong();
-      std::lock_guard lock(mu_);
-      last_ok_ = Clock::now();
-    } else {
-      ++totals_->heartbeat_failures;
-      if (s.error_code() == grpc::StatusCode::NOT_FOUND) {
-        ++totals_->lost;
-        totals_->error("sim" + std::to_string(index_) + " was declared lost: " + s.error_message());
-      }
-    }
-    delete c;
-  });
+  } else {
+    ++totals_->heartbeat_failures;
+  }
 }
 
 void SimNode::join(const std::string& job, uint32_t world, uint32_t first, uint32_t count,
@@ -251,7 +223,7 @@ void SimNode::abort(const std::string& job, std::function<void(bool)> done) {
 
 Clock::time_point SimNode::last_heartbeat_ok() const {
   std::lock_guard lock(mu_);
-  return last_ok_;
+  return stream_ ? std::max(stream_->last_sent(), registered_at_) : registered_at_;
 }
 
 std::vector<SeenEvent> SimNode::events() const {

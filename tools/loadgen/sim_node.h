@@ -1,13 +1,14 @@
 // One simulated node daemon of gradsync-loadgen: the calls runtime/daemon/coordinator_link.cc
-// makes (RegisterNode, WatchEvents, a Heartbeat every lease/3, JoinJob, GetPeerTable), on
-// gRPC's callback API so that thousands of nodes need no thread each. Every call has a
-// deadline, as the daemon's have.
+// makes (RegisterNode, the event stream with a heartbeat on it every lease/3 through the
+// daemon's own daemon/event_stream.h, JoinJob, GetPeerTable), on gRPC's callback API so that
+// thousands of nodes need no thread each. Every unary call has a deadline, as the daemon's have.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "coordinator.grpc.pb.h"
+#include "daemon/event_stream.h"
 
 namespace gradsync::loadgen {
 
@@ -26,9 +28,9 @@ struct Totals {
   std::atomic<uint64_t> bytes_received{0};        // serialized responses and events
   std::atomic<uint64_t> table_bytes{0};           // GetPeerTable responses only
   std::atomic<uint64_t> table_calls{0};           // GetPeerTable calls (pages included)
-  std::atomic<uint64_t> heartbeats{0};
-  std::atomic<uint64_t> heartbeat_failures{0};    // any status but OK
-  std::atomic<uint64_t> lost{0};                  // heartbeats answered NOT_FOUND
+  std::atomic<uint64_t> heartbeats{0};            // sent on the event streams
+  std::atomic<uint64_t> heartbeat_failures{0};    // not sent: the previous one pending, or no stream
+  std::atomic<uint64_t> lost{0};                  // event streams ended NOT_FOUND (node dropped)
   std::atomic<uint64_t> register_retries{0};
   std::atomic<uint64_t> registered{0};
   std::atomic<uint64_t> joined{0};                // JoinJob answered OK
@@ -58,7 +60,7 @@ class SimNode {
   // RegisterNode, retried after 500 ms (as the daemon does) until `deadline`; then opens the
   // event stream. `done` runs once, with true when registered.
   void start(Clock::time_point deadline, std::function<void(bool)> done);
-  // One Heartbeat call (5 s deadline), unless the node is silenced.
+  // One heartbeat on the event stream, unless the node is silenced.
   void heartbeat();
   // JoinJob for ranks [first, first + count) of a world of `world`; then GetPeerTable
   // (5 s deadline, pages followed). `done` runs once, with true when the table is held.
@@ -66,17 +68,19 @@ class SimNode {
             std::function<void(bool)> done);
   // AbortJob of the node's current generation of `job`.
   void abort(const std::string& job, std::function<void(bool)> done);
-  void silence() { silent_ = true; }  // stop heartbeating: a node that died
-  void stop();                         // cancel the event stream
+  // Stop heartbeating, the stream left open: a daemon that hangs (SIGSTOP) or whose
+  // connection stopped carrying anything.
+  void silence() { silent_ = true; }
+  void stop();  // cancels the event stream and waits (10 s at most) until it ended
 
   const std::string& node_id() const { return node_id_; }
   uint32_t index() const { return index_; }
+  // When the last heartbeat (or the stream's naming message) was handed to the connection.
   Clock::time_point last_heartbeat_ok() const;
   std::vector<SeenEvent> events() const;
   uint64_t generation() const { return generation_; }
 
  private:
-  class Watcher;
   // What a daemon's calls carry (common/call_auth.h): the cluster secret, this node's id and
   // key once registered, and the job's token on job calls.
   void credentials(grpc::ClientContext& ctx, bool job_call = false) const;
@@ -92,9 +96,11 @@ class SimNode {
   std::atomic<bool> silent_{false};
   std::atomic<uint64_t> generation_{0};
   mutable std::mutex mu_;
-  Clock::time_point last_ok_{};
+  Clock::time_point registered_at_{};
   std::vector<SeenEvent> events_;
-  Watcher* watcher_ = nullptr;  // owned by gRPC until its OnDone
+  std::shared_ptr<EventStream> stream_;
+  bool stream_over_ = false;
+  std::condition_variable stream_cv_;  // stream_over_
 };
 
 }  // namespace gradsync::loadgen
