@@ -49,6 +49,9 @@ class Authorizer {
   Result<std::string> admit_node(const grpc::ServerContextBase& ctx, const std::string& name,
                                  const std::function<bool(const std::string&)>& alive);
   void bound(const std::string& name, const std::string& node_id, const std::string& key);
+  // The table removed node `node_id` (lost, replaced): its key goes; its name is freed when
+  // it is registered again (admit_node finds the holder gone).
+  void forget(const std::string& node_id);
   // A call of node `node_id` (empty: the id in the call's kNodeIdHeader), with its key.
   Status node_call(const grpc::ServerContextBase& ctx, const std::string& node_id, const char* what);
   // A node call about `job`: the node's credential and the job's token.

@@ -792,6 +792,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
         if (q->second.watcher) finish_watch_locked(q->second.watcher, to_grpc(lost_or_unknown(id)));
         queues_.erase(q);
       }
+      authz_.forget(id);
       std::lock_guard leases(lease_mu_);
       leases_.remove(id);
       if (writer_) writer_->remove("nodes/" + id);

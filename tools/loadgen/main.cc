@@ -52,6 +52,7 @@ struct Flags {
 };
 
 using Seconds = std::chrono::duration<double>;
+constexpr int kHeartbeatThreads = 4;
 
 double since(Clock::time_point t) { return Seconds(Clock::now() - t).count(); }
 
@@ -66,7 +67,8 @@ bool wait_for(const std::atomic<uint64_t>& count, uint64_t target, Clock::time_p
   return true;
 }
 
-// Sends every node's heartbeat every lease/3 from its registration on, as the daemon does.
+// Sends every node's heartbeat every lease/3 from its registration on, as the daemon does
+// (add), and runs one-off tasks (later); one thread. The run has two: one for each use.
 class Heartbeats {
  public:
   Heartbeats(std::vector<std::unique_ptr<SimNode>>& nodes, std::chrono::milliseconds period)
@@ -296,43 +298,62 @@ int run(const Flags& flags) {
   int rc = 0;
   {
     std::vector<std::shared_ptr<v1::Coordinator::Stub>> stubs;
+    std::vector<std::shared_ptr<grpc::Channel>> channels;
+    const auto connect_t0 = Clock::now();
     for (uint32_t c = 0; c < f.channels; ++c) {
       grpc::ChannelArguments args;
       args.SetInt("gradsync.loadgen.connection", int(c));  // a connection of its own
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
       args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, -1);
-      stubs.push_back(v1::Coordinator::NewStub(
-          grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+      channels.push_back(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+      channels.back()->GetState(/*try_to_connect=*/true);
+      stubs.push_back(v1::Coordinator::NewStub(channels.back()));
     }
+    // Each daemon sets up its own channel in its own process. Here one process plays them all:
+    // setting up thousands of channels costs it a few ms each, which would delay the nodes'
+    // registrations (and their heartbeats) by seconds. So the connections are made first.
+    uint32_t connected = 0;
+    for (auto& ch : channels) {
+      connected += ch->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30)) ? 1 : 0;
+    }
+    std::printf("connections: %u of %u ready in %.2f s (before the measurements)\n", connected, f.channels,
+                since(connect_t0));
     std::vector<std::unique_ptr<SimNode>> nodes;
     for (uint32_t i = 0; i < f.nodes; ++i) {
       nodes.push_back(std::make_unique<SimNode>(i, stubs[i % f.channels], &totals));
     }
     const ProcSample base = sample_process(pid);
     const uint32_t lease_ms = f.lease_ms ? f.lease_ms : 5000;
-    Heartbeats heartbeats(nodes, std::chrono::milliseconds(lease_ms / 3));
-    heartbeats.start();
+    // Heartbeats on several threads: a write from outside gRPC's threads may do the socket write
+    // itself (tens of microseconds), and one thread could not keep 16,384 nodes' rate.
+    std::vector<std::unique_ptr<Heartbeats>> heartbeats;
+    for (int t = 0; t < kHeartbeatThreads; ++t) {
+      heartbeats.push_back(std::make_unique<Heartbeats>(nodes, std::chrono::milliseconds(lease_ms / 3)));
+      heartbeats.back()->start();
+    }
+    // Registrations and their retries on a thread of their own: one node's start must not make
+    // another's heartbeat late (they are separate daemons).
+    Heartbeats tasks(nodes, std::chrono::milliseconds(lease_ms / 3));
+    tasks.start();
 
     std::printf("loadgen: %u nodes x %u ranks = %u ranks, %u connections, coordinator %s (pid %d)\n",
                 f.nodes, f.ranks, f.nodes * f.ranks, f.channels, address.c_str(), int(pid));
     Phase reg(pid);
     std::atomic<uint64_t> failed_registrations{0};
     const auto reg_deadline = Clock::now() + std::chrono::seconds(120);
-    totals.later = [&heartbeats](std::chrono::milliseconds d, std::function<void()> fn) {
-      heartbeats.later(d, std::move(fn));
-    };
+    totals.later = [&tasks](std::chrono::milliseconds d, std::function<void()> fn) { tasks.later(d, std::move(fn)); };
     // Daemons of a large cluster start over some time, not in one instant: --register-rate
     // nodes a second (0: all at once).
     for (auto& n : nodes) {
       SimNode* node = n.get();
       auto start = [&, node] {
         node->start(reg_deadline, [&, node](bool ok) {
-          if (ok) heartbeats.add(node->index());
+          if (ok) heartbeats[node->index() % kHeartbeatThreads]->add(node->index());
           else ++failed_registrations;
         });
       };
       if (f.register_rate > 0) {
-        heartbeats.later(std::chrono::milliseconds(uint64_t(node->index() * 1000.0 / f.register_rate)), start);
+        tasks.later(std::chrono::milliseconds(uint64_t(node->index() * 1000.0 / f.register_rate)), start);
       } else {
         start();
       }
@@ -425,9 +446,12 @@ int run(const Flags& flags) {
       totals.lost -= totals.lost.load() > 0 ? 1 : 0;  // the silenced node's own NOT_FOUND, if it asked
     }
 
-    heartbeats.stop();
-    std::printf("heartbeats: %llu sent, %llu failed; nodes declared lost: %llu\n",
+    for (auto& h : heartbeats) h->stop();
+    tasks.stop();
+    std::printf("heartbeats: %llu sent, %llu not sent (%llu of them: the previous one still pending); nodes "
+                "declared lost: %llu\n",
                 (unsigned long long)totals.heartbeats.load(), (unsigned long long)totals.heartbeat_failures.load(),
+                (unsigned long long)totals.heartbeats_busy.load(),
                 (unsigned long long)totals.lost.load());
     if (totals.lost.load() > 0) rc = 1;
     if (!totals.first_error.empty()) std::printf("first error: %s\n", totals.first_error.c_str());

@@ -132,10 +132,12 @@ void SimNode::heartbeat() {
     std::lock_guard lock(mu_);
     stream = stream_;
   }
-  if (stream && stream->heartbeat() == EventStream::Sent::kSent) {
+  const auto sent = stream ? stream->heartbeat() : EventStream::Sent::kOver;
+  if (sent == EventStream::Sent::kSent) {
     ++totals_->heartbeats;
   } else {
     ++totals_->heartbeat_failures;
+    if (sent == EventStream::Sent::kBusy) ++totals_->heartbeats_busy;
   }
 }
 

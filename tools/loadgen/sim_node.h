@@ -30,6 +30,7 @@ struct Totals {
   std::atomic<uint64_t> table_calls{0};           // GetPeerTable calls (pages included)
   std::atomic<uint64_t> heartbeats{0};            // sent on the event streams
   std::atomic<uint64_t> heartbeat_failures{0};    // not sent: the previous one pending, or no stream
+  std::atomic<uint64_t> heartbeats_busy{0};       // of those: the previous one still pending
   std::atomic<uint64_t> lost{0};                  // event streams ended NOT_FOUND (node dropped)
   std::atomic<uint64_t> register_retries{0};
   std::atomic<uint64_t> registered{0};
