@@ -4,7 +4,8 @@
 # settings. Prints one markdown row per shape: the median of RUNS runs of the rendezvous, the
 # coordinator's and the load generator's CPU over it, the peer-table bytes and memory.
 #   SHAPES="64x8 256x8" RUNS=3 scripts/bench-coordinator.sh [build dir]
-# Then, unless SKIP_EXTRAS=1: idle CPU and failure fan-out at 2,048 nodes.
+# Then, unless SKIP_EXTRAS=1: idle CPU and failure fan-out at 2,048 nodes. LOG_DIR=DIR keeps
+# every run's whole output there (SHAPE-RUN.txt).
 set -euo pipefail
 build=${1:-build}
 loadgen="$build/bin/gradsync-loadgen"
@@ -18,6 +19,7 @@ for shape in $shapes; do
   times=(); line=""
   for ((i = 0; i < runs; i++)); do
     out=$(nice -n -5 "$loadgen" --nodes "$nodes" --ranks "$per" 2>/dev/null || true)
+    if [[ -n "${LOG_DIR:-}" ]]; then printf '%s\n' "$out" >"$LOG_DIR/$shape-$i.txt"; fi
     t=$(sed -n 's/^rendezvous: \([0-9.]*\) s.*/\1/p' <<<"$out")
     times+=("${t:-FAIL}")
     if [[ -n "$t" ]]; then line="$out"; fi
