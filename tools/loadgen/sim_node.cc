@@ -10,6 +10,9 @@ namespace {
 
 // The daemon's deadline for a short control call and its pause between registrations.
 constexpr std::chrono::milliseconds kCallTimeout{5'000};
+// The daemon's deadline for one peer-table page (kTablePageTimeout in coordinator_link.cc):
+// when thousands of nodes ask at once the coordinator queues them rather than failing.
+constexpr std::chrono::milliseconds kTablePageTimeout{20'000};
 constexpr std::chrono::milliseconds kRetryPause{500};
 
 template <class Req, class Resp>
@@ -180,7 +183,7 @@ void SimNode::join(const std::string& job, uint32_t world, uint32_t first, uint3
 
 void SimNode::fetch_table(const std::string& job, uint64_t generation, uint32_t page,
                           std::function<void(bool)> done) {
-  auto* c = new Call<v1::PeerTableRequest, v1::PeerTableResponse>(kCallTimeout, &totals_->in_flight);
+  auto* c = new Call<v1::PeerTableRequest, v1::PeerTableResponse>(kTablePageTimeout, &totals_->in_flight);
   c->req.set_job_id(job);
   c->req.set_generation(generation);
   c->req.set_node_id(node_id_);

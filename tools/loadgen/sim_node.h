@@ -64,7 +64,7 @@ class SimNode {
   // One heartbeat on the event stream, unless the node is silenced.
   void heartbeat();
   // JoinJob for ranks [first, first + count) of a world of `world`; then GetPeerTable
-  // (5 s deadline, pages followed). `done` runs once, with true when the table is held.
+  // (the daemon's 20 s deadline per page, pages followed). `done` runs once, with true when the table is held.
   void join(const std::string& job, uint32_t world, uint32_t first, uint32_t count,
             std::function<void(bool)> done);
   // AbortJob of the node's current generation of `job`.
