@@ -58,6 +58,16 @@ class CoordinatorServiceTest : public ::testing::Test {
     return resp.node_id();
   }
 
+  // One unary Heartbeat of `node`: its status code.
+  StatusCode heartbeat(const std::string& node) {
+    grpc::ClientContext ctx;
+    set_deadline(ctx);
+    v1::HeartbeatRequest req;
+    req.set_node_id(node);
+    v1::HeartbeatResponse resp;
+    return stub->Heartbeat(&ctx, req, &resp).error_code();
+  }
+
   struct JoinOutcome {
     grpc::Status status;
     v1::JoinJobResponse resp;
@@ -199,12 +209,7 @@ TEST_F(CoordinatorServiceTest, LeaseExpiryAbortsTheJobForSurvivors) {
   std::atomic<bool> stop{false};
   std::thread heartbeats([&] {  // a stays alive; b never heartbeats
     while (!stop) {
-      grpc::ClientContext ctx;
-      set_deadline(ctx);
-      v1::HeartbeatRequest req;
-      req.set_node_id(a);
-      v1::HeartbeatResponse resp;
-      EXPECT_TRUE(stub->Heartbeat(&ctx, req, &resp).ok());
+      EXPECT_EQ(heartbeat(a), StatusCode::OK);
       std::this_thread::sleep_for(kShortLease / 4);
     }
   });
@@ -222,12 +227,7 @@ TEST_F(CoordinatorServiceTest, LeaseExpiryAbortsTheJobForSurvivors) {
   // Detection is bounded by the lease plus a tick (100 ms), with slack for a loaded machine.
   EXPECT_LT(detected_after, kShortLease + 1s);
 
-  grpc::ClientContext ctx;
-  set_deadline(ctx);
-  v1::HeartbeatRequest req;
-  req.set_node_id(b);
-  v1::HeartbeatResponse resp;
-  EXPECT_EQ(stub->Heartbeat(&ctx, req, &resp).error_code(), StatusCode::NOT_FOUND);
+  EXPECT_EQ(heartbeat(b), StatusCode::NOT_FOUND);
 }
 
 // gradsyncd's liveness: heartbeats on the node's event stream (daemon/event_stream.h), no
@@ -295,12 +295,7 @@ TEST_F(CoordinatorServiceTest, StreamHeartbeatsKeepANodeAndASilentStreamIsLost) 
     std::lock_guard lock(seen_a.mu);
     EXPECT_FALSE(seen_a.over) << seen_a.status.error_message();
   }
-  grpc::ClientContext ctx;
-  set_deadline(ctx);
-  v1::HeartbeatRequest req;
-  req.set_node_id(a);
-  v1::HeartbeatResponse resp;
-  EXPECT_TRUE(stub->Heartbeat(&ctx, req, &resp).ok());
+  EXPECT_EQ(heartbeat(a), StatusCode::OK);
   stream_a->cancel();
   std::unique_lock lock(seen_a.mu);
   EXPECT_TRUE(seen_a.cv.wait_for(lock, 5s, [&] { return seen_a.over; }));
@@ -352,12 +347,7 @@ TEST_F(CoordinatorServiceTest, CancelledJoinWithdrawsItsRanks) {
 
 TEST_F(CoordinatorServiceTest, UnknownNodesAndBadRequests) {
   start();
-  grpc::ClientContext ctx;
-  set_deadline(ctx);
-  v1::HeartbeatRequest hb;
-  hb.set_node_id("ghost-1");
-  v1::HeartbeatResponse hresp;
-  EXPECT_EQ(stub->Heartbeat(&ctx, hb, &hresp).error_code(), StatusCode::NOT_FOUND);
+  EXPECT_EQ(heartbeat("ghost-1"), StatusCode::NOT_FOUND);
 
   grpc::ClientContext wctx;
   set_deadline(wctx);
