@@ -47,7 +47,7 @@ struct CoordinatorOptions {
   std::shared_ptr<Store> store;
 };
 
-class CoordinatorService;  // the gRPC handlers, in service.cc
+class CoordinatorService;  // the gRPC handlers, in service_internal.h
 
 class CoordinatorServer {
  public:

@@ -1,0 +1,282 @@
+// CoordinatorService's event streams (WatchEvents: a node's queued events out, its heartbeats in)
+// and TraceJob/ReportTrace, whose requests travel to the daemons over those streams
+// (coordinator/service_internal.h).
+#include <algorithm>
+
+#include "common/log.h"
+#include "coordinator/service_internal.h"
+
+namespace gradsync::coordinator {
+namespace {
+
+// A node that never watches must not grow its queue without bound; the oldest go first.
+constexpr size_t kMaxQueuedEventsPerNode = 4096;
+// TraceJob: how long to wait for the daemons by default and at most, and the records per rank.
+constexpr Millis kTraceDefaultWait{3000};
+constexpr Millis kTraceMaxWait{30000};
+constexpr uint32_t kTraceMaxRecords = 1u << 20;
+constexpr uint32_t kTraceDefaultRecords = 2000;
+
+}  // namespace
+
+// The stream is named by its first message (read in watch_read); a caller without a node
+// credential is refused at once.
+grpc::ServerBidiReactor<v1::WatchRequest, v1::Event>* CoordinatorService::WatchEvents(
+    grpc::CallbackServerContext* ctx) {
+  auto* r = new WatchReactor(this, ctx);
+  if (Status a = authz_.node_call(*ctx, "", "WatchEvents"); !a.ok()) {
+    std::lock_guard lock(mu_);
+    r->finished = true;
+    r->Finish(to_grpc(a));
+    return r;
+  }
+  r->StartRead(&r->in);
+  return r;
+}
+
+// A message on a node's stream: the first names the node, every later one is a heartbeat.
+void CoordinatorService::watch_read(WatchReactor* r, bool ok) {
+  if (!r->named) {
+    r->named = true;
+    std::lock_guard lock(mu_);
+    if (!ok) {  // the client went before naming its node
+      finish_watch_locked(r, {grpc::StatusCode::INVALID_ARGUMENT,
+                              "WatchEvents: the stream ended before a WatchRequest named the node"});
+      return;
+    }
+    if (attach_watch_locked(r)) r->StartRead(&r->in);
+    return;
+  }
+  // Not ok: the node half-closed (it keeps the stream for events and heartbeats with unary
+  // calls) or the call is over. Either way no more reads.
+  if (!ok) return;
+  bool known = false;
+  {
+    std::lock_guard leases(lease_mu_);
+    known = leases_.renew(r->node_id, Clock::now());
+  }
+  if (!known) {
+    std::lock_guard lock(mu_);
+    finish_watch_locked(r, to_grpc(lost_or_unknown(r->node_id)));
+    return;
+  }
+  r->StartRead(&r->in);
+}
+
+void CoordinatorService::write_done(WatchReactor* r, bool ok) {
+  std::lock_guard lock(mu_);
+  r->writing = false;
+  auto q = queues_.find(r->node_id);
+  const bool attached = q != queues_.end() && q->second.watcher == r;
+  if (!ok) {
+    finish_watch_locked(r, {grpc::StatusCode::CANCELLED, "WatchEvents stream closed by the client"});
+    if (q != queues_.end()) {  // the event goes to the node's next watcher
+      q->second.events.push_front(std::move(r->current));
+      pump_locked(q->second);
+    }
+  }
+  if (r->finish_due) {
+    r->finish_due = false;
+    r->Finish(r->final_status);
+    return;
+  }
+  if (ok && attached) pump_locked(q->second);
+}
+
+void CoordinatorService::watch_cancelled(WatchReactor* r) {
+  std::lock_guard lock(mu_);
+  finish_watch_locked(r, {grpc::StatusCode::CANCELLED, "WatchEvents cancelled"});
+}
+
+void CoordinatorService::watch_done(WatchReactor* r) {
+  std::lock_guard lock(mu_);
+  auto q = queues_.find(r->node_id);
+  if (q != queues_.end() && q->second.watcher == r) q->second.watcher = nullptr;
+}
+
+// The first message of a stream names its node: checks the caller holds the node's key, makes
+// the stream the node's one watcher (a newer one, from a daemon that reconnected, replaces
+// the older), renews the lease (opening the stream is a proof of life) and writes what is
+// queued. False when the stream was finished instead.
+bool CoordinatorService::attach_watch_locked(WatchReactor* r) {
+  r->node_id = r->in.node_id();
+  if (Status a = authz_.node_call(*r->ctx_, r->node_id, "WatchEvents"); !a.ok()) {
+    finish_watch_locked(r, to_grpc(a));
+    return false;
+  }
+  if (stopping_) {
+    finish_watch_locked(r, shutting_down());
+    return false;
+  }
+  auto q = queues_.find(r->node_id);
+  bool known = q != queues_.end() && table_.has_node(r->node_id);
+  if (known) {
+    std::lock_guard leases(lease_mu_);
+    known = leases_.renew(r->node_id, Clock::now());
+  }
+  if (!known) {
+    finish_watch_locked(r, to_grpc(lost_or_unknown(r->node_id)));
+    return false;
+  }
+  if (q->second.watcher) {
+    finish_watch_locked(q->second.watcher,
+                        {grpc::StatusCode::ABORTED,
+                         "WatchEvents for node " + r->node_id + " was replaced by a newer WatchEvents call"});
+  }
+  q->second.watcher = r;
+  log::get("coordinator")->debug("node={} watching events", r->node_id);
+  pump_locked(q->second);
+  return true;
+}
+
+Status CoordinatorService::lost_or_unknown(const std::string& id) const {
+  return {Code::kNotFound, "WatchEvents: node '" + id +
+                               "' is not registered (unknown, or lost after its lease of " +
+                               std::to_string(options_.lease.count()) +
+                               " ms expired); the daemon must RegisterNode again"};
+}
+
+// Queues an event for a node (dropping the oldest past the bound) and writes it when the
+// node's stream is free.
+void CoordinatorService::queue_event_locked(NodeQueue& q, v1::Event ev) {
+  if (q.events.size() >= kMaxQueuedEventsPerNode) {
+    log::get("coordinator")->warn("a node is not reading its events; dropping the oldest of its {}", q.events.size());
+    q.events.pop_front();
+  }
+  q.events.push_back(std::move(ev));
+  pump_locked(q);
+}
+
+void CoordinatorService::pump_locked(NodeQueue& q) {
+  WatchReactor* w = q.watcher;
+  if (!w || w->writing || w->finished || q.events.empty()) return;
+  w->current = std::move(q.events.front());
+  q.events.pop_front();
+  w->writing = true;
+  w->StartWrite(&w->current);
+}
+
+// Finishes a stream now, or after its write in flight; detaches it from its node.
+void CoordinatorService::finish_watch_locked(WatchReactor* w, const grpc::Status& status) {
+  auto q = queues_.find(w->node_id);
+  if (q != queues_.end() && q->second.watcher == w) q->second.watcher = nullptr;
+  if (w->finished) return;
+  w->finished = true;
+  if (w->writing) {
+    w->finish_due = true;
+    w->final_status = status;
+  } else {
+    w->Finish(status);
+  }
+}
+
+// gradsyncctl trace: asks every member node's daemon for its ranks' flight recorders
+// (coordinator/trace_gather.h); answered when every node has, or at the deadline (the ticker).
+grpc::ServerUnaryReactor* CoordinatorService::TraceJob(grpc::CallbackServerContext* ctx,
+                                                       const v1::TraceJobRequest* req,
+                                                       v1::TraceJobResponse* resp) {
+  auto* r = new TraceReactor(this, resp);
+  if (Status a = authz_.operator_call(*ctx, "TraceJob"); !a.ok()) {
+    r->Finish(to_grpc(a));
+    return r;
+  }
+  const Millis wait = req->timeout_ms() ? std::min(Millis(req->timeout_ms()), kTraceMaxWait) : kTraceDefaultWait;
+  const uint32_t max_records = req->max_records() ? std::min(req->max_records(), kTraceMaxRecords) : kTraceDefaultRecords;
+  std::lock_guard lock(mu_);
+  if (stopping_) {
+    r->Finish(shutting_down());
+    return r;
+  }
+  auto holders = table_.holders(req->job_id());
+  if (!holders.ok()) {
+    r->Finish(to_grpc(holders.status()));
+    return r;
+  }
+  *resp->mutable_summary() = holders->summary;
+  r->world = holders->summary.world_size();
+  const uint64_t generation = holders->summary.generation();
+  r->id = traces_.open(req->job_id(), generation, holders->nodes, max_records, Clock::now() + wait);
+  trace_calls_[r->id] = r;
+  for (const auto& [node, ranks] : holders->nodes) {
+    auto q = queues_.find(node);
+    if (q == queues_.end() || !table_.has_node(node)) {
+      traces_.unreachable(r->id, node, "not registered any more (its lease expired?)");
+      continue;
+    }
+    v1::Event ev;
+    ev.set_kind(v1::Event::TRACE_REQUESTED);
+    ev.set_job_id(req->job_id());
+    ev.set_generation(generation);
+    ev.set_request_id(r->id);
+    ev.set_max_records(max_records);
+    ev.set_quiet(req->quiet());
+    queue_event_locked(q->second, std::move(ev));
+  }
+  if (r->cancelled || ctx->IsCancelled()) {  // cancelled before it was registered above
+    cancel_trace_locked(r);
+    return r;
+  }
+  finish_traces_locked(Clock::now());  // every node may have been unreachable
+  return r;
+}
+
+void CoordinatorService::cancel_trace(TraceReactor* r) {
+  std::lock_guard lock(mu_);
+  r->cancelled = true;
+  cancel_trace_locked(r);
+}
+
+grpc::ServerUnaryReactor* CoordinatorService::ReportTrace(grpc::CallbackServerContext* ctx,
+                                                          const v1::ReportTraceRequest* req,
+                                                          v1::ReportTraceResponse*) {
+  auto* r = ctx->DefaultReactor();
+  if (Status a = authz_.job_call(*ctx, req->node_id(), req->job_id(), "ReportTrace"); !a.ok()) {
+    r->Finish(to_grpc(a));
+    return r;
+  }
+  std::lock_guard lock(mu_);
+  if (!table_.has_node(req->node_id())) {
+    r->Finish(to_grpc(lost_or_unknown(req->node_id())));
+    return r;
+  }
+  Status s = traces_.report(*req);
+  finish_traces_locked(Clock::now());
+  r->Finish(to_grpc(s));
+  return r;
+}
+
+// Answers the TraceJob calls whose requests are complete or past their deadline.
+void CoordinatorService::finish_traces_locked(TimePoint now) {
+  for (auto& [id, got] : traces_.take_finished(now)) {
+    auto it = trace_calls_.find(id);
+    if (it == trace_calls_.end()) continue;
+    TraceReactor* r = it->second;
+    trace_calls_.erase(it);
+    std::sort(got.ranks.begin(), got.ranks.end(), [](const auto& a, const auto& b) { return a.rank() < b.rank(); });
+    for (auto& t : got.ranks) {
+      if (t.rank() < r->world) *r->resp_->add_ranks() = std::move(t);
+    }
+    for (auto& m : got.missing) r->resp_->add_missing_nodes(std::move(m));
+    for (auto& p : got.dumps) r->resp_->add_dumps(std::move(p));
+    r->Finish(grpc::Status::OK);
+  }
+}
+
+void CoordinatorService::cancel_trace_locked(TraceReactor* r) {
+  auto it = trace_calls_.find(r->id);
+  if (r->id == 0 || it == trace_calls_.end() || it->second != r) return;  // answered already
+  trace_calls_.erase(it);
+  traces_.cancel(r->id);
+  r->Finish(stopping_ ? shutting_down() : grpc::Status(grpc::StatusCode::CANCELLED, "TraceJob cancelled"));
+}
+
+void TraceReactor::OnCancel() { service_->cancel_trace(this); }
+void WatchReactor::OnReadDone(bool ok) { service_->watch_read(this, ok); }
+void WatchReactor::OnWriteDone(bool ok) { service_->write_done(this, ok); }
+void WatchReactor::OnCancel() { service_->watch_cancelled(this); }
+void WatchReactor::OnDone() {
+  service_->watch_done(this);
+  delete this;
+}
+
+}  // namespace gradsync::coordinator

@@ -1,0 +1,199 @@
+// What the coordinator service's files share: the reactors of the pending calls and the
+// CoordinatorService class (coordinator/service.h names it). Its methods live in
+// service.cc (restore, stop, the ticker, dispatching the table's events, the server),
+// service_jobs.cc (node registration, heartbeats, joins, membership and the operator's queries)
+// and service_events.cc (the nodes' event streams and TraceJob, which travels over them).
+// Internal to the coordinator library.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "coordinator.grpc.pb.h"
+#include "coordinator/coordinator_metrics.h"
+#include "coordinator/leases.h"
+#include "coordinator/regroup.h"
+#include "coordinator/service.h"
+#include "coordinator/store_writer.h"
+#include "coordinator/trace_gather.h"
+
+namespace gradsync::coordinator {
+
+// A Status as the gRPC status a call finishes with.
+grpc::Status to_grpc(const Status& s);
+// What every call gets once stop() began.
+grpc::Status shutting_down();
+
+// A pending JoinJob: finished when the table resolves its ticket, or withdrawn on cancel.
+class JoinReactor final : public grpc::ServerUnaryReactor {
+ public:
+  JoinReactor(CoordinatorService* service, v1::JoinJobResponse* resp) : service_(service), resp_(resp) {}
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+  CoordinatorService* const service_;
+  v1::JoinJobResponse* const resp_;
+  const TimePoint start = Clock::now();  // for the join latency metric
+  JoinTicket ticket = 0;
+  bool cancelled = false;  // guarded by the service's mutex
+};
+
+// A pending TraceJob: finished when every node answered or at its deadline (the ticker).
+class TraceReactor final : public grpc::ServerUnaryReactor {
+ public:
+  TraceReactor(CoordinatorService* service, v1::TraceJobResponse* resp) : service_(service), resp_(resp) {}
+  void OnCancel() override;
+  void OnDone() override { delete this; }
+  CoordinatorService* const service_;
+  v1::TraceJobResponse* const resp_;
+  // Guarded by the service's mutex.
+  uint64_t id = 0;
+  uint32_t world = 0;
+  bool cancelled = false;
+};
+
+// One node's event stream, both ways: writes its queued events one at a time (no thread, no
+// wake-ups while there is nothing to send) and reads the node's heartbeats. Reads start only in
+// the handler and in OnReadDone, so they need no lock; a heartbeat takes only the lease table's.
+class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::Event> {
+ public:
+  WatchReactor(CoordinatorService* service, grpc::CallbackServerContext* ctx) : service_(service), ctx_(ctx) {}
+  void OnReadDone(bool ok) override;
+  void OnWriteDone(bool ok) override;
+  void OnCancel() override;
+  void OnDone() override;
+  CoordinatorService* const service_;
+  grpc::CallbackServerContext* const ctx_;  // valid until OnDone
+  v1::WatchRequest in;  // the message being read
+  bool named = false;   // the first message arrived (touched by reads only)
+  // Set under the service's mutex when the first message names the node; read by later reads
+  // (after it, through StartRead) and under the service's mutex.
+  std::string node_id;
+  // Guarded by the service's mutex.
+  v1::Event current;
+  bool writing = false;
+  bool finished = false;  // Finish called, or due once the write in flight is done
+  bool finish_due = false;
+  grpc::Status final_status;
+};
+
+class CoordinatorService final : public v1::Coordinator::CallbackService {
+ public:
+  explicit CoordinatorService(const CoordinatorOptions& o)
+      : options_(o), authz_(with_client_certs(o)), table_(JobTableOptions{o.lease, o.default_join_timeout}),
+        leases_(o.lease) {
+    if (o.store) writer_ = std::make_unique<StoreWriter>(o.store);
+  }
+  ~CoordinatorService() override { stop(); }
+
+  // service.cc: the service's life.
+  Status restore();
+  // Waits until the records of every change so far are written (tests, shutdown).
+  bool flush_store(Millis timeout) { return !writer_ || writer_->flush(timeout); }
+  void start() {
+    ticker_ = std::thread([this] { run_ticker(); });
+  }
+  void stop();
+  CoordinatorMetrics& metrics() { return metrics_; }
+  std::string render_metrics();
+
+  // service_jobs.cc: nodes and jobs.
+  grpc::ServerUnaryReactor* RegisterNode(grpc::CallbackServerContext* ctx, const v1::RegisterNodeRequest* req,
+                                         v1::RegisterNodeResponse* resp) override;
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* ctx, const v1::HeartbeatRequest* req,
+                                      v1::HeartbeatResponse* resp) override;
+  grpc::ServerUnaryReactor* JoinJob(grpc::CallbackServerContext* ctx, const v1::JoinJobRequest* req,
+                                    v1::JoinJobResponse* resp) override;
+  void cancel_join(JoinReactor* r);
+  grpc::ServerUnaryReactor* GetPeerTable(grpc::CallbackServerContext* ctx, const v1::PeerTableRequest* req,
+                                         v1::PeerTableResponse* resp) override;
+  grpc::ServerUnaryReactor* LeaveJob(grpc::CallbackServerContext* ctx, const v1::LeaveJobRequest* req,
+                                     v1::LeaveJobResponse*) override;
+  grpc::ServerUnaryReactor* AbortJob(grpc::CallbackServerContext* ctx, const v1::AbortJobRequest* req,
+                                     v1::AbortJobResponse*) override;
+  grpc::ServerUnaryReactor* Regroup(grpc::CallbackServerContext* ctx, const v1::RegroupRequest* req,
+                                    v1::RegroupResponse* resp) override;
+  grpc::ServerUnaryReactor* ReportPath(grpc::CallbackServerContext* ctx, const v1::ReportPathRequest* req,
+                                       v1::ReportPathResponse*) override;
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* ctx, const v1::ListJobsRequest*,
+                                     v1::ListJobsResponse* resp) override;
+  grpc::ServerUnaryReactor* DescribeJob(grpc::CallbackServerContext* ctx, const v1::DescribeJobRequest* req,
+                                        v1::DescribeJobResponse* resp) override;
+
+  // service_events.cc: the nodes' event streams and TraceJob.
+  grpc::ServerBidiReactor<v1::WatchRequest, v1::Event>* WatchEvents(grpc::CallbackServerContext* ctx) override;
+  void watch_read(WatchReactor* r, bool ok);
+  void write_done(WatchReactor* r, bool ok);
+  void watch_cancelled(WatchReactor* r);
+  void watch_done(WatchReactor* r);
+  grpc::ServerUnaryReactor* TraceJob(grpc::CallbackServerContext* ctx, const v1::TraceJobRequest* req,
+                                     v1::TraceJobResponse* resp) override;
+  void cancel_trace(TraceReactor* r);
+  grpc::ServerUnaryReactor* ReportTrace(grpc::CallbackServerContext* ctx, const v1::ReportTraceRequest* req,
+                                        v1::ReportTraceResponse*) override;
+
+ private:
+  struct NodeQueue {
+    std::deque<v1::Event> events;
+    WatchReactor* watcher = nullptr;  // the node's current stream, if any
+  };
+
+  // service.cc
+  void dispatch_locked();
+  void run_ticker();
+  // service_jobs.cc
+  void withdraw_locked(JoinReactor* r, const std::string& why);
+  // service_events.cc
+  bool attach_watch_locked(WatchReactor* r);
+  Status lost_or_unknown(const std::string& id) const;
+  void queue_event_locked(NodeQueue& q, v1::Event ev);
+  void pump_locked(NodeQueue& q);
+  void finish_watch_locked(WatchReactor* w, const grpc::Status& status);
+  void finish_traces_locked(TimePoint now);
+  void cancel_trace_locked(TraceReactor* r);
+
+  bool stopping_flag() {
+    std::lock_guard lock(mu_);
+    return stopping_;
+  }
+
+  static AuthzOptions with_client_certs(const CoordinatorOptions& o) {
+    AuthzOptions a = o.authz;
+    a.client_certs = a.client_certs || o.tls.require_client_cert;
+    return a;
+  }
+
+  const CoordinatorOptions options_;
+  Authorizer authz_;
+  std::mutex mu_;  // the table, the queues, the pending joins; taken before lease_mu_
+  JobTable table_;
+  RegroupService regroup_;
+  struct RegroupWait {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::list<RegroupWait> regroup_waits_;  // under mu_; stop() joins them
+  std::map<std::string, NodeQueue> queues_;
+  std::map<JoinTicket, JoinReactor*> joins_;
+  TraceGather traces_;  // open TraceJob requests (own mutex)
+  std::map<uint64_t, TraceReactor*> trace_calls_;  // their calls, by request id
+  CoordinatorMetrics metrics_;  // own mutex
+  bool stopping_ = false;
+  std::mutex lease_mu_;
+  Leases leases_;
+  uint64_t leases_expired_ = 0;  // under lease_mu_, for /metrics
+  std::mutex ticker_mu_;
+  std::condition_variable ticker_cv_;  // only to stop the ticker early
+  std::thread ticker_;
+  std::unique_ptr<StoreWriter> writer_;  // with a store: its records, written off the mutex
+};
+
+}  // namespace gradsync::coordinator
