@@ -43,11 +43,13 @@ struct Plan {
   int batch = 128;
 };
 
-// The training state a newcomer receives: step, cursor, the initial world size.
+// The training state a newcomer receives: step, cursor, the initial world size, and the step
+// from which the survivors ran in the smaller world (for the reference).
 struct State {
   int64_t step = 0;
   int64_t cursor = 0;
   int64_t initial_world = 0;
+  int64_t shrunk_at = -1;
 };
 
 double ms_since(Clock::time_point t0) {
@@ -153,10 +155,10 @@ int main(int argc, char** argv) {
   const uint64_t first_generation = comm.generation();
   // After a grow, every member sends the state; a newcomer receives it.
   auto share_state = [&]() -> gradsync::Status {
-    int64_t s[3] = {st.step, st.cursor, st.initial_world};
-    gradsync::Status r = comm.broadcast(s, 3, gradsync::DataType::kInt64, 0);
+    int64_t s[4] = {st.step, st.cursor, st.initial_world, st.shrunk_at};
+    gradsync::Status r = comm.broadcast(s, 4, gradsync::DataType::kInt64, 0);
     if (!r.ok()) return r;
-    st = State{s[0], s[1], s[2]};
+    st = State{s[0], s[1], s[2], s[3]};
     return comm.broadcast(w.data(), w.size(), gradsync::DataType::kFloat32, 0);
   };
   if (newcomer) {
@@ -169,6 +171,11 @@ int main(int argc, char** argv) {
   if (int64_t(max_world) * p.batch * 2 > c.samples) return fail("--samples too small for the world's batch");
 
   bool first_after_shrink = false;
+  // The state before the last step's update: a survivor whose allreduce of step k completed
+  // while another's failed (the abort reached that one first) is a step ahead after the
+  // shrink; the survivors agree on the earliest step and a rank ahead takes this back.
+  State before = st;
+  std::vector<float> w_before = w;
   while (st.step < p.steps) {
     if (st.step == p.grow_step && !grew) {
       grew = true;
@@ -228,6 +235,21 @@ int main(int argc, char** argv) {
                   (long long)st.step, failed_ms, s.to_string().c_str(), comm.rank(), comm.world_size(),
                   (unsigned long long)comm.generation(), shrink_ms, ms_since(t_release));
       first_after_shrink = true;
+      // The step to redo in the new world: the earliest any survivor failed in.
+      int64_t agreed = st.step;
+      if (gradsync::Status a = comm.allreduce(&agreed, 1, gradsync::DataType::kInt64, gradsync::ReduceOp::kMin); !a.ok()) {
+        return fail("agreeing on the step to redo: " + a.to_string());
+      }
+      if (agreed < st.step) {
+        if (agreed != before.step) return fail("survivors more than one step apart after the shrink");
+        std::printf("rank %d: step %lld completed here but not on every survivor: back to step %lld\n", comm.rank(),
+                    (long long)st.step, (long long)agreed);
+        const int64_t initial = st.initial_world;
+        st = before;
+        st.initial_world = initial;
+        w = w_before;
+      }
+      st.shrunk_at = st.step;
       continue;  // the same step again, in the new world
     }
     if (first_after_shrink && comm.rank() == 0) {
@@ -235,6 +257,8 @@ int main(int argc, char** argv) {
                   (unsigned long long)comm.generation(), ms_since(t0));
     }
     first_after_shrink = false;
+    before = st;
+    w_before = w;
     apply(c, p, n, w, grad);
     st.cursor = next_cursor(c, p, st.cursor, n, max_world);
     if (comm.rank() == 0 && (st.step % 10 == 0 || st.step == p.steps - 1)) {
@@ -247,11 +271,13 @@ int main(int argc, char** argv) {
                 ": the replacement never joined");
   }
 
-  // The reference: N ranks, N-1 (N-2 with a slow rank) from the kill step, N again from the
-  // grow step.
+  // The reference: N ranks, N-1 (N-2 with a slow rank) from the step the survivors agreed to
+  // redo (the kill step, or the one before when the dying rank's last allreduce completed
+  // on some survivors only), N again from the grow step.
   const int shrunk = max_world - 1 - (p.slow_rank >= 0 ? 1 : 0);
+  if (st.shrunk_at < 0) return fail("the run never shrank");
   const std::vector<float> ref = reference(c, p, data, max_world, [&](int s) {
-    return s < p.kill_step || s >= p.grow_step ? max_world : shrunk;
+    return s < st.shrunk_at || s >= p.grow_step ? max_world : shrunk;
   });
   const std::vector<float> fixed = reference(c, p, data, max_world, [&](int) { return max_world; });
   const double rel = rel_diff(w, ref);
@@ -267,8 +293,8 @@ int main(int argc, char** argv) {
     return fail("the run is indistinguishable from one that never changed its world (" + std::to_string(rel_fixed) +
                 " relative): the check would not see a wrong world size");
   }
-  std::printf("OK: rank %d weights match the reference switching %d->%d->%d ranks at steps %d and %d (%.3g relative, "
+  std::printf("OK: rank %d weights match the reference switching %d->%d->%d ranks at steps %lld and %d (%.3g relative, "
               "tolerance %.1g; a fixed-world run differs by %.3g)\n",
-              comm.rank(), max_world, shrunk, max_world, p.kill_step, p.grow_step, rel, c.tolerance, rel_fixed);
+              comm.rank(), max_world, shrunk, max_world, (long long)st.shrunk_at, p.grow_step, rel, c.tolerance, rel_fixed);
   return 0;
 }
