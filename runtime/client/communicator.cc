@@ -14,7 +14,6 @@
 namespace gradsync {
 namespace {
 
-using communicator_detail::env_long;
 using communicator_detail::make_call;
 
 std::string env_str(const char* name, const std::string& fallback = "") {

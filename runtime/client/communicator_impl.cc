@@ -13,7 +13,6 @@
 namespace gradsync {
 namespace {
 
-using communicator_detail::env_long;
 
 // How long leave() waits for the daemon's answer.
 constexpr std::chrono::milliseconds kLeaveTimeout{10'000};

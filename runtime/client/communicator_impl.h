@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "channel/channel.h"
+#include "common/env.h"
 #include "channel/flight_recorder.h"
 #include "channel/shared_memory.h"
 #include "client/communicator_internals.h"
@@ -33,14 +34,6 @@
 
 namespace gradsync {
 namespace communicator_detail {
-
-inline long env_long(const char* name, long fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  return (end && *end == '\0') ? x : fallback;
-}
 
 // A CollectiveCall of the public API's arguments (its seq is set when it is queued).
 inline CollectiveCall make_call(CollectiveKind kind, const void* send, void* recv, size_t count, DataType type,

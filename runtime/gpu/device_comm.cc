@@ -146,14 +146,14 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
   // Defaults measured on 2 H200s over NVLink (docs/benchmarks.md): 128 blocks of 256 KiB
   // chunks reach NCCL's bus bandwidth; the chunk shrinks with more ranks so that the region
   // stays 256 MiB. The low-latency protocol below GRADSYNC_GPU_LL_MAX bytes.
-  int32_t blocks = int32_t(env_long("GRADSYNC_GPU_BLOCKS", 128));
+  int32_t blocks = int32_t(env_positive("GRADSYNC_GPU_BLOCKS", 128));
   blocks = std::clamp(blocks, 1, std::max(1, prop.multiProcessorCount / shares));
   GS_RETURN_IF_ERROR(ops_.allreduce_now(&blocks, &blocks, 1, DataType::kInt32, ReduceOp::kMin));
   m.layout.nranks = n;
   m.layout.blocks = uint32_t(blocks);
-  m.layout.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GPU_SLOTS", 4)));
+  m.layout.slots = uint32_t(std::max(2L, env_positive("GRADSYNC_GPU_SLOTS", 4)));
   const long chunk = std::max(4096L, (512L << 10) / std::max(2, n));
-  m.layout.chunk_bytes = uint64_t(env_long("GRADSYNC_GPU_CHUNK", chunk)) / 256 * 256;
+  m.layout.chunk_bytes = uint64_t(env_positive("GRADSYNC_GPU_CHUNK", chunk)) / 256 * 256;
   const char* ll = std::getenv("GRADSYNC_GPU_LL_MAX");
   m.layout.ll_max_bytes = ll && *ll ? uint64_t(std::strtoull(ll, nullptr, 10)) : uint64_t(1 << 20);
   // From 3 ranks, allreduce and broadcast from this size go two-shot (kernels/
@@ -162,7 +162,7 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
   const char* two_shot = std::getenv("GRADSYNC_GPU_TWOSHOT_MIN");
   m.layout.two_shot_min_bytes = two_shot != nullptr && std::strcmp(two_shot, "0") == 0
                                     ? 0
-                                    : uint64_t(env_long("GRADSYNC_GPU_TWOSHOT_MIN", kTwoShotMinBytes));
+                                    : uint64_t(env_positive("GRADSYNC_GPU_TWOSHOT_MIN", kTwoShotMinBytes));
   // The region is most of the communicator's GPU memory, which stays within
   // GRADSYNC_GPU_MEMORY_MAX MiB (default 320, above the defaults at every rank count: 264 MiB
   // at 2 ranks, 288 at 8, plus 8 MiB of GPUDirect slots on the hierarchical path); the region

@@ -31,8 +31,8 @@ GdrConfig DeviceComm::gdr_config() const {
   l.verbs_port = cfg_.verbs_port;
   l.gid_index = cfg_.gid_index;
   l.verbs_api = cfg_.verbs_api;
-  l.slot_bytes = size_t(env_long("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
-  l.slots = uint32_t(std::max(2L, env_long("GRADSYNC_GDR_SLOTS", 4)));
+  l.slot_bytes = size_t(env_positive("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
+  l.slots = uint32_t(std::max(2L, env_positive("GRADSYNC_GDR_SLOTS", 4)));
   l.op_timeout = cfg_.op_timeout;
   g.abort_dev = &m.words_dev->abort;
   g.error_dev = &m.words_dev->error;

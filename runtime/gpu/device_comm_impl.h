@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "common/env.h"
 #include "gpu/device_comm.h"
 #include "gpu/plan/cost_model.h"
 #include "kernels/cuda_node.cuh"
@@ -30,16 +31,8 @@ namespace device_comm_detail {
 
 using Clock = std::chrono::steady_clock;
 
-inline long env_long(const char* name, long fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  return (end && *end == '\0' && x > 0) ? x : fallback;
-}
-
 // A communicator's GPU memory at most (DeviceComm::memory()): GRADSYNC_GPU_MEMORY_MAX MiB.
-inline uint64_t gpu_memory_budget() { return uint64_t(env_long("GRADSYNC_GPU_MEMORY_MAX", 320)) << 20; }
+inline uint64_t gpu_memory_budget() { return uint64_t(env_positive("GRADSYNC_GPU_MEMORY_MAX", 320)) << 20; }
 
 // Words the kernels and the host share, in mapped pinned host memory.
 struct HostWords {
@@ -99,7 +92,7 @@ struct IpcEntry {
 // (StagedRdmaBench.DISABLED_SmallCallsInOneProcess, docs/benchmarks.md).
 template <class F>
 bool poll_until(F done, Clock::time_point deadline) {
-  static const auto yield = std::chrono::microseconds(std::max(0L, env_long("GRADSYNC_YIELD_US", 1000)));
+  static const auto yield = std::chrono::microseconds(std::max(0L, env_positive("GRADSYNC_YIELD_US", 1000)));
   const auto spin_until = Clock::now() + std::chrono::microseconds(50), yield_until = spin_until + yield;
   for (;;) {
     if (done()) return true;

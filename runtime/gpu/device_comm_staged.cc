@@ -13,7 +13,7 @@ using namespace device_comm_detail;
 
 Status DeviceComm::setup_staged() {
   Impl& m = *impl_;
-  const long fixed = env_long("GRADSYNC_STAGE_PIECE", 0);
+  const long fixed = env_positive("GRADSYNC_STAGE_PIECE", 0);
   m.piece_bytes = fixed > 0 ? std::max<size_t>(4096, size_t(fixed) / 64 * 64) : 0;
   // A reduce_scatter or all_gather piece holds at least one element (8 bytes at most) of every
   // rank's segment.
