@@ -38,9 +38,17 @@ install(FILES ${CMAKE_BINARY_DIR}/gradsync.pc DESTINATION ${CMAKE_INSTALL_LIBDIR
 install(FILES ${CMAKE_SOURCE_DIR}/packaging/systemd/gradsyncd.service
               ${CMAKE_SOURCE_DIR}/packaging/systemd/gradsync-coordinator.service
         DESTINATION lib/systemd/system COMPONENT runtime)
+# The units read /etc/default/*. For the prefix /usr (the packages) GNUInstallDirs' full
+# sysconfdir is /etc while the relative one would put them in /usr/etc, where nothing reads
+# them; other prefixes keep the relative path, so `cmake --install --prefix DIR` stays in DIR.
+if(CMAKE_INSTALL_FULL_SYSCONFDIR STREQUAL "${CMAKE_INSTALL_PREFIX}/${CMAKE_INSTALL_SYSCONFDIR}")
+  set(GRADSYNC_DEFAULTS_DIR ${CMAKE_INSTALL_SYSCONFDIR}/default)
+else()
+  set(GRADSYNC_DEFAULTS_DIR ${CMAKE_INSTALL_FULL_SYSCONFDIR}/default)
+endif()
 install(FILES ${CMAKE_SOURCE_DIR}/packaging/systemd/gradsyncd.default
-        DESTINATION ${CMAKE_INSTALL_SYSCONFDIR}/default RENAME gradsyncd COMPONENT runtime)
+        DESTINATION ${GRADSYNC_DEFAULTS_DIR} RENAME gradsyncd COMPONENT runtime)
 install(FILES ${CMAKE_SOURCE_DIR}/packaging/systemd/gradsync-coordinator.default
-        DESTINATION ${CMAKE_INSTALL_SYSCONFDIR}/default RENAME gradsync-coordinator COMPONENT runtime)
+        DESTINATION ${GRADSYNC_DEFAULTS_DIR} RENAME gradsync-coordinator COMPONENT runtime)
 install(FILES ${CMAKE_SOURCE_DIR}/README.md ${CMAKE_SOURCE_DIR}/docs/packaging.md ${CMAKE_SOURCE_DIR}/docs/launchers.md
         DESTINATION ${CMAKE_INSTALL_DOCDIR} COMPONENT runtime)

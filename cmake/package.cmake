@@ -22,8 +22,11 @@ set(CPACK_DEBIAN_RUNTIME_DESCRIPTION
 set(CPACK_DEBIAN_DEV_DESCRIPTION
     "gradsync development files\n Public headers, the CMake package (find_package(gradsync)) and gradsync.pc.")
 set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS "gradsync (= ${PROJECT_VERSION})")
-set(CPACK_DEBIAN_RUNTIME_PACKAGE_CONTROL_EXTRA
-    ${CMAKE_SOURCE_DIR}/packaging/debian/postinst ${CMAKE_SOURCE_DIR}/packaging/debian/prerm)
+# conffiles: dpkg keeps an administrator's edits of /etc/default/* across upgrades. triggers:
+# ldconfig after install for libgradsync.so.0.1 (CPack adds it only to the postrm it writes).
+set(CPACK_DEBIAN_RUNTIME_PACKAGE_CONTROL_EXTRA ${CMAKE_SOURCE_DIR}/packaging/debian/postinst
+    ${CMAKE_SOURCE_DIR}/packaging/debian/prerm ${CMAKE_SOURCE_DIR}/packaging/debian/conffiles
+    ${CMAKE_SOURCE_DIR}/packaging/debian/triggers)
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)  # CPack runs dpkg-shlibdeps --ignore-missing-info
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_DEPENDS "adduser")  # postinst; shlibdeps adds the libraries
 if(GRADSYNC_HAVE_CUDA)
