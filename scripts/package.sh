@@ -8,8 +8,10 @@ cd "$(dirname "$0")/.."
 GRADSYNC_BUILD_DIR=${GRADSYNC_PACKAGE_DIR:-build-package}
 archs=${GRADSYNC_CUDA_ARCHS:-"80-real;86-real;89-real;90-real;100-real;100-virtual"}
 export GRADSYNC_BUILD_DIR GRADSYNC_FUZZ_BUILD=0
-# setup.sh installs the build dependencies, configures and builds (tests are not packaged).
-GRADSYNC_CMAKE_ARGS="-DCMAKE_INSTALL_PREFIX=/usr -DGRADSYNC_BUILD_TESTS=OFF -DGRADSYNC_CUDA_ARCHS=$archs \
+# setup.sh installs the build dependencies, configures and builds. Not packaged, so not built:
+# the tests, and the LibTorch example and torch extension (minutes of compile each).
+GRADSYNC_CMAKE_ARGS="-DCMAKE_INSTALL_PREFIX=/usr -DGRADSYNC_BUILD_TESTS=OFF -DCMAKE_DISABLE_FIND_PACKAGE_Torch=ON \
+  -DGRADSYNC_CUDA_ARCHS=$archs \
   -DGRADSYNC_WITH_CUDA=${GRADSYNC_WITH_CUDA:-AUTO} ${GRADSYNC_CMAKE_ARGS:-}" ./scripts/setup.sh
 command -v dpkg-shlibdeps >/dev/null || apt-get install -y -qq dpkg-dev >/dev/null
 rm -rf "$GRADSYNC_BUILD_DIR/_CPack_Packages"  # no stale staging from an interrupted run
