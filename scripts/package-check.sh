@@ -190,7 +190,7 @@ fresh_debian() {
   cp -r "$here/examples/consumer" "$root/gradsync/examples/"
   say "apt-get install the packages and a compiler${*:+ and $*} in the chroot"
   chroot "$root" bash -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -qq &&
-    apt-get install -y -qq --no-install-recommends /debs/gradsync_*.deb /debs/gradsync-dev_*.deb \
+    apt-get install -y -q --no-install-recommends /debs/gradsync_*.deb /debs/gradsync-dev_*.deb \
       cmake g++ make pkg-config binutils "$@" >/tmp/apt.log 2>&1 || { tail -30 /tmp/apt.log; exit 1; }
     dpkg -l "gradsync*" | tail -2
     dpkg-query -W -f="\${Package} Depends: \${Depends}\n" gradsync gradsync-dev' bash "$@" \
