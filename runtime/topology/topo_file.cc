@@ -91,7 +91,7 @@ class Parser {
     topo_.nic_distance.assign(n, std::vector<std::optional<PciDistance>>(topo_.nics.size(), PciDistance::SYS));
     for (const auto& [gn, d] : distances_) topo_.nic_distance[gn.first][gn.second] = d;
     topo_.rails = assign_rails(topo_.nic_distance, topo_.nics.size());
-    for (const auto& [g, nic] : rails_) topo_.rails[g] = int(nic);
+    for (const auto& [g, nic] : rails_) topo_.rails[g] = nic;
     return std::move(topo_);
   }
 
@@ -278,13 +278,17 @@ class Parser {
   }
 
   Status rail() {
-    GS_RETURN_IF_ERROR(need_fields(3, "rail GPU NIC"));
+    GS_RETURN_IF_ERROR(need_fields(3, "rail GPU NIC|none"));
     if (words_.size() > 3) return bad("a GPU and a NIC, nothing more");
     auto g = gpu_ref(words_[1]);
     if (!g.ok()) return g.status();
-    auto n = nic_ref(words_[2]);
-    if (!n.ok()) return n.status();
-    if (!rails_.emplace(*g, *n).second) return bad("GPU " + words_[1] + " already has a rail");
+    int nic = -1;  // "none": the GPU has no NIC of its own
+    if (words_[2] != "none") {
+      auto n = nic_ref(words_[2]);
+      if (!n.ok()) return n.status();
+      nic = int(*n);
+    }
+    if (!rails_.emplace(*g, nic).second) return bad("GPU " + words_[1] + " already has a rail");
     return Status::Ok();
   }
 
@@ -298,7 +302,7 @@ class Parser {
   // Declared pairs (a < b): kind kNvLink from 'nvlink', pcie from 'pcie'; kPcie + no pcie unused.
   std::map<std::pair<size_t, size_t>, GpuLink> pairs_;
   std::map<std::pair<size_t, size_t>, PciDistance> distances_;
-  std::map<size_t, size_t> rails_;
+  std::map<size_t, int> rails_;  // GPU -> NIC, -1 none
 };
 
 }  // namespace

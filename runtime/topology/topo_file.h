@@ -11,7 +11,8 @@
 //   nvlink A B LINKS [gbps=N]               GPUs A and B joined directly by LINKS NVLinks
 //   pcie A B DIST                           GPUs A and B over PCIe, DIST one of PIX PXB PHB NODE SYS
 //   distance GPU NIC DIST                   PCIe distance from a GPU to a NIC (by NIC name)
-//   rail GPU NIC                            the GPU's own NIC (default: the nearest, spread)
+//   rail GPU NIC|none                       the GPU's own NIC (default: the nearest, spread);
+//                                           none: it has no NIC of its own
 //
 // gbps is per link and direction (default 25, NVLink 4). Items name GPUs and NICs declared on
 // earlier lines. Undeclared GPU pairs and GPU-NIC distances are SYS. Every error names the
