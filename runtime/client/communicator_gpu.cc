@@ -2,6 +2,7 @@
 // and release, and the stream overloads; without CUDA they report kUnimplemented.
 #include "client/communicator_impl.h"
 #include "gpu/timeline.h"
+#include "topology/rail_devices.h"
 #if GRADSYNC_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -39,12 +40,21 @@ Status CommunicatorImpl::attach_device() {
   cfg.local_rank = opts_.local_rank;
   cfg.local_world_size = opts_.local_world_size;
   cfg.device = opts_.device;
+  if (cfg.device == JoinOptions::kDeviceLocalRank) {
+    // Resolved here as DeviceComm::create would: the ordinal picks the GPU's rail below.
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0) cfg.device = opts_.local_rank % devices;
+  }
   cfg.op_timeout = opts_.op_timeout;
   cfg.hosts = links_.hosts;
   // The node of every rank, as the coordinator numbered the job's nodes (a grouping key).
   for (uint32_t node : join_.rank_node) cfg.rank_nodes.push_back("node " + std::to_string(node));
   if (join_.verbs) {
-    cfg.verbs_device = join_.verbs->device;
+    // The GPU's own NIC where gradsyncd found it usable in place of its device, else the
+    // daemon's device (topology/rail_devices.h says why every rank still reaches every other).
+    const auto chosen = topology::rank_rdma_device(join_.verbs->rail_devices, cfg.device, join_.verbs->device);
+    log_->info("job={} rank={}: GPUDirect RDMA device {}: {}", opts_.job, opts_.rank, chosen.device, chosen.why);
+    cfg.verbs_device = chosen.device;
     cfg.verbs_port = int(join_.verbs->port);
     cfg.gid_index = join_.verbs->gid_index;
     cfg.verbs_api = join_.verbs->api;

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "common/limits.h"
+#include "topology/rail_devices.h"
 #include "daemon.nanopb.h"  // generated at build time from proto/daemon.proto (CMakeLists.txt)
 
 namespace gradsync::wire {
@@ -226,6 +227,8 @@ Result<DaemonMessage> decode(std::string_view bytes) {
   SetupSinks setup(&error, &join.setup);
   Sink<std::string> device{{&error, "join.verbs.device", kMaxNameBytes}, &verbs.device};
   Sink<std::string> api{{&error, "join.verbs.api", kMaxNameBytes}, &verbs.api};
+  StringList rail_devices{{&error, "join.verbs.rail_devices", topology::kMaxRailDeviceName},
+                          topology::kMaxRailDevices, &verbs.rail_devices};
   Sink<std::vector<uint32_t>> rank_node{{&error, "join.rank_node", kMaxWorldSize}, &join.rank_node};
   Sink<std::string> message{{&error, "error.message", kMaxErrorBytes}, &err.message};
   Sink<std::vector<int32_t>> old_ranks{{&error, "regroup.old_ranks", kMaxWorldSize}, &regroup.old_ranks};
@@ -238,6 +241,7 @@ Result<DaemonMessage> decode(std::string_view bytes) {
   setup.arm(&m.join.setup);
   m.join.verbs.device = in(device);
   m.join.verbs.api = in(api);
+  m.join.verbs.rail_devices = in(rail_devices);
   m.join.rank_node = in(rank_node, read_scalar_list<uint32_t>);
   m.error.message = in(message);
   m.regroup.old_ranks = in(old_ranks, read_scalar_list<int32_t>);

@@ -82,6 +82,9 @@ struct VerbsDevice {
   uint32_t port = 0;
   int32_t gid_index = 0;
   std::string api;
+  // Per GPU of the node, its rail's RDMA device or "" (topology/rail_devices.h, whose bounds
+  // the decoder holds it to: kMaxRailDevices entries of kMaxRailDeviceName bytes at most).
+  std::vector<std::string> rail_devices;
 };
 // JoinResponse's node_shape and shapes (the job's GPU topologies) are skipped: nothing in the
 // library reads them yet.

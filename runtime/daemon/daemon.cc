@@ -27,6 +27,7 @@
 #include "daemon/trainer_request.h"
 #include "daemon/transport_choice.h"
 #include "topology/node_info.h"
+#include "topology/rail_devices.h"
 #include "topology/topology_summary.h"
 #if GRADSYNC_HAVE_VERBS
 #include "daemon/verbs_pump.h"
@@ -174,6 +175,17 @@ Status Daemon::start() {
   auto gpu_topo = topology::node_gpu_topology(cfg_.topo_file);
   if (!gpu_topo.ok()) return gpu_topo.status();
   log->info("GPU topology {}", topology::describe(*gpu_topo));
+#if GRADSYNC_HAVE_VERBS
+  if (verbs_) {
+    // Each GPU's own NIC, for its ranks' GPUDirect RDMA queue pairs, where it can stand in for
+    // ours (topology/rail_devices.h); checked once here, sent with every join.
+    const auto rails = topology::rail_devices(*gpu_topo, [this](const std::string& nic) {
+      return verbs_->stand_in_refusal(nic);
+    });
+    rail_devices_ = rails.devices;
+    if (!rails.devices.empty()) log->info("GPUDirect RDMA device per GPU: {}", topology::describe(rails));
+  }
+#endif
 
   v1::NodeInfo node;
   *node.mutable_gpu_topology() = topology::summarize(*gpu_topo);
@@ -395,6 +407,7 @@ void Daemon::serve_trainer(Fd sock) {
         vd->set_port(verbs_->port());
         vd->set_gid_index(verbs_->sgid_index());
         vd->set_api(verbs_->context().api()->name);
+        for (const auto& d : rail_devices_) vd->add_rail_devices(d);
       }
 #endif
       // The job's memory, then this rank's channel sockets; ours close when the frame is out.

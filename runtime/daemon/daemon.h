@@ -9,6 +9,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common/grpc_security.h"
 #include "common/log.h"
@@ -127,6 +128,8 @@ class Daemon {
   std::string transport_why_;
   bool rings_chosen_ = false;  // cfg_.rings came from default_ring_count
   std::shared_ptr<VerbsNode> verbs_;  // set when transport_ is "verbs"
+  // Per GPU of the node, its rail's RDMA device or "" (topology/rail_devices.h); with verbs_.
+  std::vector<std::string> rail_devices_;
   std::unique_ptr<CoordinatorLink> link_;
   Fd trainer_listener_;
   Fd peer_listener_;

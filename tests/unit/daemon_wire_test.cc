@@ -9,6 +9,7 @@
 
 #include "common/limits.h"
 #include "daemon.pb.h"
+#include "topology/rail_devices.h"
 
 namespace gradsync {
 namespace {
@@ -116,6 +117,7 @@ v1::DaemonMessage full_join() {
   v->set_port(1);
   v->set_gid_index(-1);
   v->set_api("libibverbs.so.1");
+  for (const char* d : {"mlx5_0", "", "mlx5_2"}) v->add_rail_devices(d);  // GPU 1: the daemon's device
   for (uint32_t n : {0u, 0u, 1u}) j->add_rank_node(n);
   // What the library skips: the job's GPU shapes.
   j->add_node_shape(0);
@@ -155,6 +157,7 @@ TEST(DaemonWire, JoinReplyReadByTheLibrary) {
   EXPECT_EQ(j->verbs->port, 1u);
   EXPECT_EQ(j->verbs->gid_index, -1);
   EXPECT_EQ(j->verbs->api, "libibverbs.so.1");
+  EXPECT_EQ(j->verbs->rail_devices, (std::vector<std::string>{"mlx5_0", "", "mlx5_2"}));
   EXPECT_EQ(j->rank_node, (std::vector<uint32_t>{0, 0, 1}));
 
   // Without verbs (a TCP node), and the setup alone as tests hand it to build_links.
@@ -163,6 +166,13 @@ TEST(DaemonWire, JoinReplyReadByTheLibrary) {
   auto plain = read(tcp);
   ASSERT_TRUE(plain.ok());
   EXPECT_FALSE(std::get<wire::JoinResponse>(plain.value()).verbs.has_value());
+  // A daemon that lists no rails (TCP-only GPUs, or an older daemon): an empty list.
+  v1::DaemonMessage no_rails = full_join();
+  no_rails.mutable_join()->mutable_verbs()->clear_rail_devices();
+  auto without = read(no_rails);
+  ASSERT_TRUE(without.ok());
+  ASSERT_TRUE(std::get<wire::JoinResponse>(without.value()).verbs.has_value());
+  EXPECT_TRUE(std::get<wire::JoinResponse>(without.value()).verbs->rail_devices.empty());
   auto setup = wire::decode_channel_setup(full_join().join().setup().SerializeAsString());
   ASSERT_TRUE(setup.ok());
   EXPECT_EQ(setup->channels.size(), 3u);
@@ -228,6 +238,19 @@ TEST(DaemonWire, RepliesBeyondTheBoundsAreRefused) {
   m = full_join();
   m.mutable_join()->mutable_verbs()->set_api(std::string(wire::kMaxNameBytes + 1, 'a'));
   expect_refused(m.SerializeAsString(), "join.verbs.api has 1025 bytes");
+
+  // Rail devices: names of at most 64 bytes, at most 64 of them (one per GPU of the node).
+  m = full_join();
+  m.mutable_join()->mutable_verbs()->add_rail_devices(std::string(topology::kMaxRailDeviceName, 'r'));
+  ASSERT_TRUE(wire::decode(m.SerializeAsString()).ok());
+  m.mutable_join()->mutable_verbs()->set_rail_devices(3, std::string(topology::kMaxRailDeviceName + 1, 'r'));
+  expect_refused(m.SerializeAsString(), "join.verbs.rail_devices has 65 bytes, above the limit of 64");
+  m = full_join();
+  auto* rails = m.mutable_join()->mutable_verbs()->mutable_rail_devices();
+  while (size_t(rails->size()) < topology::kMaxRailDevices) rails->Add("mlx5_9");
+  ASSERT_TRUE(wire::decode(m.SerializeAsString()).ok());
+  rails->Add("");
+  expect_refused(m.SerializeAsString(), "join.verbs.rail_devices has 65 entries, above the limit of 64");
 
   m.Clear();
   m.mutable_error()->set_message(std::string(wire::kMaxErrorBytes + 1, 'e'));

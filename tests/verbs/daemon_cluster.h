@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -41,6 +42,9 @@ struct ClusterOptions {
   uint32_t slot_bytes = 4096;
   uint32_t rings = 1;
   verbs::LinkLayer link_layer = verbs::LinkLayer::kEthernet;  // RoCE (GIDs) or InfiniBand (LIDs)
+  // The text of a node's topology file (its daemon's --topo-file), given the node and the name
+  // of its emulated device; unset: no file.
+  std::function<std::string(int node, const std::string& device)> topo = {};
 };
 
 class DaemonCluster {
@@ -70,6 +74,10 @@ class DaemonCluster {
       cfg.transport = size_t(i) < opts_.transport.size() ? opts_.transport[i] : "verbs";
       cfg.ibv = verbs::emulated_ibv();
       cfg.verbs_device = dev;
+      if (opts_.topo) {
+        cfg.topo_file = dir_ + "/node" + std::to_string(i) + ".topo";
+        std::ofstream(cfg.topo_file) << opts_.topo(i, dev);
+      }
       auto d = std::make_unique<Daemon>(cfg);
       if (Status s = d->start(); !s.ok()) {
         error_ = "gradsyncd node" + std::to_string(i) + ": " + s.to_string();

@@ -13,7 +13,10 @@
 #include <vector>
 
 #include "../unit/collective_matrix.h"
+#include "client/daemon_client.h"
 #include "daemon_cluster.h"
+#include "topology/rail_devices.h"
+#include "transport/verbs/node.h"
 
 namespace gradsync {
 namespace {
@@ -127,6 +130,57 @@ TEST(VerbsTransport, ForcedVerbsOnAMissingDeviceFailsAtStart) {
   EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
   EXPECT_NE(s.message().find("no-such-hca"), std::string::npos) << s.to_string();
   EXPECT_NE(s.message().find("GRADSYNC_TRANSPORT=verbs"), std::string::npos) << s.to_string();
+}
+
+// Each GPU's rail device in the join reply (topology/rail_devices.h): node 0's topology file
+// gives its 6 GPUs, in order, the daemon's own device, a second RoCE device, an InfiniBand one
+// (another link layer), a RoCE device whose port is down, a NIC the fabric does not have, and
+// no NIC at all. Only the first two can stand in for the daemon's device.
+TEST(VerbsTransport, JoinReplyListsEachGpusRailDevice) {
+  const std::string tag = "rail" + std::to_string(++g_clusters);
+  auto& fabric = EmulatedFabric::instance();
+  fabric.add_device(tag + "roce", 1, verbs::LinkLayer::kEthernet);
+  fabric.add_device(tag + "ib", 1, verbs::LinkLayer::kInfiniBand);
+  fabric.add_device(tag + "down", 1, verbs::LinkLayer::kEthernet);
+  fabric.set_link_down(tag + "down", 1);
+  const std::vector<std::string> nics = {"", tag + "roce", tag + "ib", tag + "down", tag + "absent"};
+  DaemonCluster cluster({.nodes = 1, .topo = [&](int, const std::string& own) {
+                           std::string t;
+                           for (int g = 0; g < 6; ++g) t += "gpu 0000:1" + std::to_string(g) + ":00.0 device=0\n";
+                           for (size_t n = 0; n < nics.size(); ++n) {
+                             const std::string name = n == 0 ? own : nics[n];
+                             t += "nic " + name + "\ndistance " + std::to_string(n) + " " + name + " PIX\n";
+                           }
+                           return t + "rail 5 none\n";
+                         }});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  ASSERT_EQ(cluster.daemon(0).transport(), "verbs");
+
+  // Why the others cannot stand in, as gradsyncd's start-up log says it.
+  auto own = VerbsNode::open(verbs::emulated_ibv(), cluster.device(0), 1, -1);
+  ASSERT_TRUE(own.ok()) << own.status().to_string();
+  EXPECT_EQ((*own)->stand_in_refusal(cluster.device(0)), "");
+  EXPECT_EQ((*own)->stand_in_refusal(tag + "roce"), "");
+  EXPECT_NE((*own)->stand_in_refusal(tag + "ib").find("is InfiniBand, " + cluster.device(0) + " is RoCE"),
+            std::string::npos) << (*own)->stand_in_refusal(tag + "ib");
+  EXPECT_NE((*own)->stand_in_refusal(tag + "down").find("not ACTIVE"), std::string::npos);
+  EXPECT_NE((*own)->stand_in_refusal(tag + "absent").find("not found"), std::string::npos);
+
+  auto client = DaemonClient::connect(cluster.socket(0), deadline_after(10s));
+  ASSERT_TRUE(client.ok()) << client.status().to_string();
+  auto reply = client->call(wire::JoinRequest{"rails", "rails-token", 0, 1, 0, 1, 10000}, deadline_after(15s));
+  ASSERT_TRUE(reply.ok()) << reply.status().to_string();
+  const auto* join = std::get_if<wire::JoinResponse>(&reply.value());
+  ASSERT_NE(join, nullptr);
+  ASSERT_TRUE(join->verbs.has_value());
+  EXPECT_EQ(join->verbs->device, cluster.device(0));
+  EXPECT_EQ(join->verbs->rail_devices,
+            (std::vector<std::string>{cluster.device(0), tag + "roce", "", "", "", ""}));
+  // What ranks on GPUs 1, 3 and 7 (beyond the list) pick.
+  EXPECT_EQ(topology::rank_rdma_device(join->verbs->rail_devices, 1, join->verbs->device).device, tag + "roce");
+  EXPECT_EQ(topology::rank_rdma_device(join->verbs->rail_devices, 3, join->verbs->device).device, cluster.device(0));
+  EXPECT_EQ(topology::rank_rdma_device(join->verbs->rail_devices, 7, join->verbs->device).device, cluster.device(0));
+  EXPECT_TRUE(client->call(wire::LeaveRequest{}, deadline_after(10s)).ok());
 }
 
 // Runs large allreduces on every rank until one fails, injects `fault` after the first few,

@@ -16,6 +16,7 @@ Result<std::shared_ptr<VerbsNode>> VerbsNode::open(const verbs::IbvApi* api, con
   }
   node->port_ = port;
   node->info_ = *info;
+  node->gid_rule_ = gid_index;
   if (info->is_ethernet()) {
     auto gid = verbs::select_gid(node->ctx_, port, gid_index);
     if (!gid.ok()) return gid.status();
@@ -32,6 +33,23 @@ Result<std::shared_ptr<VerbsNode>> VerbsNode::open(const verbs::IbvApi* api, con
   if (!pd.ok()) return pd.status();
   node->pd_ = std::move(pd).value();
   return node;
+}
+
+std::string VerbsNode::stand_in_refusal(const std::string& device) const {
+  if (device == ctx_.name()) return "";
+  auto other = open(ctx_.api(), device, port_, gid_rule_);
+  if (!other.ok()) return other.status().message();
+  const auto& o = **other;
+  if (o.info_.link_layer != info_.link_layer) {
+    return "verbs device " + device + " port " + std::to_string(port_) + " is " +
+           (o.info_.is_ethernet() ? "RoCE" : "InfiniBand") + ", " + ctx_.name() + " is " +
+           (info_.is_ethernet() ? "RoCE" : "InfiniBand");
+  }
+  if (o.sgid_index_ != sgid_index_) {
+    return "verbs device " + device + " port " + std::to_string(port_) + " has GID index " +
+           std::to_string(o.sgid_index_) + " where " + ctx_.name() + " has " + std::to_string(sgid_index_);
+  }
+  return "";
 }
 
 std::string VerbsNode::describe() const {

@@ -19,6 +19,11 @@ class VerbsNode {
                                                  uint8_t port, int gid_index);
   // "mlx5_0 port 1 (RoCE, GID index 3, MTU 4096)" for logs.
   std::string describe() const;
+  // Why another process of this node cannot use `device` in this one's place (a GPU rank's
+  // own NIC, topology/rail_devices.h); "" when it can: it opens through the same library, its
+  // port of the same number is ACTIVE, with the same link layer, and the GID rule this node
+  // was opened with picks the same GID index on it, so peers address both alike.
+  std::string stand_in_refusal(const std::string& device) const;
 
   const verbs::ProtectionDomain& pd() const { return pd_; }
   const verbs::Context& context() const { return ctx_; }
@@ -33,6 +38,7 @@ class VerbsNode {
   uint8_t port_ = 1;
   verbs::PortInfo info_;
   int sgid_index_ = -1;
+  int gid_rule_ = -1;  // open's gid_index
   ibv_gid gid_{};
 };
 
