@@ -59,7 +59,7 @@ struct NodeTopology {
   std::vector<std::vector<GpuLink>> links;  // [a][b], symmetric; [a][a] is kSelf
   std::vector<TopoNic> nics;
   std::vector<std::vector<std::optional<PciDistance>>> nic_distance;  // [gpu][nic]
-  std::vector<int> rails;  // per GPU: the index of its NIC in `nics`, -1 without NICs
+  std::vector<int> rails;  // per GPU: the index of its NIC in `nics`; -1 without NICs or none declared
   bool nvswitch() const;   // some pair is joined through NVSwitch
 };
 
