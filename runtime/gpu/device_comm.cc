@@ -523,8 +523,8 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   Impl& m = *impl_;
   // CallOptions::algorithm, else GRADSYNC_ALGO (agreed at set-up), where the path has it:
   // one node: oneshot and twoshot pick the kernels' protocol (ring and tree leave it to the
-  // size); several nodes: ring (the flat GPUDirect ring, else the host-staged ring), tree (the
-  // host-staged tree), hierarchical (the default for allreduce where the path exists).
+  // size); several nodes: ring and tree (allreduce) on the GPUDirect RDMA channels, else the
+  // host-staged ring and tree; hierarchical (the default for allreduce where the path exists).
   const std::optional<plan::Algo> forced = plan::forced_algo(call.algorithm, m.env_algo);
   switch (m.path) {
     case Impl::Path::kSingle:
@@ -593,14 +593,12 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
                     "the host-staged path (ranks on several nodes) cannot be captured in a CUDA "
                     "graph: its host half is started by the call, not by the graph's launch"});
   }
-  if (forced == plan::Algo::kTree) {
-    c.algorithm = Algorithm::kTree;
-    return run_staged(c, stream, number);
-  }
+  if (forced == plan::Algo::kTree) c.algorithm = Algorithm::kTree;
   if (forced == plan::Algo::kRing) c.algorithm = Algorithm::kRing;
 #if GRADSYNC_HAVE_GDR
   const bool rdma = c.count * element_size(c.type) >= m.gdr_min_bytes;
-  if (m.rail && rdma && c.kind == CollectiveKind::kAllreduce && forced != plan::Algo::kRing) {
+  if (m.rail && rdma && c.kind == CollectiveKind::kAllreduce && forced != plan::Algo::kRing &&
+      forced != plan::Algo::kTree) {
     if (Status s = run_hierarchical(c, stream); !s.ok()) {
       __atomic_store_n(&m.words->abort, 1u, __ATOMIC_RELEASE);
       failed_ = {s.code(), who() + ": GPU " + describe_gpu(c, number) +

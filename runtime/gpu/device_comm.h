@@ -4,7 +4,7 @@
 //
 // The path is chosen once at join and agreed by every rank (gradsyncctl describe shows it and
 // why): cuda-ipc and host-staged below; between nodes, calls from a measured size take a
-// GPUDirect RDMA ring (gpu/gdr_ring.h) where every rank has one, and allreduce the
+// GPUDirect RDMA ring (gpu/gdr_channels.h) where every rank has one, and allreduce the
 // hierarchical path (device_comm_hierarchical.cc) where nodes hold L >= 2 ranks each:
 // - cuda-ipc: every rank on one node (and at most kernels::kMaxNodeRanks of them). Each rank
 //   allocates one region of its GPU's memory (flags + slots, kernels/cuda_node.cuh), exports
@@ -57,7 +57,7 @@
 
 namespace gradsync {
 
-struct GdrConfig;  // gpu/gdr_ring.h
+struct GdrConfig;  // gpu/gdr_channels.h
 
 // What the device side needs from its communicator.
 struct HostOps {
@@ -159,7 +159,7 @@ class DeviceComm {
   Status setup_gdr();
   Status setup_hierarchical();
   Status agree_algorithm();
-  GdrConfig gdr_config() const;  // gpu/gdr_ring.h, with GPUDirect RDMA only
+  GdrConfig gdr_config() const;  // gpu/gdr_channels.h, with GPUDirect RDMA only
   std::string slots_over_budget(const GdrConfig& g) const;
   Status run_hierarchical(const CollectiveCall& call, cudaStream_t stream);
   Status measure_gdr_min_bytes();

@@ -16,8 +16,8 @@ namespace gradsync {
 using namespace device_comm_detail;
 
 #if GRADSYNC_HAVE_GDR
-// A GPUDirect RDMA ring of every rank in rank order, on this rank's RDMA device, with the
-// slots of GRADSYNC_GDR_SLOT_BYTES and GRADSYNC_GDR_SLOTS.
+// GPUDirect RDMA channels (a ring and two trees) of every rank, on this rank's RDMA device,
+// with the slots of GRADSYNC_GDR_SLOT_BYTES and GRADSYNC_GDR_SLOTS.
 GdrConfig DeviceComm::gdr_config() const {
   Impl& m = *impl_;
   GdrConfig g;
@@ -40,19 +40,20 @@ GdrConfig DeviceComm::gdr_config() const {
   return g;
 }
 
-// Non-empty when a ring of `g`'s slots (GPU memory) would take this communicator past
+// Non-empty when the channels of `g`'s slots (GPU memory) would take this communicator past
 // GRADSYNC_GPU_MEMORY_MAX with what it holds already (memory()): why.
 std::string DeviceComm::slots_over_budget(const GdrConfig& g) const {
-  const uint64_t slots = 2 * uint64_t(g.link.slots) * g.link.slot_bytes, limit = gpu_memory_budget();
+  const uint64_t slots = GdrChannels::slot_region_bytes(g), limit = gpu_memory_budget();
   if (memory().gpu_bytes + slots <= limit) return {};
-  return "its slots (2 x " + std::to_string(g.link.slots) + " x " + std::to_string(g.link.slot_bytes) +
-         " bytes) with the " + std::to_string(memory().gpu_bytes >> 20) + " MiB held do not fit GRADSYNC_GPU_MEMORY_MAX = " +
+  return "its slots (" + std::to_string(slots / (uint64_t(g.link.slots) * g.link.slot_bytes)) + " directions x " +
+         std::to_string(g.link.slots) + " x " + std::to_string(g.link.slot_bytes) + " bytes) with the " +
+         std::to_string(memory().gpu_bytes >> 20) + " MiB held do not fit GRADSYNC_GPU_MEMORY_MAX = " +
          std::to_string(limit >> 20) + " MiB";
 }
 #endif
 
 // GPUDirect RDMA between the nodes, where every rank's daemon has an RDMA device and every
-// rank can register GPU memory with it (gpu/gdr_ring.h); else the host-staged path alone.
+// rank can register GPU memory with it (gpu/gdr_channels.h); else the host-staged path alone.
 // Collective: every rank of a multi-node communicator calls it.
 Status DeviceComm::setup_gdr() {
   Impl& m = *impl_;
@@ -76,7 +77,7 @@ Status DeviceComm::setup_gdr() {
   // fails locally, and then every rank keeps the host-staged path.
   if (!off.empty()) g.link.verbs_device.clear();
   std::string why;
-  auto ring = GdrRing::create(g, ops_, &why);
+  auto ring = GdrChannels::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
   m.gdr = std::move(ring).value();
   if (m.gdr) {

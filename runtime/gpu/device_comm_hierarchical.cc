@@ -4,7 +4,7 @@
 //   1. inside the node, the CUDA IPC kernels reduce_scatter the buffer (NVLink): local rank l
 //      holds the node's sum of shard l (count / L elements);
 //   2. between nodes, rail l (the ranks of local index l, one per node, in node order) runs a
-//      GPUDirect RDMA ring allreduce of shard l (gpu/gdr_ring.h): each NIC carries 2 (N-1)/N of
+//      GPUDirect RDMA ring allreduce of shard l (gpu/gdr_channels.h): each NIC carries 2 (N-1)/N of
 //      a shard, not of the whole buffer;
 //   3. inside the node, the IPC kernels all_gather the shards.
 // The count % L elements past the shards: a node allreduce, then every rail allreduces them
@@ -82,11 +82,11 @@ Status DeviceComm::setup_hierarchical() {
   const size_t local = size_t(std::find(mine->begin(), mine->end(), cfg_.rank) - mine->begin());
   // The rail's ring first, then the IPC region in what GRADSYNC_GPU_MEMORY_MAX leaves.
   GdrConfig g = gdr_config();
-  for (const auto& n : nodes) g.link.ring.push_back(n[local]);
+  for (const auto& n : nodes) g.members.push_back(n[local]);
   // Over GRADSYNC_GPU_MEMORY_MAX: the ring's set-up still runs (collective) and fails here.
   std::string why, over = slots_over_budget(g);
   if (!over.empty()) g.link.verbs_device.clear();
-  auto ring = GdrRing::create(g, ops_, &why);
+  auto ring = GdrChannels::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
   if (!*ring) {
     m.why += "; not hierarchical: the rails' rings: " + (over.empty() ? why : over);
@@ -103,7 +103,7 @@ Status DeviceComm::setup_hierarchical() {
   }
   m.path = Impl::Path::kHierarchical;
   std::string members;
-  for (int r : g.link.ring) members += (members.empty() ? "" : ", ") + std::to_string(r);
+  for (int r : g.members) members += (members.empty() ? "" : ", ") + std::to_string(r);
   m.why = std::to_string(nodes.size()) + " nodes x " + std::to_string(per) +
           " GPUs: allreduce from " + std::to_string(m.gdr_min_bytes) +
           " bytes hierarchical: inside the node CUDA IPC kernels (reduce_scatter, all_gather), between the nodes rail " +

@@ -23,7 +23,7 @@
 #include "gpu/plan/cost_model.h"
 #include "kernels/cuda_node.cuh"
 #if GRADSYNC_HAVE_GDR
-#include "gpu/gdr_ring.h"
+#include "gpu/gdr_channels.h"
 #endif
 
 namespace gradsync {
@@ -193,12 +193,12 @@ struct DeviceComm::Impl {
   bool log_timing = false;
 
 #if GRADSYNC_HAVE_GDR
-  // GPUDirect RDMA (gpu/gdr_ring.h): calls of at least gdr_min_bytes per segment; smaller
+  // GPUDirect RDMA (gpu/gdr_channels.h): calls of at least gdr_min_bytes per segment; smaller
   // ones stay host-staged.
-  std::unique_ptr<GdrRing> gdr;
+  std::unique_ptr<GdrChannels> gdr;
   size_t gdr_min_bytes = 0;
   // Hierarchical: the ring of this rank's rail (the ranks of its local index, one per node).
-  std::unique_ptr<GdrRing> rail;
+  std::unique_ptr<GdrChannels> rail;
 #endif
 
   // GRADSYNC_GPU_TIMELINE (gpu/timeline.h), cuda-ipc only.

@@ -1,29 +1,32 @@
-// The transport half of the GPUDirect RDMA ring (gpu/gdr_ring.h): one rank's queue pairs to
-// its ring neighbours, its registered slot region, and the worker thread that moves messages
-// between them. No CUDA here: the region is whatever the caller registered (GPU memory by
-// dma-buf in the GPU communicator; host memory in the CPU tests, tests/verbs/gdr_link_test.cc,
-// which run this very engine on the emulated fabric), and the "stream" that fills and reads the
-// slots is whoever writes and reads the four words below.
+// The transport half of the GPU communicator's RDMA path (gpu/gdr_channels.h): one rank's queue
+// pairs to its peers (the ranks it sends to or receives from in any of its channels: ring
+// neighbours, tree parents and children), its registered slot region, and the worker thread that
+// moves messages between them. No CUDA here: the region is whatever the caller registered (GPU
+// memory by dma-buf in the GPU communicator; host memory in the CPU tests,
+// tests/verbs/gdr_link_test.cc, which run this very engine on the emulated fabric), and the
+// "stream" that fills and reads the slots is whoever writes and reads the four words below.
 //
-// Slots: `slots` send slots then `slots` receive slots of `slot_bytes` each, at region.base.
-// Messages are numbered per direction from 0 since set-up; message m uses send slot m % slots
-// and lands in the next rank's receive slot m % slots.
+// One RC queue pair per peer carries both directions. Slots, per peer in `peers` order: `slots`
+// send slots when this rank sends to it, then `slots` receive slots when it receives from it,
+// `slot_bytes` each. Messages are numbered per peer and direction from 0 since set-up; message
+// m to peer p uses our send slot m % slots and lands in p's receive slot m % slots for us.
 //
-// The words, each a count of messages (monotonic), in memory both sides can reach:
+// The words, per peer, each a count of messages (monotonic), in memory both sides can reach:
 //   ready      the stream filled send slots up to here      (stream writes, worker reads)
 //   send_free  the NIC completed sends up to here           (worker writes, stream waits)
 //   arrived    receives landed, checked and flushed         (worker writes, stream waits)
 //   consumed   the stream read receive slots up to here     (stream writes, worker reads)
-// plan() tells the worker the lengths of the messages of each call, in order, before or after
-// the stream starts on them.
+// plan() tells the worker the lengths of the messages of each call, per peer, in order, before
+// or after the stream starts on them.
 //
-// The worker posts WRITE_WITH_IMM (imm = message number) of send slot m when ready > m and the
-// next rank's credit (its `consumed`, RDMA-written into our credit word) leaves its receive slot
-// free; checks every completion (an error fails the link naming the peer and the verbs status);
-// checks each arrival's number and length against the plan; calls `flush` before publishing
-// it; writes `consumed` into the previous rank's credit word as it advances. A stall longer than
-// the op timeout fails the link with the state of both directions. On failure it calls
-// ops.on_failure and ops.abort_job; when ops.abort_reason() is non-empty it stops quietly.
+// The worker posts WRITE_WITH_IMM (imm = message number) of send slot m to peer p when p's
+// ready > m and p's credit (its `consumed` for us, RDMA-written into our credit word for p)
+// leaves its receive slot free; checks every completion (an error fails the link naming the
+// peer and the verbs status); checks each arrival's number and length against the plan; calls
+// `flush` before publishing it; writes `consumed` into the sending peer's credit word as it
+// advances. A stall longer than the op timeout fails the link with the state of the peer waited
+// for. On failure it calls ops.on_failure and ops.abort_job; when ops.abort_reason() is
+// non-empty it stops quietly.
 #pragma once
 
 #include <chrono>
@@ -45,15 +48,23 @@ struct GdrWords {
   uint64_t consumed;
 };
 
+// A rank this one exchanges messages with, and in which directions. Symmetric: when rank a
+// lists b with `send`, b lists a with `recv` (set-up checks it).
+struct GdrPeer {
+  int rank = -1;  // world rank
+  bool send = false;
+  bool recv = false;
+};
+constexpr int kMaxGdrPeers = 16;
+
 struct GdrLinkConfig {
   std::string who;  // "job=j rank 1 (host h, GPU 0)", for messages
   int rank = 0;
   int world_size = 1;
-  // The ring's members, world ranks in ring order, `rank` among them (hierarchical: the ranks
-  // of one local index, a rail, one per node); empty: every rank in rank order. Set-up stays
-  // collective over the whole world (every rank calls create at the same point, whichever
-  // ring it joins), so the rings of every rail are built together.
-  std::vector<int> ring;
+  // This rank's peers (at most kMaxGdrPeers, no rank twice, never itself; may be empty). Set-up
+  // is collective over the whole world: every rank calls create at the same point, whichever
+  // peers it has, so the rings of every rail (hierarchical) are built together.
+  std::vector<GdrPeer> peers;
   std::vector<std::string> hosts;  // every rank's host, for errors naming a peer
   std::string verbs_device;        // the daemon's RDMA device; empty: the node has none
   int verbs_port = 1;
@@ -76,7 +87,7 @@ struct GdrLinkOps {
 // The slot region, registered with the link's protection domain by the caller.
 struct GdrRegion {
   uint8_t* base = nullptr;
-  const verbs::MemoryRegion* mr = nullptr;  // covers [base, base + 2 * slots * slot_bytes)
+  const verbs::MemoryRegion* mr = nullptr;  // covers the whole region (every peer's slots)
   std::string method;                       // "dma-buf", "peermem", "host memory"
   std::shared_ptr<void> owner;              // keeps memory and MR alive; released after the QPs
 };
@@ -85,8 +96,9 @@ using GdrRegionMaker = std::function<Result<GdrRegion>(const verbs::ProtectionDo
 class GdrLink {
  public:
   // Collective: every rank calls it at the same point. Null with *why_not when some rank
-  // cannot set up (every rank learns which); an error only when the host allreduce failed.
-  // `words` must stay valid while the link lives; `flush` may be empty.
+  // cannot set up (every rank learns which); an error only when the host allreduce failed or
+  // the peers are not symmetric. `words` (one per peer, in `peers` order) must stay valid while
+  // the link lives; `flush` may be empty.
   static Result<std::unique_ptr<GdrLink>> create(const GdrLinkConfig& cfg, const GdrLinkOps& ops,
                                                  const GdrRegionMaker& make_region, GdrWords* words,
                                                  std::function<Status()> flush, std::string* why_not);
@@ -94,18 +106,24 @@ class GdrLink {
   GdrLink(const GdrLink&) = delete;
   GdrLink& operator=(const GdrLink&) = delete;
 
-  uint8_t* slot(bool receive, uint64_t msg) const;
-  int next() const;  // world ranks
-  int prev() const;
-  int ring_size() const;      // the ring's member count
-  int ring_position() const;  // this rank's place in the ring (0 .. ring_size() - 1)
+  int peer_count() const;
+  const GdrPeer& peer(int index) const;
+  int peer_index(int rank) const;  // -1 when `rank` is not a peer
+  // Send slot (receive: false) or receive slot of message `msg` to or from peer `index`.
+  uint8_t* slot(int index, bool receive, uint64_t msg) const;
   uint32_t slots() const;
-  // The next call's message lengths in bytes, sends and receives, in order.
-  void plan(const std::vector<uint32_t>& send_bytes, const std::vector<uint32_t>& recv_bytes);
+  size_t slot_bytes() const;
+  // The next messages' lengths in bytes, in order per peer and direction.
+  struct Message {
+    int peer = 0;  // index
+    bool send = false;
+    uint32_t bytes = 0;
+  };
+  void plan(const std::vector<Message>& messages);
   Status error() const;
   // Lets the last credits go out and stops the worker; the stream must be idle.
   void quiesce();
-  // "<device port> (...), dma-buf, 4 x 1048576-byte slots".
+  // "<device port> (...), dma-buf, 4 x 1048576-byte slots, 2 peers".
   const std::string& describe() const;
 
   struct Impl;

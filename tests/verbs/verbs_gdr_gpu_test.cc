@@ -1,4 +1,4 @@
-// GPUDirect RDMA in the GPU communicator (gpu/gdr_ring.h): GPU ranks as threads, one per
+// GPUDirect RDMA in the GPU communicator (gpu/gdr_channels.h): GPU ranks as threads, one per
 // "node" (a gradsyncd object on its own emulated RDMA device, daemon_cluster.h). Each rank
 // registers its GPU slots with that device through the dma-buf path, and the emulated NIC
 // moves every message from a send slot in one GPU's memory into a receive slot in the next

@@ -1,6 +1,6 @@
 // An opened RDMA device port: context, protection domain, and the address (LID or GID) this
 // process uses on it. The daemons' verbs channels (daemon/verbs_pump.h) and the GPU
-// communicator's GPUDirect ring (gpu/gdr_ring.h) both start from one.
+// communicator's GPUDirect ring (gpu/gdr_channels.h) both start from one.
 #pragma once
 
 #include <memory>

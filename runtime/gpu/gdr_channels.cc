@@ -1,4 +1,4 @@
-#include "gpu/gdr_ring.h"
+#include "gpu/gdr_channels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -10,7 +10,7 @@
 
 #include "common/log.h"
 #include "gpu/gdr_link.h"
-#include "gpu/gdr_schedule.h"
+#include "gpu/step_runner.h"
 #include "gpu/gpu_memory_registration.h"
 #include "kernels/cuda_reduce.cuh"
 #include "topology/gpudirect.h"
@@ -97,32 +97,107 @@ Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
 
 }  // namespace
 
-struct GdrRing::Impl {
+struct GdrChannels::Impl {
   GdrConfig cfg;
+  RdmaChannels channels;
   std::unique_ptr<GdrLink> link;
+  std::unique_ptr<StepRunner> runner;
   std::string description;
-  bool gpu_slots = true;          // false: the slots are in pinned host memory
-  uint64_t slot_region_bytes = 0;  // the send and receive slots (GPU or pinned host memory)
-  GdrWords* words = nullptr;      // mapped pinned host memory: host view
-  GdrWords* words_dev = nullptr;  // device view
-  // Messages numbered at enqueue (the caller's thread), per direction.
-  uint64_t sends_queued = 0, recvs_queued = 0;
+  bool gpu_slots = true;           // false: the slots are in pinned host memory
+  uint64_t slot_region_bytes = 0;  // every peer's send and receive slots (GPU or pinned host memory)
+  GdrWords* words = nullptr;       // one per peer, mapped pinned host memory: host view
+  GdrWords* words_dev = nullptr;   // device view
 };
 
-GdrRing::GdrRing(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+namespace {
 
-GdrRing::~GdrRing() {
+// The stream's side of a step (gpu/step_runner.h) as kernels on the caller's stream.
+class KernelStream final : public StepStream {
+ public:
+  KernelStream(const GdrChannels::Impl& m, const GdrLink& link, cudaStream_t stream, DataType type, ReduceOp op,
+               int divisor)
+      : m_(m), link_(link), stream_(stream), type_(type), op_(op), divisor_(divisor),
+        timeout_ns_(uint64_t(m.cfg.link.op_timeout.count()) * 1'000'000ull) {}
+
+  Status wait_arrived(int p, uint64_t v) override {
+    return check(kernels::launch_wait_host(&m_.words_dev[p].arrived, v, m_.cfg.abort_dev, m_.cfg.error_dev,
+                                           timeout_ns_, nullptr, stream_, link_.peer(p).rank, kWaitArrival),
+                 "wait kernel");
+  }
+  Status wait_send_free(int p, uint64_t v) override {
+    return check(kernels::launch_wait_host(&m_.words_dev[p].send_free, v, m_.cfg.abort_dev, m_.cfg.error_dev,
+                                           timeout_ns_, nullptr, stream_, link_.peer(p).rank, kWaitSendSlot),
+                 "wait kernel");
+  }
+  Status signal_ready(int p, uint64_t v) override {
+    return check(kernels::launch_signal_host(&m_.words_dev[p].ready, v, nullptr, stream_), "signal kernel");
+  }
+  Status signal_consumed(int p, uint64_t v) override {
+    return check(kernels::launch_signal_host(&m_.words_dev[p].consumed, v, nullptr, stream_), "signal kernel");
+  }
+  // Copies by a kernel, not cudaMemcpyAsync: a copy between two addresses of one device may
+  // wait for the other streams' work (CUDA's implicit synchronization), and another stream of
+  // this GPU may hold a kernel that waits for this very call (ranks sharing a GPU, or the
+  // caller's own streams).
+  Status copy(void* dst, const void* src, size_t bytes) override {
+    if (dst == src || bytes == 0) return Status::Ok();
+    return check(kernels::launch_copy(dst, src, bytes, stream_), "copy kernel");
+  }
+  Status reduce(void* dst, const void* a, const void* b, size_t count) override {
+    return check(kernels::launch_reduce(type_, op_, dst, a, b, count, stream_), "reduce kernel");
+  }
+  Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) override {
+    return check(kernels::launch_reduce_final(type_, op_, dst, dst2, a, b, count, divisor_, stream_), "reduce kernel");
+  }
+
+ private:
+  Status check(cudaError_t e, const char* what) const { return cuda(e, m_.cfg.link.who + ": " + what); }
+
+  const GdrChannels::Impl& m_;
+  const GdrLink& link_;
+  cudaStream_t stream_;
+  DataType type_;
+  ReduceOp op_;
+  int divisor_;
+  uint64_t timeout_ns_;
+};
+
+std::vector<int> members_of(const GdrConfig& cfg) {
+  if (!cfg.members.empty()) return cfg.members;
+  std::vector<int> all(size_t(cfg.link.world_size));
+  for (int r = 0; r < cfg.link.world_size; ++r) all[size_t(r)] = r;
+  return all;
+}
+
+}  // namespace
+
+GdrChannels::GdrChannels(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+GdrChannels::~GdrChannels() {
   impl_->link.reset();  // stops the worker before the words go
   if (impl_->words) (void)cudaFreeHost(impl_->words);
 }
 
-Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const HostOps& ops,
-                                                 std::string* why_not) {
+uint64_t GdrChannels::slot_region_bytes(const GdrConfig& cfg) {
+  auto ch = rdma_channels(members_of(cfg), cfg.link.hosts, cfg.link.rank);
+  if (!ch.ok()) return 0;
+  uint64_t directions = 0;
+  for (const GdrPeer& p : ch->peers) directions += uint64_t(p.send) + uint64_t(p.recv);
+  return directions * cfg.link.slots * cfg.link.slot_bytes;
+}
+
+Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, const HostOps& ops,
+                                                         std::string* why_not) {
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
   m.cfg = cfg;
-  std::unique_ptr<GdrRing> ring(new GdrRing(std::move(impl)));
+  std::unique_ptr<GdrChannels> chan(new GdrChannels(std::move(impl)));
   GdrLinkConfig lc = cfg.link;
+  auto ch = rdma_channels(members_of(cfg), cfg.link.hosts, cfg.link.rank);
+  if (!ch.ok()) return Status(ch.status().code(), cfg.link.who + ": " + ch.status().message());
+  m.channels = std::move(ch).value();
+  lc.peers = m.channels.peers;
+  const size_t nwords = std::max<size_t>(1, lc.peers.size());
 
   // What only this GPU decides: the mapped words and whether arrivals need a flush. A
   // failure here still takes part in the link's collective set-up (with no device), so that
@@ -132,11 +207,12 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
   void* w = nullptr;
   if (Status s = cuda(cudaSetDevice(cfg.device), "cudaSetDevice"); !s.ok()) {
     local_why = s.message();
-  } else if (Status a = cuda(cudaHostAlloc(&w, sizeof(GdrWords), cudaHostAllocMapped), "cudaHostAlloc (mapped)");
+  } else if (Status a = cuda(cudaHostAlloc(&w, nwords * sizeof(GdrWords), cudaHostAllocMapped),
+                             "cudaHostAlloc (mapped)");
              !a.ok()) {
     local_why = a.message();
   } else {
-    std::memset(w, 0, sizeof(GdrWords));
+    std::memset(w, 0, nwords * sizeof(GdrWords));
     m.words = static_cast<GdrWords*>(w);
     void* dv = nullptr;
     if (Status d = cuda(cudaHostGetDevicePointer(&dv, w, 0), "cudaHostGetDevicePointer"); !d.ok()) {
@@ -209,129 +285,51 @@ Result<std::unique_ptr<GdrRing>> GdrRing::create(const GdrConfig& cfg, const Hos
   // The stream's waits end at once when the link fails (every other rank's through the abort).
   uint32_t* abort_host = cfg.abort_host;
   lo.on_failure = [abort_host] { __atomic_store_n(abort_host, 1u, __ATOMIC_RELEASE); };
-  GdrWords dummy{};
-  auto link = GdrLink::create(lc, lo, make_region, m.words ? m.words : &dummy, std::move(flush), why_not);
+  std::vector<GdrWords> dummy(nwords);
+  auto link = GdrLink::create(lc, lo, make_region, m.words ? m.words : dummy.data(), std::move(flush), why_not);
   if (!link.ok()) return link.status();
   if (!*link) {
     if (!local_why.empty()) *why_not = "GPUDirect RDMA: " + local_why;
-    return std::unique_ptr<GdrRing>();
+    return std::unique_ptr<GdrChannels>();
   }
   m.link = std::move(link).value();
+  m.runner = std::make_unique<StepRunner>(m.link.get());
   m.gpu_slots = in_host->empty();
-  m.slot_region_bytes = 2 * uint64_t(lc.slots) * lc.slot_bytes;  // GdrLink's one region
-  m.description = m.gpu_slots ? "GPUDirect RDMA over " + m.link->describe() + where +
+  m.slot_region_bytes = 0;
+  for (const GdrPeer& p : lc.peers) m.slot_region_bytes += (uint64_t(p.send) + uint64_t(p.recv)) * lc.slots * lc.slot_bytes;
+  const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
+                           (m.channels.shape.node_count() == 1 ? " node" : " nodes");
+  m.description = m.gpu_slots ? "GPUDirect RDMA (" + what + ") over " + m.link->describe() + where +
                                     (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "")
-                              : "host-staged RDMA over " + m.link->describe() + " (" + *in_host + ")";
-  return ring;
+                              : "host-staged RDMA (" + what + ") over " + m.link->describe() + " (" + *in_host + ")";
+  return chan;
 }
 
-bool GdrRing::gpu_slots() const { return impl_->gpu_slots; }
+bool GdrChannels::gpu_slots() const { return impl_->gpu_slots; }
 
-DeviceComm::MemoryUse GdrRing::memory() const {
+DeviceComm::MemoryUse GdrChannels::memory() const {
   DeviceComm::MemoryUse u;
   (impl_->gpu_slots ? u.gpu_bytes : u.pinned_host_bytes) += impl_->slot_region_bytes;
-  u.pinned_host_bytes += sizeof(GdrWords);
+  u.pinned_host_bytes += std::max<size_t>(1, impl_->channels.peers.size()) * sizeof(GdrWords);
   return u;
 }
 
-const std::string& GdrRing::describe() const { return impl_->description; }
-Status GdrRing::error() const { return impl_->link->error(); }
-void GdrRing::quiesce() { impl_->link->quiesce(); }
+const std::string& GdrChannels::describe() const { return impl_->description; }
+Status GdrChannels::error() const { return impl_->link->error(); }
+void GdrChannels::quiesce() { impl_->link->quiesce(); }
 
-Status GdrRing::enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor) {
+Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor) {
   Impl& m = *impl_;
-  const int n = m.link->ring_size(), r = m.link->ring_position();
-  const int divisor = avg_divisor > 0 ? avg_divisor : n;
-  int root = c.root;  // a broadcast's root: its place in the ring
-  if (const auto& ring = m.cfg.link.ring; !ring.empty() && c.kind == CollectiveKind::kBroadcast) {
-    root = int(std::find(ring.begin(), ring.end(), c.root) - ring.begin());
-    if (root == int(ring.size())) return Status(Code::kInternal, m.cfg.link.who + ": broadcast root outside the ring");
-  }
+  const int divisor = avg_divisor > 0 ? avg_divisor : int(m.channels.members.size());
   const size_t es = element_size(c.type);
-  const size_t per = std::max<size_t>(1, m.cfg.link.slot_bytes / es);
-  const uint64_t timeout_ns = uint64_t(m.cfg.link.op_timeout.count()) * 1'000'000ull;
-  auto* send = static_cast<const uint8_t*>(c.send);
-  auto* recv = static_cast<uint8_t*>(c.recv);
-  GdrWords* w = m.words_dev;
-  GdrLink& link = *m.link;
-  std::vector<uint32_t> sends, recvs;  // this call's message lengths, in order
-  const std::string who = m.cfg.link.who;
-  auto check = [&](cudaError_t e, const char* what) { return cuda(e, who + ": " + what); };
-
-  // One step of the schedule on piece [off, off + len) of some segment: wait for the message
-  // from the previous rank (recv_in), for a free send slot (send_out), run `body(in, out)`,
-  // then tell the worker.
-  auto step = [&](bool recv_in, bool send_out, size_t len,
-                  const std::function<Status(const uint8_t* in, uint8_t* out)>& body) -> Status {
-    const uint64_t k = m.recvs_queued, msg = m.sends_queued;
-    if (recv_in) {
-      GS_RETURN_IF_ERROR(check(kernels::launch_wait_host(&w->arrived, k + 1, m.cfg.abort_dev, m.cfg.error_dev,
-                                                         timeout_ns, nullptr, stream, link.prev(), kWaitArrival),
-                               "wait kernel"));
-    }
-    if (send_out && msg + 1 > link.slots()) {
-      GS_RETURN_IF_ERROR(check(kernels::launch_wait_host(&w->send_free, msg + 1 - link.slots(), m.cfg.abort_dev,
-                                                         m.cfg.error_dev, timeout_ns, nullptr, stream, link.next(),
-                                                         kWaitSendSlot),
-                               "wait kernel"));
-    }
-    GS_RETURN_IF_ERROR(body(recv_in ? link.slot(true, k) : nullptr, send_out ? link.slot(false, msg) : nullptr));
-    if (send_out) {
-      GS_RETURN_IF_ERROR(check(kernels::launch_signal_host(&w->ready, msg + 1, nullptr, stream), "signal kernel"));
-      sends.push_back(uint32_t(len * es));
-      ++m.sends_queued;
-    }
-    if (recv_in) {
-      GS_RETURN_IF_ERROR(check(kernels::launch_signal_host(&w->consumed, k + 1, nullptr, stream), "signal kernel"));
-      recvs.push_back(uint32_t(len * es));
-      ++m.recvs_queued;
-    }
-    // The worker learns of each step as soon as it is queued, not at the end of the call: a
-    // call of many steps fills the stream's launch queue, and cudaLaunchKernel then blocks
-    // until the GPU has run earlier steps, whose messages the worker must already know.
-    link.plan(sends, recvs);
-    sends.clear();
-    recvs.clear();
-    return Status::Ok();
-  };
-  // Copies by a kernel, not cudaMemcpyAsync: a copy between two addresses of one device may
-  // wait for the other streams' work (CUDA's implicit synchronization), and another stream of
-  // this GPU may hold a kernel that waits for this very call (ranks sharing a GPU, or the
-  // caller's own streams).
-  auto copy = [&](void* dst, const void* src, size_t bytes) -> Status {
-    if (dst == src || bytes == 0) return Status::Ok();
-    return check(kernels::launch_copy(dst, src, bytes, stream), "copy kernel");
-  };
-
-  // The schedule (gpu/gdr_schedule.h), step by step: the kernels of each step's body between
-  // its waits and its signals.
-  Status s = Status::Ok();
-  for (const gdr::Step& st : gdr::plan(c.kind, c.count, n, r, root, per)) {
-    const size_t bytes = st.len * es;
-    const uint8_t* input = send + st.in * es;
-    uint8_t* output = recv + st.out * es;
-    s = step(st.recv, st.send, st.len, [&](const uint8_t* in, uint8_t* out) -> Status {
-      switch (st.body) {
-        case gdr::Body::kCopyIn:
-          return copy(out, input, bytes);
-        case gdr::Body::kReduce:
-          return check(kernels::launch_reduce(c.type, c.op, out, in, input, st.len, stream), "reduce kernel");
-        case gdr::Body::kReduceFinal:
-          return check(kernels::launch_reduce_final(c.type, c.op, output, out, in, input, st.len, divisor, stream),
-                       "reduce kernel");
-        case gdr::Body::kGatherFirst:
-          GS_RETURN_IF_ERROR(copy(output, input, bytes));
-          return copy(out, input, bytes);
-        case gdr::Body::kCopyOut:
-          GS_RETURN_IF_ERROR(copy(output, in, bytes));
-          return out ? copy(out, in, bytes) : Status::Ok();
-      }
-      return Status(Code::kInternal, "unknown step");
-    });
-    if (!s.ok()) break;
-  }
-  // Hand the lengths to the worker even after an error: what was queued on the stream runs.
-  link.plan(sends, recvs);
+  const plan::Algo algo = c.algorithm == Algorithm::kTree ? plan::Algo::kTree : plan::Algo::kRing;
+  auto steps = rdma_steps(m.channels, c.kind, algo, c.count, es, c.root, m.cfg.link.slot_bytes);
+  if (!steps.ok()) return Status(steps.status().code(), m.cfg.link.who + ": " + steps.status().message());
+  // Broadcast has one buffer (the recv buffer), read on the root and written elsewhere.
+  const void* input = c.kind == CollectiveKind::kBroadcast ? c.recv : c.send;
+  KernelStream ks(m, *m.link, stream, c.type, c.op, divisor);
+  Status s = m.runner->run(*steps, m.channels.members, input, c.recv, es, ks);
+  if (!s.ok()) return Status(s.code(), m.cfg.link.who + ": " + s.message());
   return s;
 }
 

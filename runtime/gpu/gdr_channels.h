@@ -1,0 +1,94 @@
+// The RDMA path of the GPU communicator (docs/architecture.md, the GPU paths): the planning
+// layer's channels (gpu/plan: a ring, and the two trees of a double binary tree with a chain
+// per node) over queue pairs to each peer, and the plan's primitive steps run on the caller's
+// stream. The NIC writes each message straight from a send slot in one rank's GPU memory into
+// a receive slot in the peer's GPU memory, and the kernels on the stream read the slots there:
+// no byte of the payload passes through host memory. A rank whose GPU memory the NIC cannot
+// reach keeps its links with its slots in pinned host memory instead (gpu_slots() below).
+//
+// The set-up, messages, credits and checks are gpu/gdr_link.h's (the transport half,
+// CUDA-free, tested on the CPU); the steps are gpu/plan/schedule.h's, turned into waits,
+// copies, reductions and signals by gpu/step_runner.h (also CUDA-free and tested on the CPU).
+// This file is the GPU half: the slots in GPU memory registered by dma-buf (else peermem), the
+// words in mapped pinned memory, and the stream's operations as kernels: wait kernels on
+// `arrived` and `send_free`, copy and reduction kernels, signal kernels for `ready` and
+// `consumed`. Every wait has the op timeout; a link failure sets the communicator's abort
+// word, so the stream's waits end.
+//
+// Built with CUDA and the verbs headers (GRADSYNC_HAVE_GDR).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "collectives/collective.h"
+#include "gpu/device_comm.h"
+#include "gpu/gdr_link.h"
+#include "gpu/plan/channels.h"
+#include "kernels/cuda_node.cuh"
+
+namespace gradsync {
+
+struct GdrConfig {
+  GdrLinkConfig link;  // rank, hosts, RDMA device, slots, op timeout (gpu/gdr_link.h); the
+                       // peers are filled in from the channels
+  // The world ranks that run collectives together, in the order the plan numbers them (its
+  // shape: ranks grouped into nodes by link.hosts); empty: every rank in rank order. The
+  // hierarchical path's rails: the ranks of one local index, one per node. Set-up is
+  // collective over the whole world whichever members a rank has.
+  std::vector<int> members;
+  int device = 0;      // the CUDA device
+  // The communicator's mapped words (device views) that the stream's waits read and report
+  // through, and the host view of the abort word (set when this ring fails).
+  const uint32_t* abort_dev = nullptr;
+  kernels::NodeError* error_dev = nullptr;
+  uint32_t* abort_host = nullptr;
+};
+
+class GdrChannels {
+ public:
+  // Collective: every rank calls it at the same point of set-up. A null ring with *why_not
+  // set when GPUDirect RDMA cannot run for some rank (all ranks agree); an error only for a
+  // failure that leaves the communicator unusable (the host allreduce failed).
+  static Result<std::unique_ptr<GdrChannels>> create(const GdrConfig& cfg, const HostOps& ops,
+                                                     std::string* why_not);
+  // The slot memory create() will take on this rank (its peers' directions x slots x slot
+  // bytes), for GRADSYNC_GPU_MEMORY_MAX before anything is allocated.
+  static uint64_t slot_region_bytes(const GdrConfig& cfg);
+  ~GdrChannels();
+  GdrChannels(const GdrChannels&) = delete;
+  GdrChannels& operator=(const GdrChannels&) = delete;
+
+  // Queues one checked, non-empty collective (allreduce, reduce_scatter, all_gather,
+  // broadcast) among the members (c.root a world rank) on `stream`; the worker moves its
+  // messages as the stream gets to them. c.algorithm kTree runs an allreduce on the trees;
+  // everything else takes the ring. `avg_divisor`: what an avg divides by (0: the member
+  // count; the hierarchical path's rails pass the world's).
+  Status enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor = 0);
+  // The worker's failure, if any (ok otherwise).
+  Status error() const;
+  // Lets the last credits go out and stops the worker; the stream must be idle (leave).
+  void quiesce();
+  // "GPUDirect RDMA over emu1n0 port 1 (RoCE, ...), dma-buf, 4 x 4194304-byte slots, 3 peers".
+  const std::string& describe() const;
+  // True when this rank's slots are in GPU memory (GPUDirect RDMA); false when the NIC
+  // reaches them in pinned host memory (host-staged RDMA: the GPU too far from the NIC, GPU
+  // memory it cannot register, or GRADSYNC_GDR_HOST_SLOTS). The kernels and the protocol are
+  // the same; each rank decides for itself, so one ring may mix both.
+  bool gpu_slots() const;
+  // Its memory: the slots (slots x slot bytes per peer and direction, in GPU or pinned host
+  // memory) and the mapped words.
+  DeviceComm::MemoryUse memory() const;
+
+  struct Impl;
+
+ private:
+  explicit GdrChannels(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace gradsync

@@ -1,0 +1,211 @@
+#include "gpu/step_runner.h"
+
+#include <algorithm>
+#include <string>
+
+namespace gradsync {
+
+Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me) {
+  RdmaChannels ch;
+  ch.members = members;
+  const int k = int(members.size());
+  for (int i = 0; i < k; ++i) {
+    const int r = members[size_t(i)];
+    if (r < 0 || size_t(r) >= hosts.size()) {
+      return Status(Code::kInternal, "RDMA channels: member " + std::to_string(r) + " has no host");
+    }
+    if (r == me) {
+      if (ch.position >= 0) return Status(Code::kInternal, "RDMA channels: rank " + std::to_string(me) + " twice");
+      ch.position = i;
+    }
+    // Nodes in order of their first member; plan ranks node by node in member order.
+    auto node = std::find_if(ch.shape.nodes.begin(), ch.shape.nodes.end(),
+                             [&](const plan::NodeShape& n) { return n.name == hosts[size_t(r)]; });
+    if (node == ch.shape.nodes.end()) {
+      ch.shape.nodes.emplace_back();
+      node = ch.shape.nodes.end() - 1;
+      node->name = hosts[size_t(r)];
+    }
+    node->gpus.push_back(int(node->ranks.size()));
+    node->ranks.push_back(i);
+    node->nics.push_back(0);
+  }
+  if (ch.position < 0) return Status(Code::kInternal, "RDMA channels: rank " + std::to_string(me) + " is no member");
+  if (std::string why = ch.shape.validate(); !why.empty()) return Status(Code::kInternal, "RDMA channels: " + why);
+  plan::PlanRequest req;
+  req.algo = plan::Algo::kRing;
+  ch.ring = plan::plan_channels(ch.shape, req);
+  req.algo = plan::Algo::kTree;
+  ch.tree = plan::plan_channels(ch.shape, req);
+  for (const plan::ChannelSet* set : {&ch.ring, &ch.tree}) {
+    for (const plan::Channel& c : set->channels()) {
+      for (const plan::Hop& h : c.hops) {
+        if (h.src != ch.position && h.dst != ch.position) continue;
+        const int other = members[size_t(h.src == ch.position ? h.dst : h.src)];
+        auto p = std::find_if(ch.peers.begin(), ch.peers.end(), [&](const GdrPeer& q) { return q.rank == other; });
+        if (p == ch.peers.end()) {
+          ch.peers.push_back({other, false, false});
+          p = ch.peers.end() - 1;
+        }
+        (h.src == ch.position ? p->send : p->recv) = true;
+      }
+    }
+  }
+  if (ch.peers.size() > size_t(kMaxGdrPeers)) {
+    return Status(Code::kInternal, "RDMA channels: " + std::to_string(ch.peers.size()) + " peers, at most " +
+                                       std::to_string(kMaxGdrPeers));
+  }
+  return ch;
+}
+
+Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
+                                           size_t count, size_t esize, int root, size_t slot_bytes) {
+  plan::PlanRequest req;
+  req.kind = kind;
+  req.algo = algo == plan::Algo::kTree && kind == CollectiveKind::kAllreduce ? plan::Algo::kTree : plan::Algo::kRing;
+  req.count = count;
+  req.esize = esize;
+  req.chunk_bytes = slot_bytes / esize * esize;
+  const auto at = std::find(ch.members.begin(), ch.members.end(), root);
+  req.root = kind == CollectiveKind::kBroadcast ? int(at - ch.members.begin()) : 0;
+  if (kind == CollectiveKind::kBroadcast && at == ch.members.end()) {
+    return Status(Code::kInternal, "broadcast root " + std::to_string(root) + " is no member of the RDMA channels");
+  }
+  if (req.chunk_bytes == 0) return Status(Code::kInternal, "RDMA slots smaller than one element");
+  std::vector<plan::Step> steps =
+      plan::rank_steps(ch.shape, req.algo == plan::Algo::kTree ? ch.tree : ch.ring, req, ch.position);
+  std::stable_sort(steps.begin(), steps.end(),
+                   [](const plan::Step& a, const plan::Step& b) { return a.channel < b.channel; });
+  return steps;
+}
+
+StepRunner::StepRunner(GdrLink* link)
+    : link_(*link), sent_(size_t(link->peer_count()), 0), received_(size_t(link->peer_count()), 0) {}
+
+namespace {
+
+bool overlap(const void* a, const void* b, size_t bytes) {
+  auto* x = static_cast<const uint8_t*>(a);
+  auto* y = static_cast<const uint8_t*>(b);
+  return x < y + bytes && y < x + bytes;
+}
+
+}  // namespace
+
+Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<int>& members, const void* input,
+                       void* output, size_t esize, StepStream& stream) {
+  const uint32_t slots = link_.slots();
+  std::vector<GdrLink::Message> planned;
+  Status s = Status::Ok();
+  for (size_t i = 0; i < steps.size() && s.ok(); ++i) {
+    const plan::Step& st = steps[i];
+    const size_t bytes = size_t(st.count) * esize;
+    auto bad = [&](const std::string& why) {
+      return Status(Code::kInternal, "step " + std::to_string(i) + " (" + plan::to_string(st.prim) + ", channel " +
+                                         std::to_string(st.channel) + "): " + why);
+    };
+    int rp[plan::kMaxPeers], sp[plan::kMaxPeers];
+    const void* payload[plan::kMaxPeers];
+    void* slot_out[plan::kMaxPeers];
+    for (int j = 0; j < st.nrecv + st.nsend; ++j) {
+      const bool recv = j < st.nrecv;
+      const int pos = recv ? st.recv[j] : st.send[j - st.nrecv];
+      const int p = pos >= 0 && size_t(pos) < members.size() ? link_.peer_index(members[size_t(pos)]) : -1;
+      if (p < 0 || (recv ? !link_.peer(p).recv : !link_.peer(p).send)) {
+        s = bad("no RDMA link " + std::string(recv ? "from" : "to") + " plan rank " + std::to_string(pos));
+        break;
+      }
+      (recv ? rp[j] : sp[j - st.nrecv]) = p;
+    }
+    if (!s.ok()) break;
+    if ((st.nrecv + st.nsend > 0) && bytes > link_.slot_bytes()) {
+      s = bad(std::to_string(bytes) + "-byte message over the " + std::to_string(link_.slot_bytes()) + "-byte slots");
+      break;
+    }
+    // The worker learns of each step's messages before the stream waits for them (a stream
+    // that runs at once, as the CPU tests' does, would otherwise wait for an arrival the
+    // worker holds back until it is planned), and as each step is queued rather than at the
+    // end of the call: a call of many steps fills the stream's launch queue, and a kernel
+    // launch then blocks until the GPU has run earlier steps, whose messages the worker must
+    // already know.
+    for (int j = 0; j < st.nsend; ++j) planned.push_back({sp[j], true, uint32_t(bytes)});
+    for (int j = 0; j < st.nrecv; ++j) planned.push_back({rp[j], false, uint32_t(bytes)});
+    link_.plan(planned);
+    planned.clear();
+    // Waits: a message from each peer received from, a free slot at each peer sent to.
+    for (int j = 0; j < st.nrecv && s.ok(); ++j) s = stream.wait_arrived(rp[j], received_[size_t(rp[j])] + 1);
+    for (int j = 0; j < st.nsend && s.ok(); ++j) {
+      const uint64_t m = sent_[size_t(sp[j])];
+      if (m + 1 > slots) s = stream.wait_send_free(sp[j], m + 1 - slots);
+    }
+    if (!s.ok()) break;
+    for (int j = 0; j < st.nrecv; ++j) payload[j] = link_.slot(rp[j], true, received_[size_t(rp[j])]);
+    for (int j = 0; j < st.nsend; ++j) slot_out[j] = link_.slot(sp[j], false, sent_[size_t(sp[j])]);
+
+    const uint8_t* own = static_cast<const uint8_t*>(st.from_output ? output : input) + st.in * esize;
+    uint8_t* out = static_cast<uint8_t*>(output) + st.out * esize;
+    // The fold of the payloads and the own operand into `dst` (and dst2 on the last step).
+    auto fold = [&](void* dst, void* dst2, bool final) -> Status {
+      const int k = st.nrecv + 1;
+      if (k < 2) return bad("a fold of one operand");
+      if (st.self_pos >= k) return bad("own operand at position " + std::to_string(st.self_pos));
+      const void* x[plan::kMaxPeers + 1];
+      for (int j = 0, r = 0; j < k; ++j) x[j] = j == st.self_pos ? static_cast<const void*>(own) : payload[r++];
+      if (overlap(own, dst, bytes) && (own != dst || (k > 2 && st.self_pos >= 2))) {
+        return bad("the own operand overlaps the fold's destination");
+      }
+      for (int j = 1; j < k; ++j) {
+        const void* acc = j == 1 ? x[0] : dst;
+        Status r = final && j == k - 1 ? stream.reduce_final(dst, dst2, acc, x[j], st.count)
+                                       : stream.reduce(dst, acc, x[j], st.count);
+        if (!r.ok()) return r;
+      }
+      return Status::Ok();
+    };
+    auto copy_to_sends = [&](const void* src, int from) -> Status {
+      for (int j = from; j < st.nsend; ++j) GS_RETURN_IF_ERROR(stream.copy(slot_out[j], src, bytes));
+      return Status::Ok();
+    };
+    switch (st.prim) {
+      case plan::Prim::kCopy:
+        s = own == out ? Status::Ok() : stream.copy(out, own, bytes);
+        break;
+      case plan::Prim::kSend:
+        s = copy_to_sends(own, 0);
+        break;
+      case plan::Prim::kCopySend:
+        s = own == out ? Status::Ok() : stream.copy(out, own, bytes);
+        if (s.ok()) s = copy_to_sends(own, 0);
+        break;
+      case plan::Prim::kRecv:
+        s = stream.copy(out, payload[0], bytes);
+        break;
+      case plan::Prim::kRecvCopySend:
+        s = stream.copy(out, payload[0], bytes);
+        if (s.ok()) s = copy_to_sends(payload[0], 0);
+        break;
+      case plan::Prim::kRecvReduceSend:
+        if (st.nsend == 0) {
+          s = bad("no peer to send to");
+          break;
+        }
+        s = fold(slot_out[0], nullptr, false);
+        if (s.ok()) s = copy_to_sends(slot_out[0], 1);
+        break;
+      case plan::Prim::kRecvReduceCopySend:
+      case plan::Prim::kRecvReduceCopy: {
+        const bool sends = st.prim == plan::Prim::kRecvReduceCopySend && st.nsend > 0;
+        s = fold(out, sends && !st.partial ? slot_out[0] : nullptr, !st.partial);
+        if (s.ok() && sends) s = copy_to_sends(out, st.partial ? 0 : 1);
+        break;
+      }
+    }
+    if (!s.ok()) break;
+    // Signals: the messages written and the slots read.
+    for (int j = 0; j < st.nsend && s.ok(); ++j) s = stream.signal_ready(sp[j], ++sent_[size_t(sp[j])]);
+    for (int j = 0; j < st.nrecv && s.ok(); ++j) s = stream.signal_consumed(rp[j], ++received_[size_t(rp[j])]);
+  }
+  return s;
+}
+
+}  // namespace gradsync

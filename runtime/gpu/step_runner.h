@@ -1,0 +1,86 @@
+// Runs one rank's primitive steps (gpu/plan/schedule.h) over the RDMA link (gpu/gdr_link.h):
+// the one place where a plan's send, receive, receive-reduce-send, receive-reduce-copy-send and
+// receive-copy-send become waits, copies, reductions and signals on a stream. CUDA-free: the
+// stream is an interface (StepStream). The GPU communicator implements it with kernels on the
+// caller's stream (gpu/gdr_channels.cc); the CPU tests (tests/verbs/gdr_link_test.cc) with the
+// host loops on a thread, so the translation below is tested in CI without a GPU.
+//
+// Per step: wait until each peer received from has a message waiting (its `arrived`) and each
+// peer sent to has a free slot (its `send_free`); run the body over the receive slots, the
+// rank's input and output and the send slots; signal `ready` for each message written and
+// `consumed` for each one read; tell the link the messages' lengths. Messages are numbered per
+// peer and direction across calls, as the link numbers them.
+//
+// Bodies (fold: the payloads in step order with the own operand at self_pos, folded left; the
+// final fold divides kAvg once, unless the step is `partial`):
+//   send / copy-send            send slots (and output) <- own operand
+//   recv / recv-copy-send       output (and send slots) <- payload
+//   recv-reduce-send            first send slot <- fold; the other send slots <- it
+//   recv-reduce-copy(-send)     output <- fold (the first send slot too); other send slots <- output
+//   copy                        output <- own operand
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpu/gdr_link.h"
+#include "gpu/plan/schedule.h"
+#include "gradsync/gradsync.h"
+
+namespace gradsync {
+
+// The channels of a set of members over RDMA links: the plan's shape (members grouped into
+// nodes by host, in member order; plan rank i is members[i]), its ring and tree channels, and
+// the peers this rank needs for them (every hop to or from it).
+struct RdmaChannels {
+  std::vector<int> members;  // world ranks
+  int position = -1;         // this rank's plan rank; -1 when it is not a member
+  plan::JobShape shape;
+  plan::ChannelSet ring, tree;
+  std::vector<GdrPeer> peers;
+};
+// `hosts`: every world rank's host. An error when `me` is not among `members` once, or the
+// peers exceed kMaxGdrPeers.
+Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me);
+
+// The steps of one call on those channels, ordered channel by channel (so that every peer
+// connection carries one channel's messages after another's on both ends), with messages of at
+// most `slot_bytes`. kTree applies to allreduce; every other call takes the ring. `root` is a
+// world rank.
+Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
+                                           size_t count, size_t esize, int root, size_t slot_bytes);
+
+// What a step asks of the stream that runs it. Peers are link indices; values are message
+// counts (monotonic, as GdrWords holds them). `reduce`: dst = op(a, b) (kAvg sums);
+// `reduce_final`: the same, kAvg divided, written to dst and, when not null, dst2. dst may be
+// a or b exactly.
+class StepStream {
+ public:
+  virtual ~StepStream() = default;
+  virtual Status wait_arrived(int peer, uint64_t value) = 0;
+  virtual Status wait_send_free(int peer, uint64_t value) = 0;
+  virtual Status signal_ready(int peer, uint64_t value) = 0;
+  virtual Status signal_consumed(int peer, uint64_t value) = 0;
+  virtual Status copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual Status reduce(void* dst, const void* a, const void* b, size_t count) = 0;
+  virtual Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) = 0;
+};
+
+class StepRunner {
+ public:
+  explicit StepRunner(GdrLink* link);
+  // Runs `steps` (ranks in them are positions in `members`, the world ranks of the plan's
+  // shape) on `stream`. `input` and `output` are the call's buffers, `esize` bytes per element.
+  // Every message must fit a slot. On an error the steps already queued stay queued, and the
+  // link knows their messages.
+  Status run(const std::vector<plan::Step>& steps, const std::vector<int>& members, const void* input,
+             void* output, size_t esize, StepStream& stream);
+
+ private:
+  GdrLink& link_;
+  std::vector<uint64_t> sent_, received_;  // per peer index: messages queued so far
+};
+
+}  // namespace gradsync
