@@ -604,20 +604,22 @@ TEST(GdrBench, DISABLED_BusbwGpuDirectBesideHostStaged) {
 }
 
 // A communicator's memory is stated (`gradsyncctl describe`) and its GPU memory stays within
-// GRADSYNC_GPU_MEMORY_MAX: at 2 nodes x 2 with 32 MiB GPUDirect rings, 100 MiB leaves the
-// hierarchical path a smaller IPC region; 48 MiB has no room for the rails' rings (flat
-// GPUDirect ring); 16 MiB none for any ring (host-staged). Every allreduce exact.
+// GRADSYNC_GPU_MEMORY_MAX: at 2 nodes x 2 with 16 MiB of slots per peer and direction, 160 MiB
+// leaves the hierarchical path a smaller IPC region; 96 MiB has no room for the rails' rings
+// (the flat GPUDirect channels only); 16 MiB none for any (host-staged). Every allreduce exact.
 TEST_F(Gdr, GpuMemoryStatedAndWithinGpuMemoryMax) {
   ASSERT_TRUE(kEagerLoading);
   ::setenv("GRADSYNC_GDR_SLOT_BYTES", "4194304", 1);
   ::setenv("GRADSYNC_GDR_SLOTS", "4", 1);
-  const uint64_t ring = 2ull * 4 * (4 << 20);
+  // Slots per peer and direction: 4 x 4 MiB. At 2 nodes x 2 the flat channels (the ring and
+  // the two trees) give a rank 3 to 5 directions (48-80 MiB); a rail of two nodes 2 (32 MiB).
+  const uint64_t dir = 4ull * (4 << 20);
   struct Case {
     const char* max_mib;
     const char* path;
     uint64_t min_gpu, max_gpu;
   };
-  for (const Case& k : {Case{"100", "hierarchical", 2 * ring, 100ull << 20}, Case{"48", "gpudirect-rdma", ring, ring},
+  for (const Case& k : {Case{"160", "hierarchical", 5 * dir, 160ull << 20}, Case{"96", "gpudirect-rdma", 3 * dir, 5 * dir},
                         Case{"16", "host-staged", 0, 0}}) {
     SCOPED_TRACE(std::string("GRADSYNC_GPU_MEMORY_MAX=") + k.max_mib);
     ::setenv("GRADSYNC_GPU_MEMORY_MAX", k.max_mib, 1);
