@@ -8,6 +8,7 @@
 //   gradsyncrun --standalone -n 4 --replace-failed 1 build/bin/train_logreg_elastic
 //       [--steps 40] [--kill-step 20] [--grow-step 30] [--kill-rank N-1] [--batch 128]
 //       [--samples 8192] [--features 64] [--slow-rank R --slow-ms 2500 --shrink-wait-ms 5000]
+//       [--ahead-rank R]
 //
 // Each step takes a mini-batch of --batch samples per rank from a cursor that advances by
 // the world's batch, so the world size changes the training: a run that did not shrink or
@@ -40,6 +41,12 @@ struct Plan {
   int slow_rank = -1;
   int slow_ms = 2500;
   int shrink_wait_ms = 5000;
+  // Test only: forces the race the step agreement exists for. The dying rank's last allreduce
+  // (step kill-step - 1) completes on rank R, while every other survivor takes it as lost, as
+  // when the abort of the rank's death reaches it inside that call: they redo the step, R goes
+  // on to the next. The dying rank kills itself right after that allreduce, so both calls
+  // fail, the survivors shrink one step apart, and R must take its last update back.
+  int ahead_rank = -1;
   int batch = 128;
 };
 
@@ -121,6 +128,7 @@ int main(int argc, char** argv) {
   p.slow_rank = logreg::arg_int(argc, argv, "--slow-rank", p.slow_rank);
   p.slow_ms = logreg::arg_int(argc, argv, "--slow-ms", p.slow_ms);
   p.shrink_wait_ms = logreg::arg_int(argc, argv, "--shrink-wait-ms", p.shrink_wait_ms);
+  p.ahead_rank = logreg::arg_int(argc, argv, "--ahead-rank", p.ahead_rank);
   p.batch = logreg::arg_int(argc, argv, "--batch", p.batch);
   if (!(0 < p.kill_step && p.kill_step < p.grow_step && p.grow_step < p.steps) || p.batch < 1) {
     return fail("need 0 < --kill-step < --grow-step < --steps and --batch >= 1");
@@ -150,6 +158,10 @@ int main(int argc, char** argv) {
     if (p.slow_rank == p.kill_rank || p.slow_rank >= comm.world_size() || (p.slow_rank >= 0 && comm.world_size() < 3)) {
       return fail("--slow-rank must be another rank of a world of 3 or more");
     }
+    if (p.ahead_rank == p.kill_rank || p.ahead_rank >= comm.world_size() || (p.ahead_rank >= 0 && comm.world_size() < 3) ||
+        (p.ahead_rank >= 0 && p.slow_rank >= 0)) {
+      return fail("--ahead-rank must be another rank of a world of 3 or more, without --slow-rank");
+    }
   }
   const int original_rank = newcomer ? -1 : comm.rank();
   const uint64_t first_generation = comm.generation();
@@ -171,6 +183,9 @@ int main(int argc, char** argv) {
   if (int64_t(max_world) * p.batch * 2 > c.samples) return fail("--samples too small for the world's batch");
 
   bool first_after_shrink = false;
+  bool rolled_back = false;
+  // --ahead-rank: the step whose allreduce is the dying rank's last.
+  const int64_t last_step_of_dying = p.ahead_rank >= 0 ? p.kill_step - 1 : -1;
   // The state before the last step's update: a survivor whose allreduce of step k completed
   // while another's failed (the abort reached that one first) is a step ahead after the
   // shrink; the survivors agree on the earliest step and a rank ahead takes this back.
@@ -196,7 +211,8 @@ int main(int argc, char** argv) {
                     ms_since(t0));
       }
     }
-    if (original_rank == p.kill_rank && st.step == p.kill_step && comm.generation() == first_generation) {
+    if (original_rank == p.kill_rank && st.step == p.kill_step && comm.generation() == first_generation &&
+        p.ahead_rank < 0) {
       std::printf("rank %d: killing myself (SIGKILL) at step %lld\n", comm.rank(), (long long)st.step);
       std::fflush(stdout);
       ::raise(SIGKILL);
@@ -206,6 +222,21 @@ int main(int argc, char** argv) {
     logreg::accumulate(c, data, w, begin, begin + p.batch, grad);
     auto t0 = Clock::now();
     gradsync::Status s = comm.allreduce(grad.data(), grad.size(), gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
+    if (s.ok() && st.step == last_step_of_dying && comm.generation() == first_generation) {
+      if (original_rank == p.kill_rank) {
+        std::printf("rank %d: killing myself (SIGKILL) right after the allreduce of step %lld\n", comm.rank(),
+                    (long long)st.step);
+        std::fflush(stdout);
+        ::raise(SIGKILL);
+      }
+      if (original_rank != p.ahead_rank) {
+        // As if the abort had reached this rank inside the call: the step is done again. Its
+        // next allreduce pairs with rank R's of the following step and fails with the others.
+        std::printf("rank %d: --ahead-rank: taking the allreduce of step %lld as lost\n", comm.rank(),
+                    (long long)st.step);
+        continue;
+      }
+    }
     if (!s.ok()) {
       const double failed_ms = ms_since(t0);
       auto t1 = Clock::now();
@@ -244,6 +275,7 @@ int main(int argc, char** argv) {
         if (agreed != before.step) return fail("survivors more than one step apart after the shrink");
         std::printf("rank %d: step %lld completed here but not on every survivor: back to step %lld\n", comm.rank(),
                     (long long)st.step, (long long)agreed);
+        rolled_back = true;
         const int64_t initial = st.initial_world;
         st = before;
         st.initial_world = initial;
@@ -276,6 +308,9 @@ int main(int argc, char** argv) {
   // on some survivors only), N again from the grow step.
   const int shrunk = max_world - 1 - (p.slow_rank >= 0 ? 1 : 0);
   if (st.shrunk_at < 0) return fail("the run never shrank");
+  if (original_rank >= 0 && original_rank == p.ahead_rank && !rolled_back) {
+    return fail("--ahead-rank: rank " + std::to_string(original_rank) + " never took a step back");
+  }
   const std::vector<float> ref = reference(c, p, data, max_world, [&](int s) {
     return s < st.shrunk_at || s >= p.grow_step ? max_world : shrunk;
   });
