@@ -238,7 +238,7 @@ pass=0
 fail=0
 wrong=0
 hangs=0
-declare -A worst_by_kind=() trials_by_kind=() passed_by_kind=()
+declare -A worst_by_kind=() trials_by_kind=() passed_by_kind=() times_by_kind=()
 log_fail() { echo "FAIL trial $1: $2"; fail=$((fail + 1)); ok=0; }
 
 # Until $1 (ms), notes in exit_at[r] when each rank that ends does so.
@@ -514,10 +514,13 @@ for ((t = 0; t < trials; t++)); do
   ((ok)) && pass=$((pass + 1)) && passed_by_kind[$kind]=$(( ${passed_by_kind[$kind]:-0} + 1 ))
   trials_by_kind[$kind]=$(( ${trials_by_kind[$kind]:-0} + 1 ))
   ((trial_worst > ${worst_by_kind[$kind]:-0})) && worst_by_kind[$kind]=$trial_worst
+  times_by_kind[$kind]+=" $trial_worst"
   echo "trial $t: $placement $kind victim $victim size $((size * 4)) B${detail:+ ($detail)}: slowest $trial_worst ms $([ "$ok" = 1 ] && echo ok || echo FAILED)"
 done
 echo "chaos: $pass of $trials_run trials passed ($([ ${#daemon_flags[@]} -gt 0 ] && echo proxy || echo rank sockets), store $store); wrong results $wrong; hangs $hangs"
 for k in "${!trials_by_kind[@]}"; do
-  echo "chaos:   $k: ${passed_by_kind[$k]:-0} of ${trials_by_kind[$k]} passed; slowest ${worst_by_kind[$k]:-0} ms"
+  # The median of the trials' slowest survivors (the lower middle one of an even count).
+  median=$(tr ' ' '\n' <<<"${times_by_kind[$k]}" | grep . | sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}')
+  echo "chaos:   $k: ${passed_by_kind[$k]:-0} of ${trials_by_kind[$k]} passed; slowest survivor median ${median:-0} ms, max ${worst_by_kind[$k]:-0} ms"
 done
 ((fail == 0))

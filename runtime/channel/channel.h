@@ -166,6 +166,22 @@ class ChannelDriver {
   // The rank leaves the job healthy, its last slots sent: tells each peer it sends to, so that
   // one still waiting for data fails with kMismatch (kPeerLeftMessage) instead of a lost peer.
   virtual void goodbye(Deadline /*deadline*/) {}
+  // The job ended for this rank (after abandon()): tells the rank at the other end of each of
+  // its sockets, both ways, why (`reason`, and `culprit`: the rank at fault or -1), so that a
+  // peer waiting for it fails at once with that reason instead of finding the socket closed
+  // when this process exits. Best effort, bounded by `deadline`.
+  virtual void tell_abort(const std::string& /*reason*/, int /*culprit*/, Deadline /*deadline*/) {}
+  // An abort a peer told this rank over one of its sockets (tell_abort), once one arrived.
+  struct ToldAbort {
+    bool told = false;
+    std::string reason;  // the peer's reason, as it sent it
+    int culprit = -1;    // the rank it named, or -1
+    std::string from;    // "rank 2 (host h) at 10.0.0.2:41234"
+  };
+  virtual ToldAbort told_abort() const { return {}; }
+  // Wakes the threads asleep in this driver now (any thread may call it): a process-local
+  // abort was raised, which they see when they wake.
+  virtual void interrupt() {}
 
   // Lanes: several threads of one rank drive disjoint sets of channels at once (the ring's
   // threads, ring.cc). After begin_lanes() returns true, assign_lane() gives channels to

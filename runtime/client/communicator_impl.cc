@@ -16,6 +16,9 @@ namespace {
 
 // How long leave() waits for the daemon's answer.
 constexpr std::chrono::milliseconds kLeaveTimeout{10'000};
+// How long a failed rank may spend telling its socket peers why (tell_peers): the frame is
+// small, so this is only spent on a peer that stopped reading.
+constexpr std::chrono::milliseconds kTellTimeout{50};
 // How long a channel wait polls with sched_yield after its spin, before it sleeps
 // (WaitContext::yield_spin; GRADSYNC_YIELD_US). docs/benchmarks.md has the measurements.
 constexpr std::chrono::microseconds kYieldSpin{1000};
@@ -225,18 +228,28 @@ Status CommunicatorImpl::run(CollectiveCall call, uint8_t flags, bool queued) {
     log_->error("job={} gen={} rank={}: {}", opts_.job, join_.generation, opts_.rank,
                 s.to_string());
     fail_together(s);
+    tell_peers(s);
     request_trace_dump(s);
   }
   return s;
 }
 
 void CommunicatorImpl::fail_together(const Status& s) {
-  if (s.code() == Code::kAborted) return;  // the job's abort (or this rank's): already everywhere
-  const int culprit = failed_peer(links_, s);
+  const ChannelDriver::ToldAbort told = links_.driver ? links_.driver->told_abort() : ChannelDriver::ToldAbort{};
+  if (s.code() == Code::kAborted) {
+    // The job's abort (or this rank's) is already everywhere; one a peer told over a socket
+    // is not, unless this node heard it meanwhile.
+    if (!told.told || wait_.control->aborted.load(std::memory_order_acquire)) return;
+  }
+  int culprit = failed_peer(links_, s);
   const std::string me = "rank " + std::to_string(opts_.rank) + " (pid " + std::to_string(::getpid()) +
                          ", host " + host_of(opts_.rank) + ")";
   std::string reason = "job=" + opts_.job + " gen=" + std::to_string(join_.generation) + ": ";
-  if (culprit >= 0) {
+  if (s.code() == Code::kAborted) {
+    // The peer's reason as it is (it names the culprit), and who brought it.
+    culprit = told.culprit;
+    reason = told.reason + " (told " + me + " over the data path by " + told.from + ")";
+  } else if (culprit >= 0) {
     reason += me + " lost its connection to " + links_.name(culprit) + ": " + s.message();
   } else {
     reason += me + " failed: " + s.message();
@@ -247,6 +260,21 @@ void CommunicatorImpl::fail_together(const Status& s) {
   if (Status sent = daemon_.send(wire::AbortRequest{reason, true, culprit}); !sent.ok()) {
     log_->warn("job={} rank={}: telling gradsyncd about the failure: {}", opts_.job, opts_.rank, sent.to_string());
   }
+}
+
+void CommunicatorImpl::tell_peers(const Status& s) {
+  if (!links_.driver) return;
+  // What this node holds as the job's abort (fail_together has just written it, unless
+  // another writer was first), else this rank's own stop or failure.
+  std::string reason = s.message();
+  int culprit = -1;
+  if (wait_stopped(wait_)) {
+    reason = aborted_status(wait_).message();
+    if (wait_.control->aborted.load(std::memory_order_acquire)) {
+      culprit = wait_.control->failed_rank.load(std::memory_order_acquire);
+    }
+  }
+  links_.driver->tell_abort(reason, culprit, deadline_after(kTellTimeout));
 }
 
 std::string CommunicatorImpl::host_of(int rank) const {
@@ -335,8 +363,8 @@ void CommunicatorImpl::monitor_daemon() {
     if (fds[1].revents) return;
     if (rc < 0 || fds[0].revents) break;
   }
-  const std::string reason = "job=" + opts_.job + " rank " + std::to_string(opts_.rank) +
-                             ": lost the connection to gradsyncd at " + daemon_.socket_path() +
+  const std::string reason = "job=" + opts_.job + " rank " + std::to_string(opts_.rank) + " (host " +
+                             host_of(opts_.rank) + "): lost the connection to gradsyncd at " + daemon_.socket_path() +
                              " (the daemon died or was stopped)";
   stop_local_waits(reason);
   // The dead daemon cannot abort the job on this node: the ranks here hear it from the job's
@@ -351,6 +379,8 @@ void CommunicatorImpl::stop_local_waits(std::string reason) {
   if (!lost_daemon_claimed_.compare_exchange_strong(expected, true, std::memory_order_acq_rel)) return;
   lost_daemon_reason_ = std::move(reason);
   lost_daemon_.store(true, std::memory_order_release);
+  // A wait asleep in poll() on this rank's sockets sees the flag now, not at its next slice.
+  if (links_.driver) links_.driver->interrupt();
 }
 
 }  // namespace gradsync

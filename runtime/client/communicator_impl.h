@@ -133,7 +133,14 @@ class CommunicatorImpl {
   // with this reason. The rank writes the abort into the job's shared memory itself, so the
   // ranks of its node stop at once even when the daemon is paused or gone, and tells the
   // daemon, which tells the coordinator and so the other nodes.
+  // An abort a peer told this rank over a socket (it is kAborted too) is spread the same way:
+  // this node had not heard of it.
   void fail_together(const Status& s);
+
+  // After a failed collective: tells the rank at the other end of each of this rank's sockets
+  // the job's abort (ChannelDriver::tell_abort), so that ranks on other nodes stop at once,
+  // even when this node's daemon is dead and cannot tell the coordinator.
+  void tell_peers(const Status& s);
 
   std::string host_of(int rank) const;
 

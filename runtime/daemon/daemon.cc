@@ -497,6 +497,11 @@ void Daemon::serve_peer(Fd sock) {
   // Nothing of the job is touched before the connector proved its token: read the Hello,
   // challenge it with a fresh nonce, read its proof, and only then look at the job.
   auto hello = proxy_read_hello(sock.get(), deadline_after(kHelloTimeout));
+  char first;
+  if (!hello.ok() && ::recv(sock.get(), &first, 1, MSG_PEEK | MSG_DONTWAIT) == 0 &&
+      hello.status().message() == "connection closed by peer") {
+    return;  // closed before a byte: another gradsyncd's liveness probe (probe_daemon)
+  }
   if (!hello.ok()) {
     warn_limited(peer_log_, "rejected a data-port connection: " + hello.status().message());
     return;

@@ -43,14 +43,29 @@ PumpFailure Daemon::pump_failure(const std::shared_ptr<LocalJob>& job, const std
     auto j = weak.lock();
     if (!j) return;
     metrics_.error(rank < 0 ? "peer_channel" : "rank_slot", rank < 0 ? "gradsyncd " + peer_daemon : "rank " + std::to_string(rank));
+    std::string reason = j->ids() + " on " + hostname_ + ": " + why;
     if (rank < 0) {
       // A connection the peer closed is most often the echo of an abort its daemon has just told
       // the coordinator (a hostile slot, a crashed rank there): give that named reason time to
-      // arrive, so the job's error names the culprit, not the channel that only saw it go.
-      std::unique_lock lock(mu_);
-      if (cv_.wait_for(lock, kPeerAbortGrace, [&] { return j->aborted; })) return;
+      // arrive, so the job's error names the culprit, not the channel that only saw it go. But
+      // when the peer daemon's port refuses connections, that daemon is gone and nobody will
+      // tell: the job ends at once. It is probed again through the grace: the connection may
+      // close a moment before the dying process's listening socket does.
+      const Deadline grace_end = deadline_after(kPeerAbortGrace);
+      for (;;) {
+        Status alive = probe_daemon(peer_daemon, std::min(grace_end, deadline_after(kPeerProbeTimeout)));
+        if (alive.code() == Code::kUnavailable) {
+          reason += "; " + alive.message();
+          break;
+        }
+        std::unique_lock lock(mu_);
+        if (cv_.wait_until(lock, std::min(grace_end, deadline_after(kPeerProbeEvery)), [&] { return j->aborted; })) {
+          return;
+        }
+        if (Clock::now() >= grace_end) break;
+      }
     }
-    abort(j, rank, j->ids() + " on " + hostname_ + ": " + why, true);
+    abort(j, rank, reason, true);
   };
 }
 

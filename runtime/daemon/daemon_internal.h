@@ -36,6 +36,11 @@ inline constexpr std::chrono::milliseconds kThreadExitWait{10'000};
 // How long a channel that lost its peer waits for the reason the peer's daemon may have given
 // the coordinator, before it reports the lost connection as the job's failure.
 inline constexpr std::chrono::milliseconds kPeerAbortGrace{500};
+// How long a pump's failure handler waits to learn whether the peer daemon still accepts
+// connections (probe_daemon), within the grace above.
+inline constexpr std::chrono::milliseconds kPeerProbeTimeout{200};
+// ... and how often it probes again while the grace lasts.
+inline constexpr std::chrono::milliseconds kPeerProbeEvery{50};
 
 inline std::shared_ptr<spdlog::logger> dlog() { return log::get("daemon"); }
 

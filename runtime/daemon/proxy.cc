@@ -149,6 +149,43 @@ Result<Fd> proxy_dial(const std::string& endpoint) {
   return fd;
 }
 
+Status probe_daemon(const std::string& endpoint, Deadline deadline) {
+  std::string host, port;
+  if (!split_endpoint(endpoint, &host, &port)) {
+    return Status(Code::kInvalidArgument, "malformed peer endpoint '" + endpoint + "'");
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
+    return Status(Code::kDeadlineExceeded, "cannot resolve " + endpoint + ": " + gai_strerror(rc));
+  }
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!fd.valid()) return Status(Code::kInternal, errno_string("socket"));
+  int err = 0;
+  if (::connect(fd.get(), res->ai_addr, res->ai_addrlen) != 0) {
+    err = errno;
+    if (err == EINPROGRESS) {
+      pollfd pfd{fd.get(), POLLOUT, 0};
+      int rc;
+      do {
+        rc = ::poll(&pfd, 1, poll_timeout_ms(deadline, 1000));
+      } while ((rc < 0 && errno == EINTR) || (rc == 0 && Clock::now() < deadline));
+      if (rc <= 0) return Status(Code::kDeadlineExceeded, "gradsyncd at " + endpoint + " did not answer a connection in time");
+      socklen_t len = sizeof(err);
+      if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+    }
+  }
+  if (err == 0) return Status::Ok();
+  if (err == ECONNREFUSED) {
+    return Status(Code::kUnavailable, "gradsyncd at " + endpoint + " refuses connections: its process is gone (killed or crashed)");
+  }
+  return Status(Code::kDeadlineExceeded, "gradsyncd at " + endpoint + ": connect: " + std::strerror(err));
+}
+
 Status hello_send(int sock, const ProxyHello& hello, uint32_t version) {
   HelloWire w{kProxyMagic, version, static_cast<uint32_t>(hello.transport), 0, hello.generation,
               hello.tag, hello.src_rank, hello.dst_rank, static_cast<uint32_t>(hello.job.size()), {}};

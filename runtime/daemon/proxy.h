@@ -123,6 +123,11 @@ Result<Fd> proxy_connect(const std::string& endpoint, ProxyHello hello, const st
 // The client's steps one by one, for tests that play a hostile peer: a connected socket, the
 // Hello as given (nonce included), the acceptor's nonce, a proof.
 Result<Fd> proxy_dial(const std::string& endpoint);
+// Whether gradsyncd at `endpoint` still accepts connections (the connection is closed at
+// once, before any byte): OK when it does; kUnavailable when the host refuses it (nothing
+// listens there: that daemon is gone); kDeadlineExceeded when nothing answered by `deadline`
+// (its host or the network is down, or it is too busy to tell).
+Status probe_daemon(const std::string& endpoint, Deadline deadline);
 Status hello_send(int sock, const ProxyHello& hello, uint32_t version = kProxyVersion);
 Result<HelloNonce> hello_read_challenge(int sock, Deadline deadline);
 Status hello_send_proof(int sock, const Mac& proof);

@@ -155,36 +155,51 @@ TEST(FailTogether, StoppedRankDeadlineBlamesNoWaitingNeighbour) {
 }
 
 // gradsyncd of node 1 is killed -9 while its ranks and node 0's are in large allreduces: node
-// 0's ranks, including the one with no connection to node 1, end within ~1 s, and the
-// coordinator shows the job aborted, not active, once they are gone.
-TEST(FailTogether, KilledDaemonEndsTheOtherNodesRanksAtOnce) {
-  Cluster c({.daemons = 2});
+// 0's ranks, including the one with no connection to node 1, end naming the lost daemon, and
+// the coordinator shows the job aborted, not active, once they are gone. Nothing can come from
+// the dead daemon: over rank sockets its ranks, which lose their connection to it, tell their
+// peers on node 0 through the data path (`named`: "lost the connection to gradsyncd"); through
+// the proxy, node 0's daemon finds node 1's port refusing connections ("refuses connections").
+// Either way without the 500 ms a broken connection waits for a reason from elsewhere.
+void killed_daemon_trial(const std::string& job, const std::vector<std::string>& daemon_args, const std::string& named) {
+  Cluster c({.daemons = 2, .daemon_args = daemon_args});
   ASSERT_TRUE(c.ok()) << c.error() << c.report();
-  JobSpec spec{.job = "daemon-kill", .world = 4, .ranks_per_daemon = {2, 2}, .args = {"loop", "1048576", "100000"},
+  JobSpec spec{.job = job, .world = 4, .ranks_per_daemon = {2, 2}, .args = {"loop", "1048576", "100000"},
                .env = kLongOpTimeout};
   auto ranks = c.spawn_ranks(spec);
   for (auto& r : ranks) ASSERT_TRUE(r.wait_for_output("LOOPING", 60s)) << c.report(ranks);
   const SteadyTime killed_at = std::chrono::steady_clock::now();
   c.daemon(1).kill(SIGKILL);
   ASSERT_TRUE(wait_all_exit(ranks, 15s)) << c.report(ranks);
-  for (auto& p : ranks) {
+  for (int r = 0; r < 4; ++r) {
+    Process& p = ranks[size_t(r)];
     const double ms = ms_between(killed_at, *p.exit_time());
     const std::string line = failure_line(p);
-    std::printf("[daemon-kill] %s exited %.1f ms after the kill: %s\n", p.name().c_str(), ms, line.c_str());
+    std::printf("[%s] %s exited %.1f ms after the kill: %s\n", job.c_str(), p.name().c_str(), ms, line.c_str());
     EXPECT_NE(p.exit_status()->code, 0) << c.report(ranks);
     EXPECT_EQ(p.exit_status()->signal, 0) << c.report(ranks);
-    // The 500 ms a broken socket waits for the job's reason, plus scheduling on a small machine.
-    EXPECT_LE(ms, 1500.0) << p.name() << c.report(ranks);
+    // The exit, not the error: unmapping the job's memory and scheduling on a small machine
+    // shared with other tests (once 2.4 s at load 16); the chaos runs measure the errors' times.
+    EXPECT_LE(ms, 3000.0) << p.name() << c.report(ranks);
+    if (r < 2) EXPECT_NE(line.find(named), std::string::npos) << p.name() << ": " << line << c.report(ranks);
   }
   std::string jobs;
   const auto until = std::chrono::steady_clock::now() + 3s;
   do {
     jobs = ctl_jobs(c);
-    if (job_state(jobs, "daemon-kill") == "aborted") break;
+    if (job_state(jobs, job) == "aborted") break;
     std::this_thread::sleep_for(100ms);
   } while (std::chrono::steady_clock::now() < until);
-  EXPECT_EQ(job_state(jobs, "daemon-kill"), "aborted") << jobs << c.report(ranks);
+  EXPECT_EQ(job_state(jobs, job), "aborted") << jobs << c.report(ranks);
   EXPECT_TRUE(c.daemon(0).alive());
+}
+
+TEST(FailTogether, KilledDaemonEndsTheOtherNodesRanksAtOnce) {
+  killed_daemon_trial("daemon-kill", {}, "lost the connection to gradsyncd");
+}
+
+TEST(FailTogether, KilledDaemonEndsTheOtherNodesRanksAtOnceThroughTheProxy) {
+  killed_daemon_trial("daemon-kill-proxy", {"--proxy-tcp"}, "refuses connections");
 }
 
 // gradsyncd of node 1 is paused (SIGSTOP) past its lease of 1 s, then resumed: no rank of the

@@ -259,6 +259,47 @@ TEST(SocketDriver, OversizedFrameIsAProtocolError) {
   EXPECT_NE(slot.status().message().find("protocol error"), std::string::npos) << slot.status().message();
 }
 
+// A rank whose job ended (here: it lost its daemon) tells both of its peers, the one it sends
+// to and the one it receives from: each fails at once with that reason and the rank it names,
+// instead of finding the socket closed later and waiting for a reason from elsewhere.
+TEST(SocketDriver, AbortToldOnASocketReachesBothEndsAtOnce) {
+  for (bool from_receiver : {true, false}) {
+    Pair p;
+    SocketDriver& teller = from_receiver ? *p.receiver : *p.sender;
+    SocketDriver& hearer = from_receiver ? *p.sender : *p.receiver;
+    std::thread tell([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      teller.tell_abort("job=j rank 1 (host b): lost the connection to gradsyncd", 3, deadline_after(std::chrono::seconds(1)));
+    });
+    auto start = Clock::now();
+    // The sender waits on nothing of its own (a rank waiting for some other peer); the
+    // receiver for its next slot.
+    Status s = from_receiver ? hearer.progress_until([] { return false; }, p.wait, -1)
+                             : p.recv.acquire_recv(p.wait, nullptr).status();
+    tell.join();
+    EXPECT_EQ(s.code(), Code::kAborted) << s.to_string();
+    EXPECT_NE(s.message().find("ended the job: job=j rank 1 (host b): lost the connection to gradsyncd"), std::string::npos)
+        << s.message();
+    EXPECT_LT(Clock::now() - start, std::chrono::milliseconds(400)) << "from_receiver " << from_receiver;
+    const ChannelDriver::ToldAbort told = hearer.told_abort();
+    EXPECT_TRUE(told.told);
+    EXPECT_EQ(told.culprit, 3);
+    EXPECT_NE(told.from.find(from_receiver ? "rank 1 (host b)" : "rank 0 (host a)"), std::string::npos) << told.from;
+  }
+}
+
+// The peer tells, then its process exits: the reason wins over the closed socket.
+TEST(SocketDriver, AbortToldBeforeTheSocketClosesIsTheReason) {
+  Pair p;
+  p.sender->tell_abort("rank 0 gave up", -1, deadline_after(std::chrono::seconds(1)));
+  p.sender.reset();
+  auto slot = p.recv.acquire_recv(p.wait, nullptr);
+  ASSERT_FALSE(slot.ok());
+  EXPECT_EQ(slot.status().code(), Code::kAborted) << slot.status().to_string();
+  EXPECT_NE(slot.status().message().find("rank 0 gave up"), std::string::npos) << slot.status().message();
+  EXPECT_EQ(p.receiver->told_abort().culprit, -1);
+}
+
 // A rank that dies fails the rank waiting for its data at once, naming it. (The others learn
 // it from the job's abort, which gradsyncd raises when the process goes: not part of this test.)
 TEST(SocketCollectives, DeadRankFailsItsSuccessorNamingIt) {

@@ -5,6 +5,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 
@@ -27,6 +28,14 @@ constexpr std::chrono::milliseconds kAbortGrace{500};
 // a meta whose byte count no slot can have. A receiver still waiting then knows the peer left
 // after its last call (a mismatch in the number of calls), not that it died.
 constexpr uint32_t kByeBytes = 0xFFFFFFFFu;
+// The frame a rank sends on each of its sockets, both ways, when the job ended for it
+// (tell_abort): a meta with this byte count, seq = the rank it names (uint32_t(-1): none) and
+// count = the length of the reason that follows it.
+constexpr uint32_t kAbortBytes = 0xFFFFFFFEu;
+// How long a rank reads the rest of an abort frame once its first bytes came.
+constexpr std::chrono::milliseconds kToldReadTimeout{200};
+// poke() (a rank waiting on shared memory) looks for abort frames on send sockets this often.
+constexpr std::chrono::milliseconds kLookBackEvery{1};
 constexpr size_t kMetaBytes = sizeof(SlotMeta);
 // Channel ends one rank can own: rings x 2 plus 2 trees x 6 is far below.
 constexpr size_t kMaxPorts = 256;
@@ -38,6 +47,29 @@ inline void cpu_relax() {
 }
 
 bool would_block(int err) { return err == EAGAIN || err == EWOULDBLOCK; }
+
+// Reads up to `n` bytes from non-blocking `fd` until `deadline`; how many came (fewer when the
+// peer closed it, it broke, or the deadline passed).
+size_t read_until(int fd, void* dst, size_t n, Deadline deadline) {
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = ::recv(fd, static_cast<char*>(dst) + got, n - got, MSG_DONTWAIT);
+    if (r > 0) {
+      got += size_t(r);
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && would_block(errno)) {
+      pollfd pfd{fd, POLLIN, 0};
+      int timeout = poll_timeout_ms(deadline, 50);
+      if (timeout == 0 && Clock::now() >= deadline) break;
+      (void)::poll(&pfd, 1, timeout);
+      continue;
+    }
+    break;
+  }
+  return got;
+}
 
 // "10.0.0.2:41234" or "[::1]:41234": the far end of a connected socket, for errors.
 std::string peer_address(int fd) {
@@ -66,6 +98,10 @@ thread_local const void* t_lanes_of = nullptr;
 thread_local int t_lane = 0;
 
 }  // namespace
+
+SocketDriver::SocketDriver(std::string who) : who_(std::move(who)) {
+  wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+}
 
 bool SocketDriver::mine(const Port& p) const {
   if (!lanes_) return true;
@@ -206,6 +242,11 @@ Status SocketDriver::pump_recv(Port& p, bool* moved) {
       p.closed = p.left = true;
       return Status::Ok();
     }
+    if (p.done == kMetaBytes && p.meta.bytes == kAbortBytes) {
+      p.done = 0;
+      p.closed = true;  // nothing follows an abort
+      return read_told(p, p.meta);
+    }
     if (p.done == kMetaBytes && p.meta.bytes > p.ch.slot_bytes()) {
       return {Code::kInternal, who_ + ": protocol error: " + p.peer + " sent a slot of " +
                                    std::to_string(p.meta.bytes) + " bytes into slots of " +
@@ -241,7 +282,16 @@ Status SocketDriver::pump(bool* moved, int focus) {
 
 Status SocketDriver::poke(const WaitContext& ctx) {
   bool moved = false;
-  return after_break(pump(&moved), ctx);
+  Status s = pump(&moved);
+  // A rank waiting on shared memory reads no send socket otherwise: a peer's abort told there
+  // would wait for its next wait on a socket.
+  const int64_t now = Clock::now().time_since_epoch().count();
+  if (s.ok() && now >= next_look_back_.load(std::memory_order_relaxed)) {
+    next_look_back_.store(now + std::chrono::duration_cast<Clock::duration>(kLookBackEvery).count(),
+                          std::memory_order_relaxed);
+    s = wait_sockets(0, true);
+  }
+  return after_break(std::move(s), ctx);
 }
 
 void SocketDriver::send_from(uint32_t channel, uint32_t seq, const void* data) {
@@ -290,25 +340,29 @@ void SocketDriver::published(uint32_t channel) {
   }
 }
 
-Status SocketDriver::wait_sockets(int timeout_ms) {
-  pollfd fds[kMaxPorts];
-  Port* of[kMaxPorts];
+Status SocketDriver::wait_sockets(int timeout_ms, bool send_only) {
+  pollfd fds[kMaxPorts + 1];
+  Port* of[kMaxPorts + 1];
   nfds_t n = 0;
   for (Port& p : ports_) {
     if (p.closed || !mine(p)) continue;
     short events = 0;
     // Nothing ever comes back on a send socket: readable means the peer closed it or it broke,
     // which a rank waiting for some other peer must hear too.
-    if (p.send) events = POLLIN | (p.ch.consumed() != p.ch.published() ? POLLOUT : 0);
-    else if (p.ch.published() - p.ch.consumed() < p.ch.slots()) events = POLLIN;
+    if (p.send) events = POLLIN | (!send_only && p.ch.consumed() != p.ch.published() ? POLLOUT : 0);
+    else if (!send_only && p.ch.published() - p.ch.consumed() < p.ch.slots()) events = POLLIN;
     if (!events) continue;
     fds[n] = {p.sock.get(), events, 0};
     of[n++] = &p;
   }
+  if (wake_.valid()) {
+    fds[n] = {wake_.get(), POLLIN, 0};  // interrupt(): never read, so it wakes every sleeper
+    of[n++] = nullptr;
+  }
   int rc = ::poll(fds, n, timeout_ms);
   if (rc < 0 && errno != EINTR) return {Code::kInternal, who_ + ": " + errno_string("poll")};
   for (nfds_t i = 0; rc > 0 && i < n; ++i) {
-    if (!of[i]->send || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+    if (!of[i] || !of[i]->send || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
     char byte;
     ssize_t r = ::recv(fds[i].fd, &byte, 1, MSG_DONTWAIT | MSG_PEEK);
     if (r == 0) {
@@ -318,10 +372,91 @@ Status SocketDriver::wait_sockets(int timeout_ms) {
     } else if (r < 0 && !would_block(errno) && errno != EINTR) {
       return fail(broken(*of[i], "failed (" + errno_string("recv") + ")"));
     } else if (r > 0) {
-      return fail({Code::kInternal, who_ + ": protocol error: " + of[i]->peer + " sent data on a send-only channel"});
+      return fail(read_back(*of[i]));  // only an abort comes back
     }
   }
   return Status::Ok();
+}
+
+Status SocketDriver::read_back(Port& p) {
+  SlotMeta meta{};
+  const size_t got = read_until(p.sock.get(), &meta, kMetaBytes, deadline_after(kToldReadTimeout));
+  if (got != kMetaBytes || meta.bytes != kAbortBytes) {
+    return {Code::kInternal, who_ + ": protocol error: " + p.peer + " sent data on a send-only channel"};
+  }
+  p.closed = true;  // nothing follows an abort
+  return read_told(p, meta);
+}
+
+Status SocketDriver::read_told(Port& p, const SlotMeta& meta) {
+  if (meta.count > kAbortReasonBytes) {
+    return {Code::kInternal, who_ + ": protocol error: " + p.peer + " sent an abort reason of " +
+                                 std::to_string(meta.count) + " bytes"};
+  }
+  std::string reason(size_t(meta.count), '\0');
+  // A reason cut short (the peer gave up writing it) is still the best there is.
+  reason.resize(read_until(p.sock.get(), reason.data(), reason.size(), deadline_after(kToldReadTimeout)));
+  for (char& c : reason) {
+    if (static_cast<unsigned char>(c) < 0x20) c = ' ';  // one line in logs
+  }
+  ToldAbort told{true, reason, static_cast<int32_t>(meta.seq), p.peer};
+  Status s(Code::kAborted, who_ + ": " + p.peer + " ended the job: " + reason);
+  std::lock_guard<std::mutex> lock(failed_mu_);
+  if (!told_.told) told_ = std::move(told);
+  // A socket found closed just before is most likely the echo of this very abort: the reason
+  // the peer told names the cause, the closed socket does not.
+  if (failed_.ok() || failed_.code() == Code::kUnavailable) {
+    failed_ = std::move(s);
+    has_failed_.store(true, std::memory_order_release);
+  }
+  return failed_;
+}
+
+bool SocketDriver::write_until(Port& p, const void* data, size_t n, Deadline deadline) {
+  size_t done = 0;
+  while (done < n) {
+    ssize_t r = ::send(p.sock.get(), static_cast<const char*>(data) + done, n - done, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (r > 0) {
+      done += size_t(r);
+      continue;
+    }
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 && would_block(errno)) {
+      pollfd pfd{p.sock.get(), POLLOUT, 0};
+      int timeout = poll_timeout_ms(deadline, 100);
+      if (timeout == 0 && Clock::now() >= deadline) return false;
+      (void)::poll(&pfd, 1, timeout);
+      continue;
+    }
+    return false;  // the peer is gone already: nothing to tell it
+  }
+  return true;
+}
+
+void SocketDriver::tell_abort(const std::string& reason, int culprit, Deadline deadline) {
+  const std::string text = reason.substr(0, kAbortReasonBytes);
+  SlotMeta meta{};
+  meta.bytes = kAbortBytes;
+  meta.seq = static_cast<uint32_t>(culprit);
+  meta.count = text.size();
+  std::string frame(reinterpret_cast<const char*>(&meta), kMetaBytes);
+  frame += text;
+  for (Port& p : ports_) {
+    // A send socket in the middle of a frame cannot carry another one: that peer finds it
+    // closed mid-slot, and hears the reason from the other direction or from its node.
+    if (p.closed || (p.send && p.done != 0)) continue;
+    (void)write_until(p, frame.data(), frame.size(), deadline);
+  }
+}
+
+ChannelDriver::ToldAbort SocketDriver::told_abort() const {
+  std::lock_guard<std::mutex> lock(failed_mu_);
+  return told_;
+}
+
+void SocketDriver::interrupt() {
+  uint64_t one = 1;
+  if (wake_.valid() && ::write(wake_.get(), &one, sizeof(one)) < 0) { /* already readable */ }
 }
 
 Status SocketDriver::progress_until(const std::function<bool()>& ready, const WaitContext& ctx, int channel) {
@@ -333,11 +468,14 @@ Status SocketDriver::after_break(Status s, const WaitContext& ctx) {
   // A socket broke. When the job was aborted (a rank gave up, a node was lost), the peer's
   // process usually closed it on the way out, and the abort's reason, which gradsyncd brings
   // a moment later, names the cause better than the closed socket does: wait a little for it.
+  // A peer may also tell the reason on another of this rank's sockets (tell_abort).
   const auto until = Clock::now() + kAbortGrace;
   while (Clock::now() < until && Clock::now() < ctx.deadline) {
+    if (told_abort().told) return failure();
     if (wait_stopped(ctx)) return aborted_status(ctx);
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    (void)wait_sockets(2, true);
   }
+  if (told_abort().told) return failure();
   return wait_stopped(ctx) ? aborted_status(ctx) : s;
 }
 

@@ -30,7 +30,7 @@ namespace gradsync {
 class SocketDriver : public ChannelDriver {
  public:
   // `who` names this rank in errors: "job=x rank 3 (host h)".
-  explicit SocketDriver(std::string who) : who_(std::move(who)) {}
+  explicit SocketDriver(std::string who);
 
   // Takes one channel end. `ch` is a view without a driver (the driver's own side of it);
   // `peer` names the rank at the other end: "rank 1 (host h)"; errors add the address and
@@ -50,6 +50,9 @@ class SocketDriver : public ChannelDriver {
   Status flush(const WaitContext& ctx) override;
   int failed_peer() const override { return broken_peer_.load(std::memory_order_acquire); }
   void goodbye(Deadline deadline) override;
+  void tell_abort(const std::string& reason, int culprit, Deadline deadline) override;
+  ToldAbort told_abort() const override;
+  void interrupt() override;
   bool begin_lanes() override;
   void assign_lane(bool send, uint32_t channel, int lane) override;
   void enter_lane(int lane) override;
@@ -88,8 +91,16 @@ class SocketDriver : public ChannelDriver {
   Status pump_send(Port& p, bool* moved);
   Status pump_recv(Port& p, bool* moved);
   Status broken(const Port& p, const std::string& what) const;
-  // Sleeps until a socket with work is ready, at most `timeout_ms`.
-  Status wait_sockets(int timeout_ms);
+  // Sleeps until a socket with work is ready, at most `timeout_ms` (`send_only`: only
+  // something coming back on a send socket, or interrupt(), ends the sleep early).
+  Status wait_sockets(int timeout_ms, bool send_only = false);
+  // Reads the reason of an abort frame whose meta is `meta` from `p` (the frame's meta already
+  // read) and records it: the failure every wait reports from now on.
+  Status read_told(Port& p, const SlotMeta& meta);
+  // Reads what came back on send socket `p` (only ever an abort frame).
+  Status read_back(Port& p);
+  // Writes `n` bytes to `p`'s socket until `deadline`; false when it could not.
+  bool write_until(Port& p, const void* data, size_t n, Deadline deadline);
   // Whether the calling thread moves `p` (always, outside lanes).
   bool mine(const Port& p) const;
   // The first failure (the lanes' threads share it), and recording one.
@@ -103,6 +114,10 @@ class SocketDriver : public ChannelDriver {
   mutable std::mutex failed_mu_;
   Status failed_;  // the first broken socket: every later wait reports it
   mutable std::atomic<int> broken_peer_{-1};  // the rank of the first socket found broken
+  ToldAbort told_;  // under failed_mu_: the first abort a peer told (tell_abort)
+  Fd wake_;         // an eventfd, readable once interrupt() was called (it stays so)
+  // When poke() next looks for frames coming back on send sockets (Clock ticks).
+  std::atomic<int64_t> next_look_back_{0};
 };
 
 }  // namespace gradsync
