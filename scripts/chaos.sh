@@ -283,11 +283,14 @@ reason_of() { sed -E 's/^.*\) failed: //; s/^job=[^ ]+ (gen=[0-9]+: )?//; s/^ran
 
 # What rank $1's reason must contain, by kind (the culprit, or what ended the job).
 named_pattern() {
-  # A paused or cut-off node's own ranks: their daemon forgot (or they lost their connection
-  # to a rank elsewhere, which exited when the job was aborted there: the documented guess).
+  # A paused or cut-off node's own ranks: their daemon forgot, or a rank elsewhere told them
+  # the job's abort over a socket (naming this node, as below), or they lost their connection
+  # to a rank elsewhere, which exited when the job was aborted there (the documented guess).
+  local victim_ours=""
   if [ "$kind" = pause ] || [ "$kind" = partition ]; then
-    (( $1 / per == victim_node )) && { echo "forgotten by the coordinator|lost its connection to rank|TCP connection (to|from) rank"; return; }
+    (( $1 / per == victim_node )) && victim_ours="forgotten by the coordinator|lost its connection to rank|TCP connection (to|from) rank|"
   fi
+  echo -n "$victim_ours"
   case $kind in
     trainer) echo "rank $victim\b" ;;
     daemon)
