@@ -76,7 +76,7 @@ std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterfac
   return out;
 }
 
-std::string CoordinatorMetrics::render(size_t nodes, uint64_t leases_expired,
+std::string CoordinatorMetrics::render(size_t nodes, const LeaseFigures& leases,
                                        const std::vector<v1::JobSummary>& jobs) const {
   prom::Text t;
   t.family("gradsync_coordinator_nodes", "gauge", "Registered nodes (daemons holding a lease).");
@@ -93,7 +93,13 @@ std::string CoordinatorMetrics::render(size_t nodes, uint64_t leases_expired,
     t.sample("gradsync_coordinator_job_ranks", {{"job", j.job_id()}, {"of", "world"}}, j.world_size());
   }
   t.family("gradsync_coordinator_lease_expiries_total", "counter", "Nodes lost because their lease expired.");
-  t.sample("gradsync_coordinator_lease_expiries_total", {}, double(leases_expired));
+  t.sample("gradsync_coordinator_lease_expiries_total", {}, double(leases.expired));
+  t.family("gradsync_coordinator_read_behind_seconds", "gauge",
+           "How much later than their stream's best the coordinator reads heartbeats (median of the last window).");
+  t.sample("gradsync_coordinator_read_behind_seconds", {}, leases.behind_s);
+  t.family("gradsync_coordinator_lease_extension_seconds_total", "counter",
+           "Time added to every lease because the coordinator itself was stalled or behind with its reads.");
+  t.sample("gradsync_coordinator_lease_extension_seconds_total", {}, leases.extended_s);
   std::lock_guard lock(mu_);
   t.family("gradsync_coordinator_join_seconds", "histogram",
            "JoinJob calls from arrival to answer (a node waits there for the job's other nodes), by outcome.");

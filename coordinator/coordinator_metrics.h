@@ -1,5 +1,5 @@
 // The coordinator's /metrics (Prometheus text 0.0.4): nodes, jobs by state, each job's
-// generation, lease expiries, join latency, and RPC counts and errors by method and code.
+// generation, lease expiries and how late heartbeats are read, join latency, and RPC counts and errors by method and code.
 // A small hook for the service: it counts what the handlers tell it (join latency) and what
 // a gRPC server interceptor sees (every RPC's method and status); rendering reads the table
 // through the service, under the service's lock.
@@ -27,8 +27,14 @@ class CoordinatorMetrics {
   // A JoinJob call from arrival to its answer, successful or not.
   void join(double seconds, bool ok);
 
+  // What the lease table tells (coordinator/leases.h), passed in by the service.
+  struct LeaseFigures {
+    uint64_t expired = 0;        // nodes lost to an expired lease
+    double behind_s = 0;         // how late the coordinator reads heartbeats now
+    double extended_s = 0;       // added to every lease for the coordinator's own delays, in all
+  };
   // The text; the table's part is passed in by the service.
-  std::string render(size_t nodes, uint64_t leases_expired, const std::vector<v1::JobSummary>& jobs) const;
+  std::string render(size_t nodes, const LeaseFigures& leases, const std::vector<v1::JobSummary>& jobs) const;
 
   // Installs the interceptor on a server being built.
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors();

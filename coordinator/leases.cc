@@ -1,5 +1,7 @@
 #include "coordinator/leases.h"
 
+#include <algorithm>
+
 namespace gradsync::coordinator {
 
 void Leases::add(const std::string& node_id, TimePoint now) {
@@ -35,6 +37,28 @@ std::vector<std::pair<std::string, Leases::Millis>> Leases::expire(TimePoint now
     nodes_.erase(it);
   }
   return out;
+}
+
+void Leases::read_lag(Millis lag) {
+  if (lag_ms_.size() < kMaxLagSamples) lag_ms_.push_back(lag.count());
+}
+
+Leases::Millis Leases::update_behind(TimePoint now, Millis slack) {
+  if (window_start_ == TimePoint{}) window_start_ = now;
+  if (lag_ms_.size() < kLagSamples && now - window_start_ < kLagWindow) return behind_;
+  Millis median{0};
+  if (!lag_ms_.empty()) {
+    auto mid = lag_ms_.begin() + lag_ms_.size() / 2;
+    std::nth_element(lag_ms_.begin(), mid, lag_ms_.end());
+    median = Millis(*mid);
+  }
+  lag_ms_.clear();
+  window_start_ = now;
+  behind_ = median;
+  const Millis over = std::max(Millis{0}, median - slack);
+  if (over > extended_) stalled_ += over - extended_;
+  extended_ = over;
+  return behind_;
 }
 
 std::string Leases::expiry_reason(Millis silent) const {

@@ -14,8 +14,6 @@
 namespace gradsync::coordinator {
 namespace {
 
-// A tick this much later than due means the coordinator was stalled (see run_ticker).
-constexpr Millis kStallSlack{250};
 // How long shutdown() lets in-flight calls finish before gRPC cancels them.
 constexpr Millis kShutdownGrace{2000};
 // Server keepalive: finds half-open WatchEvents streams of daemons that vanished.
@@ -94,7 +92,7 @@ Status CoordinatorService::restore() {
     }
     if (!ok) return {Code::kInternal, "record '" + key + "' in " + options_.store->describe() + " does not parse"};
   }
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   GS_RETURN_IF_ERROR(table_.restore(nodes, jobs, meta.next_node_number()));
   const TimePoint now = Clock::now();
   for (const auto& n : nodes) {
@@ -114,17 +112,17 @@ Status CoordinatorService::restore() {
 
 void CoordinatorService::stop() {
   {
-    std::lock_guard lock(mu_);
+    Locked lock(this);
     if (!stopping_) {
       stopping_ = true;
       for (auto& [ticket, r] : joins_) {
         table_.withdraw(ticket, "coordinator shutting down");
-        r->Finish(shutting_down());
+        finish_later(r, shutting_down());
       }
       joins_.clear();
       for (auto& [id, r] : trace_calls_) {
         traces_.cancel(id);
-        r->Finish(shutting_down());
+        finish_later(r, shutting_down());
       }
       trace_calls_.clear();
       for (auto& [id, q] : queues_) {
@@ -146,12 +144,26 @@ void CoordinatorService::stop() {
 // /metrics (coordinator/coordinator_metrics.h): the table's part read under mu_.
 std::string CoordinatorService::render_metrics() {
   std::lock_guard lock(mu_);
-  uint64_t expired = 0;
+  CoordinatorMetrics::LeaseFigures figures;
   {
     std::lock_guard leases(lease_mu_);
-    expired = leases_expired_;
+    figures.expired = leases_expired_;
+    figures.behind_s = std::chrono::duration<double>(leases_.behind()).count();
+    figures.extended_s = std::chrono::duration<double>(leases_.stalled_total()).count();
   }
-  return metrics_.render(table_.node_count(), expired, table_.list_jobs());
+  return metrics_.render(table_.node_count(), figures, table_.list_jobs());
+}
+
+void CoordinatorService::run_deferred(std::unique_lock<std::mutex>& lock) {
+  if (deferred_.empty()) return;
+  std::vector<Deferred> ops;
+  ops.swap(deferred_);
+  lock.unlock();
+  for (Deferred& op : ops) {
+    if (op.unary) op.unary->Finish(std::move(op.status));
+    else if (op.write) op.watch->StartWrite(&op.watch->current);
+    else op.watch->Finish(std::move(op.status));
+  }
 }
 
 // Moves the table's new events into the node queues and onto their streams, ends the
@@ -191,21 +203,23 @@ void CoordinatorService::dispatch_locked() {
     joins_.erase(it);
     metrics_.join(std::chrono::duration<double>(Clock::now() - r->start).count(), outcome->ok());
     if (!outcome->ok()) {
-      r->Finish(to_grpc(outcome->status()));
+      finish_later(r, to_grpc(outcome->status()));
       continue;
     }
     r->resp_->set_generation((*outcome)->generation);
     r->resp_->set_world_size((*outcome)->world_size);
-    r->Finish(grpc::Status::OK);
+    finish_later(r, grpc::Status::OK);
   }
 }
 
 // Every tick: lease expiry (a heap: O(expiring)), join deadlines (O(jobs)). It wakes nothing
-// else. A tick that comes late means the coordinator itself was stalled: that time is
-// added to every lease rather than blamed on the nodes.
+// else. Two delays of the coordinator's own are added to every lease rather than blamed on the
+// nodes (coordinator/leases.h): a tick that comes late (the coordinator itself was stalled),
+// and heartbeats read late (its reads are behind: a queue of unread messages).
 void CoordinatorService::run_ticker() {
   auto log = log::get("coordinator");
   TimePoint due = Clock::now() + options_.tick;
+  Millis reported{0};  // the last "behind" figure logged
   std::unique_lock lock(ticker_mu_);
   while (!stopping_flag()) {
     ticker_cv_.wait_until(lock, due);
@@ -214,16 +228,29 @@ void CoordinatorService::run_ticker() {
     const auto late = std::chrono::duration_cast<Millis>(now - due);
     due = now + options_.tick;
     std::vector<std::pair<std::string, Millis>> expired;
+    Millis behind{0};
     {
       std::lock_guard leases(lease_mu_);
       if (late > kStallSlack) {
         leases_.stalled(late);
         log->warn("the coordinator was stalled for {} ms (no CPU?): every lease is extended by that", late.count());
       }
+      behind = leases_.update_behind(now, kStallSlack);
       expired = leases_.expire(now);
       leases_expired_ += expired.size();
     }
-    std::lock_guard table(mu_);
+    behind_ms_.store(behind.count());
+    if (behind > kStallSlack && behind >= 2 * reported) {
+      log->warn("the coordinator reads heartbeats {} ms late (median of the last window): every lease is "
+                "extended by that{}", behind.count(),
+                behind > kAdmitBehind ? ", and registrations are refused with a retry hint until it catches up" : "");
+      reported = behind;
+    } else if (behind <= kStallSlack && reported > Millis{0}) {
+      log->info("the coordinator has caught up with its reads ({} ms late); {} registration(s) were refused "
+                "meanwhile", behind.count(), registrations_refused_.load());
+      reported = Millis{0};
+    }
+    Locked table(this);
     for (const auto& [id, silent] : expired) {
       table_.lose_node(id, leases_.expiry_reason(silent));
     }

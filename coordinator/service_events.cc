@@ -25,8 +25,10 @@ grpc::ServerBidiReactor<v1::WatchRequest, v1::Event>* CoordinatorService::WatchE
     grpc::CallbackServerContext* ctx) {
   auto* r = new WatchReactor(this, ctx);
   if (Status a = authz_.node_call(*ctx, "", "WatchEvents"); !a.ok()) {
-    std::lock_guard lock(mu_);
-    r->finished = true;
+    {
+      std::lock_guard lock(mu_);
+      r->finished = true;
+    }
     r->Finish(to_grpc(a));
     return r;
   }
@@ -36,9 +38,20 @@ grpc::ServerBidiReactor<v1::WatchRequest, v1::Event>* CoordinatorService::WatchE
 
 // A message on a node's stream: the first names the node, every later one is a heartbeat.
 void CoordinatorService::watch_read(WatchReactor* r, bool ok) {
+  const int64_t now_ms = std::chrono::duration_cast<Millis>(Clock::now().time_since_epoch()).count();
+  // How much later than this stream's best the message is read (0 when it sets a new best).
+  int64_t late_ms = 0;
+  if (ok && r->in.sent_ms() != 0) {
+    const int64_t offset = now_ms - int64_t(r->in.sent_ms());
+    if (!r->has_offset || offset < r->best_offset_ms) {
+      r->best_offset_ms = offset;
+      r->has_offset = true;
+    }
+    late_ms = offset - r->best_offset_ms;
+  }
   if (!r->named) {
     r->named = true;
-    std::lock_guard lock(mu_);
+    Locked lock(this);
     if (!ok) {  // the client went before naming its node
       finish_watch_locked(r, {grpc::StatusCode::INVALID_ARGUMENT,
                               "WatchEvents: the stream ended before a WatchRequest named the node"});
@@ -54,9 +67,10 @@ void CoordinatorService::watch_read(WatchReactor* r, bool ok) {
   {
     std::lock_guard leases(lease_mu_);
     known = leases_.renew(r->node_id, Clock::now());
+    if (known && r->in.sent_ms() != 0) leases_.read_lag(Millis(late_ms));
   }
   if (!known) {
-    std::lock_guard lock(mu_);
+    Locked lock(this);
     finish_watch_locked(r, to_grpc(lost_or_unknown(r->node_id)));
     return;
   }
@@ -64,7 +78,7 @@ void CoordinatorService::watch_read(WatchReactor* r, bool ok) {
 }
 
 void CoordinatorService::write_done(WatchReactor* r, bool ok) {
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   r->writing = false;
   auto q = queues_.find(r->node_id);
   const bool attached = q != queues_.end() && q->second.watcher == r;
@@ -77,14 +91,14 @@ void CoordinatorService::write_done(WatchReactor* r, bool ok) {
   }
   if (r->finish_due) {
     r->finish_due = false;
-    r->Finish(r->final_status);
+    deferred_.push_back({nullptr, r, false, r->final_status});
     return;
   }
   if (ok && attached) pump_locked(q->second);
 }
 
 void CoordinatorService::watch_cancelled(WatchReactor* r) {
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   finish_watch_locked(r, {grpc::StatusCode::CANCELLED, "WatchEvents cancelled"});
 }
 
@@ -153,7 +167,7 @@ void CoordinatorService::pump_locked(NodeQueue& q) {
   w->current = std::move(q.events.front());
   q.events.pop_front();
   w->writing = true;
-  w->StartWrite(&w->current);
+  deferred_.push_back({nullptr, w, true, {}});
 }
 
 // Finishes a stream now, or after its write in flight; detaches it from its node.
@@ -166,7 +180,7 @@ void CoordinatorService::finish_watch_locked(WatchReactor* w, const grpc::Status
     w->finish_due = true;
     w->final_status = status;
   } else {
-    w->Finish(status);
+    deferred_.push_back({nullptr, w, false, status});
   }
 }
 
@@ -182,14 +196,14 @@ grpc::ServerUnaryReactor* CoordinatorService::TraceJob(grpc::CallbackServerConte
   }
   const Millis wait = req->timeout_ms() ? std::min(Millis(req->timeout_ms()), kTraceMaxWait) : kTraceDefaultWait;
   const uint32_t max_records = req->max_records() ? std::min(req->max_records(), kTraceMaxRecords) : kTraceDefaultRecords;
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   if (stopping_) {
-    r->Finish(shutting_down());
+    finish_later(r, shutting_down());
     return r;
   }
   auto holders = table_.holders(req->job_id());
   if (!holders.ok()) {
-    r->Finish(to_grpc(holders.status()));
+    finish_later(r, to_grpc(holders.status()));
     return r;
   }
   *resp->mutable_summary() = holders->summary;
@@ -221,7 +235,7 @@ grpc::ServerUnaryReactor* CoordinatorService::TraceJob(grpc::CallbackServerConte
 }
 
 void CoordinatorService::cancel_trace(TraceReactor* r) {
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   r->cancelled = true;
   cancel_trace_locked(r);
 }
@@ -234,14 +248,14 @@ grpc::ServerUnaryReactor* CoordinatorService::ReportTrace(grpc::CallbackServerCo
     r->Finish(to_grpc(a));
     return r;
   }
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   if (!table_.has_node(req->node_id())) {
-    r->Finish(to_grpc(lost_or_unknown(req->node_id())));
+    finish_later(r, to_grpc(lost_or_unknown(req->node_id())));
     return r;
   }
   Status s = traces_.report(*req);
   finish_traces_locked(Clock::now());
-  r->Finish(to_grpc(s));
+  finish_later(r, to_grpc(s));
   return r;
 }
 
@@ -258,7 +272,7 @@ void CoordinatorService::finish_traces_locked(TimePoint now) {
     }
     for (auto& m : got.missing) r->resp_->add_missing_nodes(std::move(m));
     for (auto& p : got.dumps) r->resp_->add_dumps(std::move(p));
-    r->Finish(grpc::Status::OK);
+    finish_later(r, grpc::Status::OK);
   }
 }
 
@@ -267,7 +281,7 @@ void CoordinatorService::cancel_trace_locked(TraceReactor* r) {
   if (r->id == 0 || it == trace_calls_.end() || it->second != r) return;  // answered already
   trace_calls_.erase(it);
   traces_.cancel(r->id);
-  r->Finish(stopping_ ? shutting_down() : grpc::Status(grpc::StatusCode::CANCELLED, "TraceJob cancelled"));
+  finish_later(r, stopping_ ? shutting_down() : grpc::Status(grpc::StatusCode::CANCELLED, "TraceJob cancelled"));
 }
 
 void TraceReactor::OnCancel() { service_->cancel_trace(this); }

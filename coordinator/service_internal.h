@@ -17,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "coordinator.grpc.pb.h"
 #include "coordinator/coordinator_metrics.h"
@@ -27,6 +28,18 @@
 #include "coordinator/trace_gather.h"
 
 namespace gradsync::coordinator {
+
+// A tick this much later than due means the coordinator was stalled, and heartbeats read this
+// much later than their stream's best mean its reads are behind (run_ticker): past it, every
+// lease is extended by the excess.
+constexpr Millis kStallSlack{250};
+// Reads further behind than this (a fifth of the default lease) and registrations are refused
+// with a retry hint (RegisterNode), more of them the further behind, all from twice it: the
+// herd waits at the daemons, not in the coordinator's queues.
+constexpr Millis kAdmitBehind{1000};
+// The retry hint of a refused registration: how far reads are behind, within these.
+constexpr Millis kMinRetryHint{500};
+constexpr Millis kMaxRetryHint{3000};
 
 // A Status as the gRPC status a call finishes with.
 grpc::Status to_grpc(const Status& s);
@@ -77,6 +90,10 @@ class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::
   // Set under the service's mutex when the first message names the node; read by later reads
   // (after it, through StartRead) and under the service's mutex.
   std::string node_id;
+  // The smallest (read time - WatchRequest.sent_ms) of this stream so far, in ms: how late a
+  // message is read is measured against it (coordinator/leases.h). Touched by reads only.
+  int64_t best_offset_ms = 0;
+  bool has_offset = false;
   // Guarded by the service's mutex.
   v1::Event current;
   bool writing = false;
@@ -93,6 +110,22 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     if (o.store) writer_ = std::make_unique<StoreWriter>(o.store);
   }
   ~CoordinatorService() override { stop(); }
+
+  // mu_, and after it is released the gRPC operations queued while it was held (finish_later,
+  // write_later): finishing a call or starting a write serialises a message and may write it
+  // to the socket, and a generation that completes queues one of each per node (tens of
+  // thousands), so none of them holds the table's lock.
+  class Locked {
+   public:
+    explicit Locked(CoordinatorService* s) : s_(s), lock_(s->mu_) {}
+    ~Locked() { s_->run_deferred(lock_); }
+    Locked(const Locked&) = delete;
+    Locked& operator=(const Locked&) = delete;
+
+   private:
+    CoordinatorService* const s_;
+    std::unique_lock<std::mutex> lock_;
+  };
 
   // service.cc: the service's life.
   Status restore();
@@ -146,7 +179,18 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
     WatchReactor* watcher = nullptr;  // the node's current stream, if any
   };
 
+  // A gRPC operation queued under mu_ (see Locked): Finish of a unary call or of a stream,
+  // or a stream's StartWrite of its `current` event.
+  struct Deferred {
+    grpc::ServerUnaryReactor* unary = nullptr;
+    WatchReactor* watch = nullptr;
+    bool write = false;  // watch: StartWrite instead of Finish
+    grpc::Status status;
+  };
+
   // service.cc
+  void finish_later(grpc::ServerUnaryReactor* r, grpc::Status status) { deferred_.push_back({r, nullptr, false, std::move(status)}); }
+  void run_deferred(std::unique_lock<std::mutex>& lock);
   void dispatch_locked();
   void run_ticker();
   // service_jobs.cc
@@ -174,6 +218,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   const CoordinatorOptions options_;
   Authorizer authz_;
   std::mutex mu_;  // the table, the queues, the pending joins; taken before lease_mu_
+  std::vector<Deferred> deferred_;  // under mu_: run by the Locked that holds it
   JobTable table_;
   RegroupService regroup_;
   struct RegroupWait {
@@ -190,6 +235,10 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   std::mutex lease_mu_;
   Leases leases_;
   uint64_t leases_expired_ = 0;  // under lease_mu_, for /metrics
+  // How far the coordinator's reads are behind (Leases::behind), set by the ticker; read
+  // without a lock by RegisterNode's admission control.
+  std::atomic<int64_t> behind_ms_{0};
+  std::atomic<uint64_t> registrations_refused_{0};
   std::mutex ticker_mu_;
   std::condition_variable ticker_cv_;  // only to stop the ticker early
   std::thread ticker_;

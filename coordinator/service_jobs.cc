@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <memory>
+#include <random>
 #include <thread>
 
 #include "common/call_auth.h"
@@ -18,27 +19,50 @@ std::string node_name_of(const v1::NodeInfo& n) {
   return !n.node_name().empty() ? n.node_name() : !n.hostname().empty() ? n.hostname() : "node";
 }
 
+// Whether to refuse a registration while reads are `behind` (> kAdmitBehind): with probability
+// (behind - kAdmitBehind) / kAdmitBehind.
+bool refuse(Millis behind) {
+  static thread_local std::mt19937 rng{std::random_device{}()};
+  return std::uniform_int_distribution<int64_t>(0, kAdmitBehind.count() - 1)(rng) < (behind - kAdmitBehind).count();
+}
+
 }  // namespace
 
 grpc::ServerUnaryReactor* CoordinatorService::RegisterNode(grpc::CallbackServerContext* ctx,
                                                            const v1::RegisterNodeRequest* req,
                                                            v1::RegisterNodeResponse* resp) {
   auto* r = ctx->DefaultReactor();
-  std::lock_guard lock(mu_);
+  // Admission: while the coordinator's reads are behind (a herd of registrations, joins or peer
+  // tables queued ahead of the nodes' heartbeats), a registration is refused at once, before
+  // any lock, with a retry hint that the daemon honours with jitter. Registrations so wait at
+  // the daemons instead of in the queue that the heartbeats of registered nodes wait in. The
+  // share refused grows from 0 at kAdmitBehind to all at twice it, so that the rate admitted
+  // follows the coordinator's pace instead of swinging between all and none.
+  if (const Millis behind{behind_ms_.load()}; behind > kAdmitBehind && refuse(behind)) {
+    const Millis retry = std::clamp(behind, kMinRetryHint, kMaxRetryHint);
+    ++registrations_refused_;
+    ctx->AddTrailingMetadata(kRetryAfterHeader, std::to_string(retry.count()));
+    r->Finish({grpc::StatusCode::RESOURCE_EXHAUSTED,
+               "RegisterNode of " + node_name_of(req->node()) + " (host " + req->node().hostname() +
+                   "): the coordinator is busy (it reads its nodes' heartbeats " + std::to_string(behind.count()) +
+                   " ms late); retry in about " + std::to_string(retry.count()) + " ms"});
+    return r;
+  }
+  Locked lock(this);
   if (stopping_) {
-    r->Finish(shutting_down());
+    finish_later(r, shutting_down());
     return r;
   }
   const std::string name = node_name_of(req->node());
   auto key = authz_.admit_node(*ctx, name, [this](const std::string& id) { return table_.has_node(id); });
   if (!key.ok()) {
-    r->Finish(to_grpc(key.status()));
+    finish_later(r, to_grpc(key.status()));
     return r;
   }
   const TimePoint now = Clock::now();
   auto id = table_.register_node(req->node(), now);
   if (!id.ok()) {
-    r->Finish(to_grpc(id.status()));
+    finish_later(r, to_grpc(id.status()));
     return r;
   }
   authz_.bound(name, *id, *key);
@@ -63,7 +87,7 @@ grpc::ServerUnaryReactor* CoordinatorService::RegisterNode(grpc::CallbackServerC
   dispatch_locked();
   resp->set_node_id(*id);
   resp->set_lease_ms(static_cast<uint32_t>(options_.lease.count()));
-  r->Finish(grpc::Status::OK);
+  finish_later(r, grpc::Status::OK);
   return r;
 }
 
@@ -111,15 +135,15 @@ grpc::ServerUnaryReactor* CoordinatorService::JoinJob(grpc::CallbackServerContex
     r->Finish(to_grpc(a));
     return r;
   }
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   if (stopping_) {
-    r->Finish(shutting_down());
+    finish_later(r, shutting_down());
     return r;
   }
   auto ticket = table_.join(j, Clock::now());
   if (!ticket.ok()) {
     log::get("coordinator")->warn("rejected {}", ticket.status().to_string());
-    r->Finish(to_grpc(ticket.status()));
+    finish_later(r, to_grpc(ticket.status()));
     return r;
   }
   authz_.job_token(j.job_id, j.token);  // the table accepted it: the job's token
@@ -133,7 +157,7 @@ grpc::ServerUnaryReactor* CoordinatorService::JoinJob(grpc::CallbackServerContex
 }
 
 void CoordinatorService::cancel_join(JoinReactor* r) {
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   r->cancelled = true;
   if (r->ticket != 0 && joins_.count(r->ticket)) {
     withdraw_locked(r, "the JoinJob call was cancelled or timed out");
@@ -153,19 +177,19 @@ grpc::ServerUnaryReactor* CoordinatorService::GetPeerTable(grpc::CallbackServerC
     return r;
   }
   std::vector<uint32_t> ranks(req->ranks().begin(), req->ranks().end());
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   if (!authz_.open() && !table_.is_member(req->job_id(), node)) {  // the caller must hold a rank of the job
-    r->Finish(to_grpc({Code::kPermissionDenied, "GetPeerTable job=" + req->job_id() + ": node '" + node +
+    finish_later(r, to_grpc({Code::kPermissionDenied, "GetPeerTable job=" + req->job_id() + ": node '" + node +
                                                    "' is not a member of the job"}));
     return r;
   }
   auto table = table_.peer_table(req->job_id(), req->generation(), node, req->page(), ranks);
   if (!table.ok()) {
-    r->Finish(to_grpc(table.status()));
+    finish_later(r, to_grpc(table.status()));
     return r;
   }
   *resp = std::move(*table);
-  r->Finish(grpc::Status::OK);  // serialised after the handler returns, outside the mutex
+  finish_later(r, grpc::Status::OK);  // serialised once the mutex is released (Locked)
   return r;
 }
 
@@ -177,10 +201,10 @@ grpc::ServerUnaryReactor* CoordinatorService::LeaveJob(grpc::CallbackServerConte
     r->Finish(to_grpc(a));
     return r;
   }
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   Status s = table_.leave(req->node_id(), req->job_id(), req->generation());
   dispatch_locked();
-  r->Finish(to_grpc(s));
+  finish_later(r, to_grpc(s));
   return r;
 }
 
@@ -193,10 +217,10 @@ grpc::ServerUnaryReactor* CoordinatorService::AbortJob(grpc::CallbackServerConte
     r->Finish(to_grpc(a));
     return r;
   }
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   Status s = table_.abort(req->node_id(), req->job_id(), req->generation(), req->reason(), req->failed_rank());
   dispatch_locked();
-  r->Finish(to_grpc(s));
+  finish_later(r, to_grpc(s));
   return r;
 }
 
@@ -227,9 +251,9 @@ grpc::ServerUnaryReactor* CoordinatorService::Regroup(grpc::CallbackServerContex
   const auto call_left = std::min<std::chrono::system_clock::duration>(
       ctx->deadline() - std::chrono::system_clock::now(), std::chrono::minutes(11));
   const TimePoint give_up = Clock::now() + std::chrono::duration_cast<Millis>(call_left);
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   if (stopping_) {
-    r->Finish(shutting_down());
+    finish_later(r, shutting_down());
     return r;
   }
   // Joins the waits that are over.
@@ -249,7 +273,7 @@ grpc::ServerUnaryReactor* CoordinatorService::Regroup(grpc::CallbackServerContex
       resp->set_local_world_size(outcome->local_world_size);
       for (int32_t old : outcome->old_ranks) resp->add_old_ranks(old);
     }
-    r->Finish(outcome.ok() ? grpc::Status::OK : to_grpc(outcome.status()));
+    r->Finish(outcome.ok() ? grpc::Status::OK : to_grpc(outcome.status()));  // its own thread: no lock held
     done->store(true);
   });
   regroup_waits_.push_back({std::move(t), std::move(done)});
@@ -264,8 +288,8 @@ grpc::ServerUnaryReactor* CoordinatorService::ReportPath(grpc::CallbackServerCon
     r->Finish(to_grpc(a));
     return r;
   }
-  std::lock_guard lock(mu_);
-  r->Finish(to_grpc(table_.report_path(req->node_id(), req->job_id(), req->generation(), req->path())));
+  Locked lock(this);
+  finish_later(r, to_grpc(table_.report_path(req->node_id(), req->job_id(), req->generation(), req->path())));
   return r;
 }
 
@@ -277,9 +301,9 @@ grpc::ServerUnaryReactor* CoordinatorService::ListJobs(grpc::CallbackServerConte
     r->Finish(to_grpc(a));
     return r;
   }
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   for (auto& job : table_.list_jobs()) *resp->add_jobs() = std::move(job);
-  r->Finish(grpc::Status::OK);
+  finish_later(r, grpc::Status::OK);
   return r;
 }
 
@@ -291,21 +315,21 @@ grpc::ServerUnaryReactor* CoordinatorService::DescribeJob(grpc::CallbackServerCo
     r->Finish(to_grpc(a));
     return r;
   }
-  std::lock_guard lock(mu_);
+  Locked lock(this);
   auto d = table_.describe(req->job_id(), req->page());
   if (!d.ok()) {
-    r->Finish(to_grpc(d.status()));
+    finish_later(r, to_grpc(d.status()));
     return r;
   }
   *resp = std::move(*d);
-  r->Finish(grpc::Status::OK);
+  finish_later(r, grpc::Status::OK);
   return r;
 }
 
 void CoordinatorService::withdraw_locked(JoinReactor* r, const std::string& why) {
   table_.withdraw(r->ticket, why);
   joins_.erase(r->ticket);
-  r->Finish(stopping_ ? shutting_down() : grpc::Status(grpc::StatusCode::CANCELLED, "JoinJob cancelled"));
+  finish_later(r, stopping_ ? shutting_down() : grpc::Status(grpc::StatusCode::CANCELLED, "JoinJob cancelled"));
 }
 
 void JoinReactor::OnCancel() { service_->cancel_join(this); }

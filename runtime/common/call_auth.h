@@ -13,6 +13,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -29,6 +30,9 @@ inline constexpr char kNodeKeyHeader[] = "gradsync-node-key";
 // holds this phrase followed by the leader's HOST:PORT; clients move to that address.
 inline constexpr char kLeaderIsPhrase[] = "the leader is ";
 inline constexpr char kJobTokenHeader[] = "gradsync-job-token";
+// Trailing metadata of a RegisterNode refused with RESOURCE_EXHAUSTED because the coordinator is
+// behind: retry after about this many ms (callers add their own jitter).
+inline constexpr char kRetryAfterHeader[] = "gradsync-retry-after-ms";
 inline constexpr char kOperatorTokenHeader[] = "gradsync-operator-token";
 
 // Where the cluster secret and the operator token come from: a file (refused when every user
@@ -69,6 +73,19 @@ class CallAuth {
   std::string node_key_;
   std::map<std::string, std::string> job_tokens_;
 };
+
+// The retry hint (kRetryAfterHeader) of a finished call; 0 when it has none.
+inline std::chrono::milliseconds retry_hint(const grpc::ClientContext& ctx) {
+  const auto& trailers = ctx.GetServerTrailingMetadata();
+  auto it = trailers.find(kRetryAfterHeader);
+  if (it == trailers.end()) return std::chrono::milliseconds{0};
+  long ms = 0;
+  for (char c : it->second) {
+    if (c < '0' || c > '9' || ms > 600000) return std::chrono::milliseconds{0};
+    ms = ms * 10 + (c - '0');
+  }
+  return std::chrono::milliseconds{ms};
+}
 
 // A channel to the coordinator whose every call carries `auth`'s headers (a gRPC client
 // interceptor).

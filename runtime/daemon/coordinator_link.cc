@@ -30,6 +30,14 @@ std::chrono::milliseconds backoff(int attempt) {
   return std::chrono::milliseconds(std::uniform_int_distribution<int>(ceiling / 2, ceiling)(rng));
 }
 
+// The pause a busy coordinator asked for (kRetryAfterHeader), jittered to 0.5-1.5 times it so
+// that the refused daemons do not come back together; 0 when it asked for none.
+std::chrono::milliseconds jittered(std::chrono::milliseconds hint) {
+  if (hint.count() <= 0) return hint;
+  static thread_local std::mt19937 rng{std::random_device{}()};
+  return std::chrono::milliseconds(std::uniform_int_distribution<long>(hint.count() / 2, hint.count() * 3 / 2)(rng));
+}
+
 // The coordinator was busy or unreachable: worth another try.
 bool retryable(grpc::StatusCode c) {
   return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::DEADLINE_EXCEEDED ||
@@ -168,6 +176,7 @@ Status CoordinatorLink::register_node() {
         set_deadline(ctx, kCallTimeout);
         resp.Clear();
         grpc::Status st = stub.RegisterNode(&ctx, req, &resp);
+        register_hint_ = retry_hint(ctx);
         // The key that binds this node's name to this daemon: every later call carries it.
         const auto& md = ctx.GetServerInitialMetadata();
         auto k = md.find(kNodeKeyHeader);
@@ -190,7 +199,7 @@ Status CoordinatorLink::start(std::chrono::milliseconds timeout) {
   Deadline deadline = deadline_after(timeout);
   Status s;
   for (int attempt = 0; !(s = register_node()).ok(); ++attempt) {
-    const auto pause = backoff(attempt);
+    const auto pause = std::max(backoff(attempt), jittered(register_hint_.load()));
     if (Clock::now() + pause >= deadline) return s;
     std::this_thread::sleep_for(pause);
   }
@@ -374,7 +383,7 @@ void CoordinatorLink::watch_loop() {
     const bool down = s.error_code() == grpc::StatusCode::UNAVAILABLE || s.error_code() == grpc::StatusCode::NOT_FOUND;
     const auto pause = registered          ? std::chrono::milliseconds(0)
                        : current_ != index ? backoff(1)
-                       : down              ? backoff(0)
+                       : down              ? std::max(backoff(0), jittered(register_hint_.load()))
                                            : kRetryPause;
     if (cv_.wait_for(lock, pause, [this] { return stopping_; })) return;
   }

@@ -109,6 +109,8 @@ class CoordinatorLink {
   std::condition_variable cv_;
   std::string node_id_;
   uint64_t registrations_ = 0;  // RegisterNode calls that succeeded (cv_ is notified)
+  // The retry hint of the last RegisterNode (common/call_auth.h: a busy coordinator's); 0: none.
+  std::atomic<std::chrono::milliseconds> register_hint_{std::chrono::milliseconds{0}};
   uint32_t lease_ms_ = 5000;
   bool stopping_ = false;
   // The open event stream (heartbeats go on it), its events not yet handled, and its end.

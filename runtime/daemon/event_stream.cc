@@ -1,6 +1,15 @@
 #include "daemon/event_stream.h"
 
 namespace gradsync {
+namespace {
+
+// WatchRequest.sent_ms: this process's monotonic clock; the coordinator compares only
+// differences between one stream's messages.
+uint64_t now_ms() {
+  return uint64_t(std::chrono::duration_cast<std::chrono::milliseconds>(EventStream::Clock::now().time_since_epoch()).count());
+}
+
+}  // namespace
 
 std::shared_ptr<EventStream> EventStream::open(v1::Coordinator::Stub& stub, const std::string& node_id,
                                                const std::function<void(grpc::ClientContext&)>& prepare,
@@ -17,6 +26,7 @@ std::shared_ptr<EventStream> EventStream::open(v1::Coordinator::Stub& stub, cons
     std::lock_guard lock(s->mu_);
     s->pending_ = Clock::now();
   }
+  s->first_.set_sent_ms(now_ms());
   s->StartWrite(&s->first_);
   s->StartRead(&s->event_);
   s->StartCall();
@@ -28,6 +38,7 @@ EventStream::Sent EventStream::heartbeat() {
   if (over_) return Sent::kOver;
   if (pending_ != Clock::time_point{}) return Sent::kBusy;
   pending_ = Clock::now();
+  beat_.set_sent_ms(now_ms());
   StartWrite(&beat_);  // under mu_: over_ (and so the hold) cannot change meanwhile
   return Sent::kSent;
 }

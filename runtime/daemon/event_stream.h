@@ -1,7 +1,8 @@
 // A node's WatchEvents stream as gradsyncd keeps it (and gradsync-loadgen's simulated nodes):
 // events from the coordinator one way, the node's heartbeats the other. The first message
 // names the node; heartbeat() sends one more, which renews the node's lease at the
-// coordinator. An idle node so costs the coordinator one small message on an open stream per
+// coordinator. Each carries when it was sent (this process's monotonic clock), from which the
+// coordinator tells how far its own reads are behind (coordinator/leases.h). An idle node so costs the coordinator one small message on an open stream per
 // lease/3, not a unary call (docs/benchmarks.md "The coordinator at scale").
 //
 // On gRPC's callback API: no thread of its own. Callbacks run on gRPC's threads and must not
@@ -56,7 +57,7 @@ class EventStream final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::E
  private:
   grpc::ClientContext ctx_;
   v1::WatchRequest first_;      // names the node
-  v1::WatchRequest beat_;       // every heartbeat: an empty message
+  v1::WatchRequest beat_;       // every heartbeat: only its sent_ms
   v1::Event event_;             // the one being read
   const EventFn on_event_;
   const DoneFn on_done_;

@@ -178,5 +178,49 @@ TEST(Leases, ACoordinatorStallExtendsEveryLease) {
   EXPECT_EQ(gone[0].second, milliseconds(1000));
 }
 
+// Heartbeats read late because the coordinator's reads are behind (a queue of unread
+// messages, not a late ticker) extend every lease by the rise of the median past the slack;
+// a fall takes nothing back, and a window without samples reads as caught up.
+TEST(Leases, ReadsBehindExtendEveryLease) {
+  Leases leases(milliseconds(1000));
+  const auto t0 = Leases::TimePoint{} + std::chrono::hours(1);
+  const milliseconds slack(250);
+  leases.add("a", t0);
+  EXPECT_EQ(leases.update_behind(t0, slack), milliseconds(0));
+  // A window is judged at 32 samples: 20 read 1,200 ms late and 12 on time give a median of
+  // 1,200 ms, 950 past the slack.
+  for (int i = 0; i < 20; ++i) leases.read_lag(milliseconds(1200));
+  EXPECT_EQ(leases.update_behind(t0 + milliseconds(100), slack), milliseconds(0));  // 20: not yet
+  for (int i = 0; i < 12; ++i) leases.read_lag(milliseconds(0));
+  EXPECT_EQ(leases.update_behind(t0 + milliseconds(200), slack), milliseconds(1200));
+  EXPECT_EQ(leases.behind(), milliseconds(1200));
+  EXPECT_EQ(leases.stalled_total(), milliseconds(950));
+  EXPECT_TRUE(leases.expire(t0 + milliseconds(1949)).empty());
+  // Still 1,200 ms behind: nothing more is added.
+  for (int i = 0; i < 32; ++i) leases.read_lag(milliseconds(1200));
+  leases.update_behind(t0 + milliseconds(300), slack);
+  EXPECT_EQ(leases.stalled_total(), milliseconds(950));
+  // A single window of a few samples (under 32) is judged after a second: one slow stream does
+  // not make a median, and noise under the slack adds nothing.
+  for (int i = 0; i < 3; ++i) leases.read_lag(milliseconds(i == 0 ? 5000 : 10));
+  EXPECT_EQ(leases.update_behind(t0 + milliseconds(400), slack), milliseconds(1200));
+  EXPECT_EQ(leases.update_behind(t0 + milliseconds(1300), slack), milliseconds(10));
+  EXPECT_EQ(leases.stalled_total(), milliseconds(950));
+  // Behind again after catching up: the new rise is added.
+  for (int i = 0; i < 32; ++i) leases.read_lag(milliseconds(750));
+  EXPECT_EQ(leases.update_behind(t0 + milliseconds(1400), slack), milliseconds(750));
+  EXPECT_EQ(leases.stalled_total(), milliseconds(1450));
+  auto gone = leases.expire(t0 + milliseconds(2450));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].second, milliseconds(1000));  // the extension is not counted as silence
+  // No samples for a second: caught up.
+  EXPECT_EQ(leases.update_behind(t0 + milliseconds(2500), slack), milliseconds(0));
+  // A stall of the ticker is counted once: the reads it delayed add only what exceeds it.
+  leases.stalled(milliseconds(400));
+  for (int i = 0; i < 32; ++i) leases.read_lag(milliseconds(850));
+  leases.update_behind(t0 + milliseconds(2600), slack);
+  EXPECT_EQ(leases.stalled_total(), milliseconds(1450 + 400 + 200));
+}
+
 }  // namespace
 }  // namespace gradsync::coordinator

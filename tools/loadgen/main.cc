@@ -223,7 +223,7 @@ struct Phase {  // CPU of both processes over one phase
 // Joins every node to `job`; the rendezvous time in seconds, or a negative value on failure.
 double rendezvous(std::vector<std::unique_ptr<SimNode>>& nodes, Totals& totals, const Flags& f,
                   const std::string& job) {
-  const uint64_t tables0 = totals.tables.load(), failures0 = totals.failures.load();
+  const uint64_t tables0 = totals.tables.load(), failures0 = totals.failures.load(), joined0 = totals.joined.load();
   // Shared with the callbacks, which may outlive a failed rendezvous.
   auto last_ns = std::make_shared<std::atomic<int64_t>>(0);
   const auto t0 = Clock::now();
@@ -236,15 +236,24 @@ double rendezvous(std::vector<std::unique_ptr<SimNode>>& nodes, Totals& totals, 
       }
     });
   }
+  const double sent_s = since(t0);  // issuing the calls is this process's own work
   const uint64_t target = tables0 + f.nodes;
   const auto deadline = t0 + std::chrono::seconds(90);
+  double joined_s = -1;  // when every JoinJob was answered
   while (totals.tables.load() < target) {
+    if (joined_s < 0 && totals.joined.load() >= joined0 + f.nodes) joined_s = since(t0);
     if (Clock::now() >= deadline || totals.failures.load() > failures0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));  // let stragglers report
+      std::printf("rendezvous %s: %llu of %u JoinJob calls answered%s\n", job.c_str(),
+                  (unsigned long long)(totals.joined.load() - joined0), f.nodes,
+                  joined_s < 0 ? "" : (", all by " + std::to_string(joined_s) + " s").c_str());
       return -1;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
+  if (joined_s < 0) joined_s = since(t0);
+  std::printf("rendezvous %s: the last JoinJob sent %.3f s after the first, every one answered at %.3f s; the "
+              "peer tables took the rest\n", job.c_str(), sent_s, joined_s);
   return double(last_ns->load()) / 1e9;
 }
 
@@ -360,9 +369,10 @@ int run(const Flags& flags) {
     }
     const bool registered =
         wait_for(totals.registered, f.nodes, reg_deadline + std::chrono::seconds(6), &failed_registrations);
-    std::printf("registration: %u of %u nodes in %.2f s, %llu retries; %s\n",
+    std::printf("registration: %u of %u nodes in %.2f s, %llu retries (%llu refused busy); %s\n",
                 unsigned(totals.registered.load()), f.nodes, since(reg.t0),
-                (unsigned long long)totals.register_retries.load(), reg.report().c_str());
+                (unsigned long long)totals.register_retries.load(),
+                (unsigned long long)totals.register_refused.load(), reg.report().c_str());
     if (!registered) rc = 1;
     std::this_thread::sleep_for(std::chrono::milliseconds(500));  // streams open
     const ProcSample after_reg = sample_process(pid);

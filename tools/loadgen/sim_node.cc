@@ -92,15 +92,19 @@ void SimNode::start(Clock::time_point deadline, std::function<void(bool)> done) 
       done(true);
       return;
     }
+    // A busy coordinator refuses with a hint of when to come back (RESOURCE_EXHAUSTED).
+    const auto hint = retry_hint(c->ctx);
     delete c;
-    if (Clock::now() + kRetryPause >= deadline) {
+    const auto base = hint.count() > 0 ? hint : kRetryPause;
+    if (Clock::now() + base / 2 >= deadline) {
       totals_->error("RegisterNode of sim" + std::to_string(index_) + ": " + describe(s));
       done(false);
       return;
     }
     ++totals_->register_retries;
+    if (s.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) ++totals_->register_refused;
     // As the daemon: jittered backoff, so retries spread out instead of arriving together.
-    const auto pause = kRetryPause / 2 + std::chrono::milliseconds(std::rand() % int(kRetryPause.count()));
+    const auto pause = base / 2 + std::chrono::milliseconds(std::rand() % int(base.count()));
     totals_->later(pause, [this, deadline, done] { start(deadline, done); });
   });
 }

@@ -33,6 +33,7 @@ struct Totals {
   std::atomic<uint64_t> heartbeats_busy{0};       // of those: the previous one still pending
   std::atomic<uint64_t> lost{0};                  // event streams ended NOT_FOUND (node dropped)
   std::atomic<uint64_t> register_retries{0};
+  std::atomic<uint64_t> register_refused{0};      // of those: refused busy (RESOURCE_EXHAUSTED)
   std::atomic<uint64_t> registered{0};
   std::atomic<uint64_t> joined{0};                // JoinJob answered OK
   std::atomic<uint64_t> tables{0};                // nodes holding their complete table
