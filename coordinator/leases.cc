@@ -4,9 +4,9 @@
 
 namespace gradsync::coordinator {
 
-void Leases::add(const std::string& node_id, TimePoint now) {
+void Leases::add(const std::string& node_id, TimePoint now, Millis grace) {
   const uint64_t epoch = next_epoch_++;
-  auto it = nodes_.insert_or_assign(node_id, Lease{now, stalled_, epoch}).first;
+  auto it = nodes_.insert_or_assign(node_id, Lease{now, stalled_, epoch, grace}).first;
   heap_.push({deadline(it->second), epoch, node_id});
 }
 
@@ -15,6 +15,11 @@ bool Leases::renew(const std::string& node_id, TimePoint now) {
   if (it == nodes_.end()) return false;
   it->second.last = now;
   it->second.stalled_at_last = stalled_;  // its heap entry is now early: re-checked when it comes up
+  if (it->second.grace.count() > 0) {  // the first renewal ends the grace: the deadline may come sooner
+    it->second.grace = Millis{0};
+    it->second.epoch = next_epoch_++;
+    heap_.push({deadline(it->second), it->second.epoch, node_id});
+  }
   return true;
 }
 

@@ -36,7 +36,8 @@ class Leases {
 
   explicit Leases(Millis lease) : lease_(lease) {}
 
-  void add(const std::string& node_id, TimePoint now);
+  // `grace` is added to the node's first lease only, until its first renewal.
+  void add(const std::string& node_id, TimePoint now, Millis grace = Millis{0});
   bool renew(const std::string& node_id, TimePoint now);  // false: not registered
   void remove(const std::string& node_id);
   bool has(const std::string& node_id) const { return nodes_.count(node_id) != 0; }
@@ -67,8 +68,9 @@ class Leases {
     TimePoint last;
     Millis stalled_at_last;  // stalled_ when `last` was recorded
     uint64_t epoch;          // of its one heap entry; older entries are dropped when they come up
+    Millis grace{0};         // until the first renewal
   };
-  TimePoint deadline(const Lease& l) const { return l.last + lease_ + (stalled_ - l.stalled_at_last); }
+  TimePoint deadline(const Lease& l) const { return l.last + lease_ + l.grace + (stalled_ - l.stalled_at_last); }
   using Due = std::tuple<TimePoint, uint64_t, std::string>;
 
   static constexpr size_t kLagSamples = 32;        // a window is judged once it has these

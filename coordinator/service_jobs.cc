@@ -81,8 +81,11 @@ grpc::ServerUnaryReactor* CoordinatorService::RegisterNode(grpc::CallbackServerC
   }
   queues_[*id];  // queue events from now on, even before the node starts watching
   {
+    // Two leases for the node's first sign of life (its stream's naming message): the reply to
+    // this call and that message both wait in the coordinator's queues, longest in a herd of
+    // registrations, and no heartbeat of the node can measure them yet (coordinator/leases.h).
     std::lock_guard leases(lease_mu_);
-    leases_.add(*id, now);
+    leases_.add(*id, now, options_.lease);
   }
   dispatch_locked();
   resp->set_node_id(*id);

@@ -178,6 +178,23 @@ TEST(Leases, ACoordinatorStallExtendsEveryLease) {
   EXPECT_EQ(gone[0].second, milliseconds(1000));
 }
 
+// A registered node's first lease is longer by the grace it was given, until its first renewal.
+TEST(Leases, AFreshNodeHasItsGraceUntilItsFirstHeartbeat) {
+  Leases leases(milliseconds(1000));
+  const auto t0 = Leases::TimePoint{} + std::chrono::hours(1);
+  leases.add("new", t0, milliseconds(1000));
+  leases.add("renewed", t0, milliseconds(1000));
+  EXPECT_TRUE(leases.renew("renewed", t0 + milliseconds(100)));
+  auto gone = leases.expire(t0 + milliseconds(1100));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].first, "renewed");  // its grace ended with its first renewal
+  EXPECT_TRUE(leases.expire(t0 + milliseconds(1999)).empty());
+  gone = leases.expire(t0 + milliseconds(2000));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].first, "new");
+  EXPECT_EQ(gone[0].second, milliseconds(2000));  // silent since it registered
+}
+
 // Heartbeats read late because the coordinator's reads are behind (a queue of unread
 // messages, not a late ticker) extend every lease by the rise of the median past the slack;
 // a fall takes nothing back, and a window without samples reads as caught up.
