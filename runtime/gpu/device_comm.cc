@@ -184,12 +184,20 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
     m.layout.ll_max_bytes = uint64_t(agreed[2]);
     m.layout.two_shot_min_bytes = uint64_t(agreed[3]);
   }
-  if (m.layout.region_bytes() > budget) {
-    return {Code::kInvalidArgument,
-            who() + ": the CUDA IPC region needs " + std::to_string(m.layout.region_bytes() >> 20) +
-                " MiB with " + std::to_string(blocks) + " blocks and " + std::to_string(n) +
-                " ranks, over the " + std::to_string(budget >> 20) + " MiB left of GRADSYNC_GPU_MEMORY_MAX = " +
-                std::to_string(limit >> 20) + " MiB: raise it, or lower GRADSYNC_GPU_BLOCKS"};
+  // Agreed: a rank whose region does not fit fails the set-up on every rank, not only its own.
+  int32_t fits = m.layout.region_bytes() <= budget ? 1 : 0;
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(&fits, &fits, 1, DataType::kInt32, ReduceOp::kMin));
+  if (fits == 0) {
+    const std::string over = "the CUDA IPC region needs " + std::to_string(m.layout.region_bytes() >> 20) +
+                             " MiB with " + std::to_string(blocks) + " blocks and " + std::to_string(n) +
+                             " ranks, over the " + std::to_string(budget >> 20) + " MiB left on some rank of " +
+                             "GRADSYNC_GPU_MEMORY_MAX = " + std::to_string(limit >> 20) + " MiB";
+    // The hierarchical path (the node's ranks only) goes without; one node has no other path.
+    if (n < world) {
+      m.ipc_why = over;
+      return Status::Ok();
+    }
+    return {Code::kInvalidArgument, who() + ": " + over + ": raise it, or lower GRADSYNC_GPU_BLOCKS"};
   }
   if (!m.layout.valid()) {
     return {Code::kInvalidArgument, who() + ": GPU layout blocks=" + std::to_string(blocks) +

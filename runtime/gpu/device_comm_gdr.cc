@@ -27,6 +27,7 @@ GdrConfig DeviceComm::gdr_config() const {
   l.rank = cfg_.rank;
   l.world_size = cfg_.world_size;
   l.hosts = cfg_.hosts;
+  if (cfg_.rank_nodes.size() == size_t(cfg_.world_size)) g.nodes = cfg_.rank_nodes;
   l.verbs_device = cfg_.verbs_device;
   l.verbs_port = cfg_.verbs_port;
   l.gid_index = cfg_.gid_index;

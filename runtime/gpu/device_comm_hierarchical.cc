@@ -98,7 +98,7 @@ Status DeviceComm::setup_hierarchical() {
     m.rail->quiesce();
     m.rail.reset();
     if (!s.ok()) return s;
-    m.why += "; not hierarchical: no CUDA IPC between the GPUs of a node";
+    m.why += "; not hierarchical: " + (m.ipc_why.empty() ? "no CUDA IPC between the GPUs of a node" : m.ipc_why);
     return Status::Ok();
   }
   m.path = Impl::Path::kHierarchical;

@@ -162,6 +162,7 @@ inline bool strided(CollectiveKind k) {
 struct DeviceComm::Impl {
   enum class Path { kSingle, kIpc, kStaged, kHierarchical } path = Path::kSingle;
   std::string why = "one rank";  // why this path (path_why())
+  std::string ipc_why;           // why setup_ipc found the IPC region unusable, when it says so
   // The CUDA IPC kernels (cuda-ipc, and inside the node on the hierarchical path): `group`
   // holds the world ranks they join, in rank order (NodeArgs::me is this rank's place).
   kernels::NodeLayout layout;

@@ -179,7 +179,7 @@ GdrChannels::~GdrChannels() {
 }
 
 uint64_t GdrChannels::slot_region_bytes(const GdrConfig& cfg) {
-  auto ch = rdma_channels(members_of(cfg), cfg.link.hosts, cfg.link.rank);
+  auto ch = rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank);
   if (!ch.ok()) return 0;
   uint64_t directions = 0;
   for (const GdrPeer& p : ch->peers) directions += uint64_t(p.send) + uint64_t(p.recv);
@@ -193,7 +193,7 @@ Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, c
   m.cfg = cfg;
   std::unique_ptr<GdrChannels> chan(new GdrChannels(std::move(impl)));
   GdrLinkConfig lc = cfg.link;
-  auto ch = rdma_channels(members_of(cfg), cfg.link.hosts, cfg.link.rank);
+  auto ch = rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank);
   if (!ch.ok()) return Status(ch.status().code(), cfg.link.who + ": " + ch.status().message());
   m.channels = std::move(ch).value();
   lc.peers = m.channels.peers;

@@ -37,10 +37,13 @@ struct GdrConfig {
   GdrLinkConfig link;  // rank, hosts, RDMA device, slots, op timeout (gpu/gdr_link.h); the
                        // peers are filled in from the channels
   // The world ranks that run collectives together, in the order the plan numbers them (its
-  // shape: ranks grouped into nodes by link.hosts); empty: every rank in rank order. The
+  // shape: ranks grouped into nodes by `nodes` below); empty: every rank in rank order. The
   // hierarchical path's rails: the ranks of one local index, one per node. Set-up is
   // collective over the whole world whichever members a rank has.
   std::vector<int> members;
+  // Every world rank's node (a grouping key: the coordinator's node numbering); empty: the
+  // hosts of link.hosts (several daemons on one machine are then one node).
+  std::vector<std::string> nodes;
   int device = 0;      // the CUDA device
   // The communicator's mapped words (device views) that the stream's waits read and report
   // through, and the host view of the abort word (set when this ring fails).

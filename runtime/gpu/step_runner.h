@@ -41,7 +41,7 @@ struct RdmaChannels {
   plan::ChannelSet ring, tree;
   std::vector<GdrPeer> peers;
 };
-// `hosts`: every world rank's host. An error when `me` is not among `members` once, or the
+// `hosts`: every world rank's node (its host, or any grouping key). An error when `me` is not among `members` once, or the
 // peers exceed kMaxGdrPeers.
 Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me);
 
