@@ -126,7 +126,13 @@ Mac hello_proof(const std::string& token, const ProxyHello& hello, const HelloNo
   return hmac_sha256(token, message.data(), message.size());
 }
 
-Result<Fd> proxy_dial(const std::string& endpoint) {
+namespace {
+
+using AddrInfo = std::unique_ptr<addrinfo, decltype(&freeaddrinfo)>;
+
+// The addresses of a gradsyncd endpoint "host:port"; `unresolved` is the code of a name that
+// does not resolve.
+Result<AddrInfo> resolve_endpoint(const std::string& endpoint, int flags, Code unresolved) {
   std::string host, port;
   if (!split_endpoint(endpoint, &host, &port)) {
     return Status(Code::kInvalidArgument, "malformed peer endpoint '" + endpoint + "'");
@@ -134,11 +140,20 @@ Result<Fd> proxy_dial(const std::string& endpoint) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = flags;
   addrinfo* res = nullptr;
   if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
-    return Status(Code::kUnavailable, "cannot resolve gradsyncd endpoint " + endpoint + ": " + gai_strerror(rc));
+    return Status(unresolved, "cannot resolve gradsyncd endpoint " + endpoint + ": " + gai_strerror(rc));
   }
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  return AddrInfo(res, freeaddrinfo);
+}
+
+}  // namespace
+
+Result<Fd> proxy_dial(const std::string& endpoint) {
+  auto resolved = resolve_endpoint(endpoint, 0, Code::kUnavailable);
+  if (!resolved.ok()) return resolved.status();
+  const addrinfo* res = resolved->get();
   Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return Status(Code::kInternal, errno_string("socket"));
   tune(fd.get());
@@ -150,19 +165,9 @@ Result<Fd> proxy_dial(const std::string& endpoint) {
 }
 
 Status probe_daemon(const std::string& endpoint, Deadline deadline) {
-  std::string host, port;
-  if (!split_endpoint(endpoint, &host, &port)) {
-    return Status(Code::kInvalidArgument, "malformed peer endpoint '" + endpoint + "'");
-  }
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &res); rc != 0) {
-    return Status(Code::kDeadlineExceeded, "cannot resolve " + endpoint + ": " + gai_strerror(rc));
-  }
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> guard(res, freeaddrinfo);
+  auto resolved = resolve_endpoint(endpoint, AI_NUMERICSERV, Code::kDeadlineExceeded);
+  if (!resolved.ok()) return resolved.status();
+  const addrinfo* res = resolved->get();
   Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return Status(Code::kInternal, errno_string("socket"));
   int err = 0;

@@ -288,6 +288,21 @@ std::vector<std::vector<int64_t>> inputs(int n, size_t len) {
   return v;
 }
 
+// reduce_scatter of `count` int64 per rank: rank r gets the sum of every rank's block r.
+void expect_reduce_scatter(Ring& ring, int n, size_t count, plan::Algo algo) {
+  auto send = inputs(n, count * n);
+  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+  auto st = ring.collective(CollectiveKind::kReduceScatter, {count}, 0, send, recv, algo);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (size_t i = 0; i < count; ++i) {
+      int64_t want = 0;
+      for (int q = 0; q < n; ++q) want += send[q][size_t(r) * count + i];
+      ASSERT_EQ(recv[r][i], want) << "reduce_scatter rank " << r;
+    }
+  }
+}
+
 class GdrLinkWorlds : public ::testing::TestWithParam<std::tuple<int, uint32_t>> {};
 
 // Allreduce of many counts on the ring and on the trees, in calls back to back (message
@@ -318,20 +333,10 @@ TEST_P(GdrLinkWorlds, CollectivesOverTheLinks) {
     }
   }
   const size_t count = 301;
-  auto send = inputs(n, count * n);
-  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
-  auto st = ring.collective(CollectiveKind::kReduceScatter, {count}, 0, send, recv);
-  for (int r = 0; r < n; ++r) {
-    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
-    for (size_t i = 0; i < count; ++i) {
-      int64_t want = 0;
-      for (int q = 0; q < n; ++q) want += send[q][size_t(r) * count + i];
-      ASSERT_EQ(recv[r][i], want) << "reduce_scatter rank " << r;
-    }
-  }
-  send = inputs(n, count);
-  recv.assign(n, std::vector<int64_t>(count * n, -1));
-  st = ring.collective(CollectiveKind::kAllGather, {count}, 0, send, recv);
+  expect_reduce_scatter(ring, n, count, plan::Algo::kRing);
+  auto send = inputs(n, count);
+  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count * n, -1));
+  auto st = ring.collective(CollectiveKind::kAllGather, {count}, 0, send, recv);
   for (int r = 0; r < n; ++r) {
     ASSERT_TRUE(st[r].ok()) << st[r].to_string();
     for (int q = 0; q < n; ++q)
@@ -444,20 +449,11 @@ TEST_P(GdrLinkShapes, RingAndTreeOverNodes) {
     }
   }
   const size_t count = 77;
+  expect_reduce_scatter(ring, n, count, plan::Algo::kTree);  // a tree reduce_scatter takes the ring
   auto send = inputs(n, count * n);
-  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
-  auto st = ring.collective(CollectiveKind::kReduceScatter, {count}, 0, send, recv, plan::Algo::kTree);
-  for (int r = 0; r < n; ++r) {
-    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
-    for (size_t i = 0; i < count; ++i) {
-      int64_t want = 0;
-      for (int q = 0; q < n; ++q) want += send[q][size_t(r) * count + i];
-      ASSERT_EQ(recv[r][i], want) << "reduce_scatter rank " << r;
-    }
-  }
-  recv = inputs(n, count);
+  auto recv = inputs(n, count);
   const auto root_data = recv[1];
-  st = ring.collective(CollectiveKind::kBroadcast, {count}, 1, send, recv, plan::Algo::kTree);
+  auto st = ring.collective(CollectiveKind::kBroadcast, {count}, 1, send, recv, plan::Algo::kTree);
   for (int r = 0; r < n; ++r) {
     ASSERT_TRUE(st[r].ok()) << st[r].to_string();
     ASSERT_EQ(recv[r], root_data) << "broadcast rank " << r;

@@ -531,24 +531,7 @@ void SocketDriver::goodbye(Deadline deadline) {
   bye.bytes = kByeBytes;
   for (Port& p : ports_) {
     if (!p.send || p.closed || failure().code() != Code::kOk) continue;
-    size_t done = 0;
-    while (done < kMetaBytes) {
-      ssize_t r = ::send(p.sock.get(), reinterpret_cast<const char*>(&bye) + done, kMetaBytes - done,
-                         MSG_DONTWAIT | MSG_NOSIGNAL);
-      if (r > 0) {
-        done += size_t(r);
-        continue;
-      }
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0 && would_block(errno)) {
-        pollfd pfd{p.sock.get(), POLLOUT, 0};
-        int timeout = poll_timeout_ms(deadline, 100);
-        if (timeout == 0 && Clock::now() >= deadline) break;
-        (void)::poll(&pfd, 1, timeout);
-        continue;
-      }
-      break;  // the peer is gone already: nothing to tell it
-    }
+    (void)write_until(p, &bye, kMetaBytes, deadline);  // false: past the deadline, or the peer is gone
   }
 }
 
