@@ -114,9 +114,8 @@ namespace {
 // The stream's side of a step (gpu/step_runner.h) as kernels on the caller's stream.
 class KernelStream final : public StepStream {
  public:
-  KernelStream(const GdrChannels::Impl& m, const GdrLink& link, cudaStream_t stream, DataType type, ReduceOp op,
-               int divisor)
-      : m_(m), link_(link), stream_(stream), type_(type), op_(op), divisor_(divisor),
+  KernelStream(const GdrChannels::Impl& m, cudaStream_t stream, DataType type, ReduceOp op, int divisor)
+      : m_(m), link_(*m.link), stream_(stream), type_(type), op_(op), divisor_(divisor),
         timeout_ns_(uint64_t(m.cfg.link.op_timeout.count()) * 1'000'000ull) {}
 
   Status wait_arrived(int p, uint64_t v) override {
@@ -169,6 +168,18 @@ std::vector<int> members_of(const GdrConfig& cfg) {
   return all;
 }
 
+// The members' channels and this rank's peers (gpu/step_runner.h).
+Result<RdmaChannels> channels_of(const GdrConfig& cfg) {
+  return rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank);
+}
+
+// The slots of `peers`: `slots` of `slot_bytes` per peer and direction used.
+uint64_t peer_slot_bytes(const std::vector<GdrPeer>& peers, const GdrLinkConfig& link) {
+  uint64_t directions = 0;
+  for (const GdrPeer& p : peers) directions += uint64_t(p.send) + uint64_t(p.recv);
+  return directions * link.slots * link.slot_bytes;
+}
+
 }  // namespace
 
 GdrChannels::GdrChannels(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -179,11 +190,8 @@ GdrChannels::~GdrChannels() {
 }
 
 uint64_t GdrChannels::slot_region_bytes(const GdrConfig& cfg) {
-  auto ch = rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank);
-  if (!ch.ok()) return 0;
-  uint64_t directions = 0;
-  for (const GdrPeer& p : ch->peers) directions += uint64_t(p.send) + uint64_t(p.recv);
-  return directions * cfg.link.slots * cfg.link.slot_bytes;
+  auto ch = channels_of(cfg);
+  return ch.ok() ? peer_slot_bytes(ch->peers, cfg.link) : 0;
 }
 
 Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, const HostOps& ops,
@@ -193,7 +201,7 @@ Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, c
   m.cfg = cfg;
   std::unique_ptr<GdrChannels> chan(new GdrChannels(std::move(impl)));
   GdrLinkConfig lc = cfg.link;
-  auto ch = rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank);
+  auto ch = channels_of(cfg);
   if (!ch.ok()) return Status(ch.status().code(), cfg.link.who + ": " + ch.status().message());
   m.channels = std::move(ch).value();
   lc.peers = m.channels.peers;
@@ -295,8 +303,7 @@ Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, c
   m.link = std::move(link).value();
   m.runner = std::make_unique<StepRunner>(m.link.get());
   m.gpu_slots = in_host->empty();
-  m.slot_region_bytes = 0;
-  for (const GdrPeer& p : lc.peers) m.slot_region_bytes += (uint64_t(p.send) + uint64_t(p.recv)) * lc.slots * lc.slot_bytes;
+  m.slot_region_bytes = peer_slot_bytes(lc.peers, lc);
   const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
                            (m.channels.shape.node_count() == 1 ? " node" : " nodes");
   m.description = m.gpu_slots ? "GPUDirect RDMA (" + what + ") over " + m.link->describe() + where +
@@ -327,7 +334,7 @@ Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int av
   if (!steps.ok()) return Status(steps.status().code(), m.cfg.link.who + ": " + steps.status().message());
   // Broadcast has one buffer (the recv buffer), read on the root and written elsewhere.
   const void* input = c.kind == CollectiveKind::kBroadcast ? c.recv : c.send;
-  KernelStream ks(m, *m.link, stream, c.type, c.op, divisor);
+  KernelStream ks(m, stream, c.type, c.op, divisor);
   Status s = m.runner->run(*steps, m.channels.members, input, c.recv, es, ks);
   if (!s.ok()) return Status(s.code(), m.cfg.link.who + ": " + s.message());
   return s;
