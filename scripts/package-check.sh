@@ -17,6 +17,10 @@
 #                                               --boot: the packaged units started by systemctl, the
 #                                               ranks through their socket (needs root, the network,
 #                                               systemd-container)
+#   scripts/package-check.sh cuda DEB_DIR       the CUDA packages in a fresh Debian 12 tree, installed
+#                                               by dpkg with cuda-cudart-13-0 ignored (NVIDIA's apt
+#                                               repository has it); the installed library's
+#                                               fatbinaries must hold ELF sm_80, 86, 89, 90, 100 and PTX
 #   scripts/package-check.sh installed PREFIX   the check itself, against PREFIX (used by all three)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -188,6 +192,7 @@ fresh_debian() {
   cp "$debs"/gradsync*.deb "$root/debs/"
   cp "$here/scripts/package-check.sh" "$root/gradsync/scripts/"
   cp -r "$here/examples/consumer" "$root/gradsync/examples/"
+  [ "${GRADSYNC_NO_APT_INSTALL:-0}" = 1 ] && return
   say "apt-get install the packages and a compiler${*:+ and $*} in the chroot"
   chroot "$root" bash -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -qq &&
     apt-get install -y -q --no-install-recommends /debs/gradsync_*.deb /debs/gradsync-dev_*.deb \
@@ -203,6 +208,38 @@ chroot_mode() {
   umount "$root/dev" "$root/proc"
   trap - EXIT
   rm -rf "$root" "$root.log"
+}
+
+# The CUDA packages' kernels as a user installs them. Their cuda-cudart-13-0 comes from NVIDIA's
+# apt repository, which a plain Debian 12 tree lacks: every other dependency is installed by
+# apt, the packages by dpkg with that one ignored. Then the installed library's fatbinaries are
+# listed (cuobjdump where the CUDA toolkit has it, else scripts/fatbin-list.py).
+cuda_mode() {
+  GRADSYNC_NO_APT_INSTALL=1 fresh_debian "$1"
+  say "apt-get install the dependencies but cuda-cudart-13-0, then dpkg -i the packages"
+  chroot "$root" bash -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -qq &&
+    deps=$(dpkg-deb -f /debs/gradsync_*.deb Depends | tr "," "\n" | sed "s/(.*//; s/ //g" | grep -v "^cuda-cudart") &&
+    apt-get install -y -q --no-install-recommends $deps >/tmp/apt.log 2>&1 || { tail -30 /tmp/apt.log; exit 1; }
+    dpkg -i --ignore-depends=cuda-cudart-13-0 /debs/gradsync_*.deb /debs/gradsync-dev_*.deb >/tmp/dpkg.log 2>&1 ||
+      { tail -30 /tmp/dpkg.log; exit 1; }
+    dpkg -l "gradsync*" | tail -2' || die "installing the CUDA packages"
+  local lib list
+  lib=$(chroot "$root" dpkg -L gradsync | grep "/libgradsync\.so\.[0-9]*\.[0-9]*\.[0-9]*$") || die "no libgradsync.so in the package"
+  say "installed $lib, sha256 $(sha256sum "$root$lib" | cut -c1-16)"
+  if command -v cuobjdump >/dev/null; then
+    list=$( (cuobjdump --list-elf "$root$lib"; cuobjdump --list-ptx "$root$lib") | sed -n 's/.*\.\(sm_[0-9]*\)\.\(cubin\|ptx\)$/\2 \1/p' | sort | uniq -c)
+  else
+    list=$(python3 "$here/scripts/fatbin-list.py" "$root$lib")
+  fi
+  echo "$list"
+  umount "$root/dev" "$root/proc"
+  trap - EXIT
+  rm -rf "$root"
+  for arch in 80 86 89 90 100; do
+    grep -Eq "(ELF|cubin) sm_$arch\b" <<<"$list" || die "no ELF for sm_$arch in the installed library"
+  done
+  grep -Eiq "ptx" <<<"$list" || die "no PTX in the installed library"
+  say "ok"
 }
 
 # The fresh tree with systemd as its init, booted in a container: `systemctl start` of the
@@ -268,6 +305,7 @@ case "${1:-}" in
   prefix) prefix_mode "${2:?BUILD_DIR}" ;;
   chroot) chroot_mode "${2:?DEB_DIR}" ;;
   nspawn) nspawn_mode "${2:?DEB_DIR}" ;;
+  cuda) cuda_mode "${2:?DEB_DIR}" ;;
   installed) installed "${2:?PREFIX}" ;;
   *) sed -n '2,17p' "$0"; exit 2 ;;
 esac
