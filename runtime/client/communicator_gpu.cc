@@ -147,9 +147,14 @@ std::string Communicator::gpu_path() const {
   DeviceComm* gpu = impl_->gpu();
   return gpu ? gpu->path() : "none";
 }
-Result<uint64_t> Communicator::gpu_bytes_sent() const {
+Result<Communicator::GpuBytesSent> Communicator::gpu_bytes_sent_by_link() const {
   DeviceComm* gpu = impl_->gpu();
-  return gpu ? gpu->bytes_sent() : Result<uint64_t>(uint64_t{0});
+  return gpu ? gpu->bytes_sent() : Result<GpuBytesSent>(GpuBytesSent{});
+}
+Result<uint64_t> Communicator::gpu_bytes_sent() const {
+  auto b = gpu_bytes_sent_by_link();
+  if (!b.ok()) return b.status();
+  return b->total();
 }
 // gpu/timeline.h: the bench's and the tests' way to the DeviceComm's timeline.
 Result<gpu::Timeline> gpu::last_timeline(Communicator& comm) {
@@ -183,6 +188,7 @@ Status Communicator::broadcast(void*, size_t, DataType, int, CUstream_st*, CallO
 Status Communicator::async_error() { return Status::Ok(); }
 int Communicator::device() const { return JoinOptions::kNoDevice; }
 std::string Communicator::gpu_path() const { return "none"; }
+Result<Communicator::GpuBytesSent> Communicator::gpu_bytes_sent_by_link() const { return GpuBytesSent{}; }
 Result<uint64_t> Communicator::gpu_bytes_sent() const { return uint64_t{0}; }
 Result<gpu::Timeline> gpu::last_timeline(Communicator&) {
   return Status(Code::kUnimplemented, "gradsync was built without CUDA: no GPU timeline");

@@ -367,9 +367,14 @@ DeviceComm::MemoryUse DeviceComm::memory() const {
   return u;
 }
 
-Result<uint64_t> DeviceComm::bytes_sent() {
+Result<Communicator::GpuBytesSent> DeviceComm::bytes_sent() {
   Impl& m = *impl_;
-  if (m.path != Impl::Path::kIpc && m.path != Impl::Path::kHierarchical) return uint64_t{0};
+  Communicator::GpuBytesSent b;
+#if GRADSYNC_HAVE_GDR
+  if (m.gdr) m.gdr->add_bytes_sent(b);
+  if (m.rail) m.rail->add_bytes_sent(b);
+#endif
+  if (m.path != Impl::Path::kIpc && m.path != Impl::Path::kHierarchical) return b;
   DeviceScope scope;
   if (Status e = scope.enter(cfg_.device); !e.ok()) return e;
   // A private non-blocking stream: no legacy-stream call (ranks may share the GPU).
@@ -380,7 +385,8 @@ Result<uint64_t> DeviceComm::bytes_sent() {
   if (e == cudaSuccess) e = cudaStreamSynchronize(s);
   (void)cudaStreamDestroy(s);
   GS_CUDA(e, "reading the bytes-sent counter");
-  return v;
+  b.cuda_ipc = v;
+  return b;
 }
 
 const char* DeviceComm::path() const {

@@ -113,9 +113,10 @@ class DeviceComm {
   const char* path() const;
   // Why path() was chosen, for logs and `gradsyncctl describe`.
   const std::string& path_why() const;
-  // Payload bytes this rank's kernels stored into peers' GPU memory so far (cuda-ipc; 0 on
-  // the other paths). Waits for nothing but the copy of the counter.
-  Result<uint64_t> bytes_sent();
+  // Payload bytes this rank sent to other GPUs so far, by link (Communicator::GpuBytesSent):
+  // the kernels' counter of CUDA IPC stores (waits for nothing but its copy) and the RDMA
+  // links' counters of writes posted.
+  Result<Communicator::GpuBytesSent> bytes_sent();
   // The memory this communicator holds, stated in `gradsyncctl describe`: GPU memory (the
   // CUDA IPC region and its counters, GPUDirect RDMA slots, the timeline) and pinned host
   // memory (staging slots, mapped words, RDMA slots the NIC reaches in host memory). Its GPU

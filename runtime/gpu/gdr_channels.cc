@@ -305,7 +305,8 @@ Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, c
   m.gpu_slots = in_host->empty();
   m.slot_region_bytes = peer_slot_bytes(lc.peers, lc);
   const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
-                           (m.channels.shape.node_count() == 1 ? " node" : " nodes");
+                           (m.channels.shape.node_count() == 1 ? " node" : " nodes") +
+                           "; allreduce by the cost model: " + rdma_auto_summary(m.channels);
   m.description = m.gpu_slots ? "GPUDirect RDMA (" + what + ") over " + m.link->describe() + where +
                                     (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "")
                               : "host-staged RDMA (" + what + ") over " + m.link->describe() + " (" + *in_host + ")";
@@ -321,6 +322,16 @@ DeviceComm::MemoryUse GdrChannels::memory() const {
   return u;
 }
 
+void GdrChannels::add_bytes_sent(Communicator::GpuBytesSent& b) const {
+  const Impl& m = *impl_;
+  const std::vector<std::string>& node = m.cfg.nodes.empty() ? m.cfg.link.hosts : m.cfg.nodes;
+  const std::string& mine = node[size_t(m.cfg.link.rank)];
+  for (int p = 0; p < m.link->peer_count(); ++p) {
+    const uint64_t bytes = m.link->bytes_sent(p);
+    (node[size_t(m.link->peer(p).rank)] == mine ? b.rdma_same_node : b.rdma_other_nodes) += bytes;
+  }
+}
+
 const std::string& GdrChannels::describe() const { return impl_->description; }
 Status GdrChannels::error() const { return impl_->link->error(); }
 void GdrChannels::quiesce() { impl_->link->quiesce(); }
@@ -329,7 +340,12 @@ Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int av
   Impl& m = *impl_;
   const int divisor = avg_divisor > 0 ? avg_divisor : int(m.channels.members.size());
   const size_t es = element_size(c.type);
-  const plan::Algo algo = c.algorithm == Algorithm::kTree ? plan::Algo::kTree : plan::Algo::kRing;
+  // Forced (CallOptions::algorithm or GRADSYNC_ALGO, resolved by the caller), else the cost
+  // model's choice for an allreduce of this size on these channels.
+  const plan::Algo algo = c.algorithm == Algorithm::kTree ? plan::Algo::kTree
+                          : c.algorithm == Algorithm::kRing || c.kind != CollectiveKind::kAllreduce
+                              ? plan::Algo::kRing
+                              : rdma_auto_algo(m.channels, c.count * es);
   auto steps = rdma_steps(m.channels, c.kind, algo, c.count, es, c.root, m.cfg.link.slot_bytes);
   if (!steps.ok()) return Status(steps.status().code(), m.cfg.link.who + ": " + steps.status().message());
   // Broadcast has one buffer (the recv buffer), read on the root and written elsewhere.

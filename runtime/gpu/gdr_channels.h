@@ -68,8 +68,9 @@ class GdrChannels {
 
   // Queues one checked, non-empty collective (allreduce, reduce_scatter, all_gather,
   // broadcast) among the members (c.root a world rank) on `stream`; the worker moves its
-  // messages as the stream gets to them. c.algorithm kTree runs an allreduce on the trees;
-  // everything else takes the ring. `avg_divisor`: what an avg divides by (0: the member
+  // messages as the stream gets to them. An allreduce runs on the trees with c.algorithm
+  // kTree, on the ring with kRing, and with kAuto where the cost model predicts it faster
+  // (rdma_auto_algo); every other collective takes the ring. `avg_divisor`: what an avg divides by (0: the member
   // count; the hierarchical path's rails pass the world's).
   Status enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor = 0);
   // The worker's failure, if any (ok otherwise).
@@ -83,6 +84,9 @@ class GdrChannels {
   // memory it cannot register, or GRADSYNC_GDR_HOST_SLOTS). The kernels and the protocol are
   // the same; each rank decides for itself, so one ring may mix both.
   bool gpu_slots() const;
+  // Adds the payload bytes this rank wrote over its queue pairs so far to `b`: to peers on
+  // its own node (GdrConfig::nodes) and to peers on other nodes.
+  void add_bytes_sent(Communicator::GpuBytesSent& b) const;
   // Its memory: the slots (slots x slot bytes per peer and direction, in GPU or pinned host
   // memory) and the mapped words.
   DeviceComm::MemoryUse memory() const;

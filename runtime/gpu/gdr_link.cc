@@ -75,6 +75,7 @@ struct PeerLink {
   uint64_t posted = 0, completed = 0, arrived = 0;
   uint64_t credit_sent = 0;
   bool credit_inflight = false;
+  uint64_t bytes_sent = 0;  // payload bytes posted; written by the worker, read atomically
   std::deque<uint32_t> landed;  // lengths of receives completed but not yet planned
 };
 
@@ -332,6 +333,10 @@ uint8_t* GdrLink::slot(int index, bool receive, uint64_t msg) const { return imp
 uint32_t GdrLink::slots() const { return impl_->cfg.slots; }
 size_t GdrLink::slot_bytes() const { return impl_->cfg.slot_bytes; }
 
+uint64_t GdrLink::bytes_sent(int index) const {
+  return __atomic_load_n(&impl_->peers[size_t(index)].bytes_sent, __ATOMIC_RELAXED);
+}
+
 Status GdrLink::error() const {
   std::lock_guard lock(impl_->mu);
   return impl_->error;
@@ -423,6 +428,7 @@ void GdrLink::Impl::run() {
                                      peer_name(l.peer.rank) + ": " + s.message()});
         }
         ++l.posted;
+        __atomic_fetch_add(&l.bytes_sent, uint64_t(len), __ATOMIC_RELAXED);
         progress = true;
         if (trace) {
           log::get(cfg.log_name)->info("{}: gdr posted message {} ({} bytes) to {}", cfg.who, msg, len,
@@ -511,7 +517,17 @@ void GdrLink::Impl::run() {
       }
       if (l.completed < planned_s[i] || l.arrived < planned_r[i]) pending = true;
     }
-    if (!ops.abort_reason().empty()) return;  // the stream's waits end through the abort word
+    if (!ops.abort_reason().empty()) {
+      // The stream's waits end through the abort word. What this rank still waited for, for
+      // the diagnosis of whoever aborted (a stall seen first by a wait kernel, say).
+      for (size_t i = 0; i < peers.size(); ++i) {
+        if (peers[i].completed < planned_s[i] || peers[i].arrived < planned_r[i]) {
+          log::get(cfg.log_name)->warn("{}: stopped by the abort with messages outstanding: {}", cfg.who,
+                                       stall(peers[i], planned_s[i], planned_r[i]));
+        }
+      }
+      return;
+    }
     if (draining.load(std::memory_order_acquire) && !pending &&
         std::all_of(peers.begin(), peers.end(), [](const PeerLink& l) {
           return !l.credit_inflight && load(&l.words->consumed) == l.credit_sent;

@@ -121,6 +121,9 @@ class GdrLink {
   };
   void plan(const std::vector<Message>& messages);
   Status error() const;
+  // Payload bytes written to peer `index` so far (RDMA writes posted; the credit words are
+  // not counted).
+  uint64_t bytes_sent(int index) const;
   // Lets the last credits go out and stops the worker; the stream must be idle.
   void quiesce();
   // "<device port> (...), dma-buf, 4 x 1048576-byte slots, 2 peers".

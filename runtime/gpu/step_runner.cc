@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <string>
 
+#include "gpu/plan/cost_model.h"
+#include "gpu/plan/executor.h"
+
 namespace gradsync {
 
 Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me) {
@@ -32,6 +35,9 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
   }
   if (ch.position < 0) return Status(Code::kInternal, "RDMA channels: rank " + std::to_string(me) + " is no member");
   if (std::string why = ch.shape.validate(); !why.empty()) return Status(Code::kInternal, "RDMA channels: " + why);
+  // Every hop of these channels is a queue pair, those inside a node too.
+  ch.shape.links.intra_gbps = ch.shape.links.nic_gbps;
+  ch.shape.links.intra_lat = ch.shape.links.nic_lat;
   plan::PlanRequest req;
   req.algo = plan::Algo::kRing;
   ch.ring = plan::plan_channels(ch.shape, req);
@@ -55,7 +61,63 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
     return Status(Code::kInternal, "RDMA channels: " + std::to_string(ch.peers.size()) + " peers, at most " +
                                        std::to_string(kMaxGdrPeers));
   }
+  // The cost model's ring against its trees, 8 B .. 64 MiB (its terms are linear in the bytes
+  // beyond): its hop counts, and as the bytes the most any rank sends, inside its node and
+  // out of it together, since on these channels every hop goes through the rank's NIC (the
+  // model's own figures take a GPU's bytes inside its node and its NIC's as apart). Counted on
+  // every rank up to 16, else on the ranks of 4 nodes (first, second, middle, last).
+  if (k >= 2) {
+    std::vector<int> sample;  // plan ranks
+    const int nn = ch.shape.node_count();
+    for (int x : {0, 1, nn / 2, nn - 1}) {
+      if (x >= nn) continue;
+      for (int q : ch.shape.nodes[size_t(x)].ranks) {
+        if (std::find(sample.begin(), sample.end(), q) == sample.end()) sample.push_back(q);
+      }
+    }
+    if (k <= 16) {
+      sample.resize(size_t(k));
+      for (int q = 0; q < k; ++q) sample[size_t(q)] = q;
+    }
+    auto predict = [&](plan::Algo algo, size_t bytes) {
+      plan::PlanRequest r;
+      r.algo = algo;
+      r.count = bytes / 4;
+      plan::ScheduleFigures fig = plan::schedule_figures(ch.shape, r);
+      const plan::ChannelSet& set = algo == plan::Algo::kTree ? ch.tree : ch.ring;
+      plan::LinkBytes b(ch.shape);
+      for (int q : sample) plan::count_bytes(ch.shape, set, q, plan::rank_steps(ch.shape, set, r, q), r.esize, &b);
+      fig.max_intra_bytes = 0;
+      fig.max_nic_bytes = 0;
+      for (int q : sample) fig.max_nic_bytes = std::max(fig.max_nic_bytes, b.intra_sent[size_t(q)] + b.inter_sent[size_t(q)]);
+      return std::min(plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kLowLatency),
+                      plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kBulk));
+    };
+    for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {
+      ch.tree_faster.push_back(predict(plan::Algo::kTree, bytes) < predict(plan::Algo::kRing, bytes));
+    }
+  }
   return ch;
+}
+
+plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes) {
+  if (ch.tree_faster.empty()) return plan::Algo::kRing;
+  size_t i = 0;
+  while (i + 1 < ch.tree_faster.size() && (size_t(8) << i) < bytes) ++i;
+  return ch.tree_faster[i] ? plan::Algo::kTree : plan::Algo::kRing;
+}
+
+std::string rdma_auto_summary(const RdmaChannels& ch) {
+  const auto& t = ch.tree_faster;
+  std::string out;
+  for (size_t i = 0; i < t.size(); ++i) {
+    if (i + 1 < t.size() && t[i + 1] == t[i]) continue;  // not the end of a run of one choice
+    const bool last = i + 1 == t.size();
+    if (last && out.empty()) return t[i] ? "tree at every size" : "ring at every size";
+    out += (out.empty() ? "" : ", ") + std::string(t[i] ? "tree" : "ring") +
+           (last ? " above" : " up to " + std::to_string(size_t(8) << i) + " B");
+  }
+  return out.empty() ? "ring at every size" : out;
 }
 
 Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,

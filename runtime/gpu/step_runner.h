@@ -40,10 +40,21 @@ struct RdmaChannels {
   plan::JobShape shape;
   plan::ChannelSet ring, tree;
   std::vector<GdrPeer> peers;
+  // The GPU cost model's choice for an allreduce that forces no algorithm, per power of two
+  // of its bytes (index i: up to 8 << i bytes; the last entry holds above): true where the
+  // trees are predicted faster than the ring (the GPU cost model on this shape, the hops and
+  // bytes inside a node costed as the NIC's, since on these channels they loop through it).
+  std::vector<bool> tree_faster;
 };
 // `hosts`: every world rank's node (its host, or any grouping key). An error when `me` is not among `members` once, or the
 // peers exceed kMaxGdrPeers.
 Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me);
+
+// The algorithm an allreduce of `bytes` takes on these channels when none is forced:
+// kTree or kRing, from `tree_faster`.
+plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes);
+// That choice in words, for logs and describe: "tree up to 65536 B, ring above".
+std::string rdma_auto_summary(const RdmaChannels& ch);
 
 // The steps of one call on those channels, ordered channel by channel (so that every peer
 // connection carries one channel's messages after another's on both ends), with messages of at

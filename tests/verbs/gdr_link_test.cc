@@ -351,6 +351,65 @@ TEST_P(GdrLinkWorlds, CollectivesOverTheLinks) {
   }
 }
 
+// The links' byte counters (GdrLink::bytes_sent, behind Communicator::gpu_bytes_sent_by_link)
+// after a ring allreduce of S bytes over 4 single-rank nodes: 2 (n-1)/n S per rank, all of it
+// to the next rank on the ring; the trees' calls after it add to the same counters.
+TEST(GdrLink, ByteCountersGiveTheRingsTwoNMinusOneOverN) {
+  const int n = 4;
+  Ring ring(n, 4, 64);
+  ASSERT_EQ(ring.error(), "");
+  const size_t count = 64;  // int64: S = 512 bytes, 128-byte chunks, two messages each
+  auto send = inputs(n, count);
+  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+  auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv, plan::Algo::kRing);
+  std::vector<uint64_t> after_ring(n, 0);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    uint64_t to_next = 0;
+    for (int p = 0; p < ring.link(r).peer_count(); ++p) {
+      after_ring[r] += ring.link(r).bytes_sent(p);
+      if (ring.link(r).peer(p).rank == (r + 1) % n) to_next = ring.link(r).bytes_sent(p);
+    }
+    EXPECT_EQ(after_ring[r], 2 * uint64_t(n - 1) * count * 8 / n) << "rank " << r;
+    EXPECT_EQ(to_next, after_ring[r]) << "rank " << r;
+  }
+  st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv, plan::Algo::kTree);
+  uint64_t tree = 0;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (int p = 0; p < ring.link(r).peer_count(); ++p) tree += ring.link(r).bytes_sent(p);
+    tree -= after_ring[r];
+  }
+  // The trees move each half of S up and down once: every rank but the roots sends each half
+  // up once, and every edge carries it down once: 2 (n-1) halves up and down in all.
+  EXPECT_EQ(tree, 2 * uint64_t(n - 1) * count * 8);
+}
+
+// The cost model's choice on the RDMA channels (rdma_auto_algo): across 16 single-GPU nodes
+// the trees' log2 depth beats the ring's 30 hops for small calls, and the ring's fewer bytes
+// per NIC win for large ones; on one node of 4 the chain and the ring are the same hops.
+TEST(RdmaChannels, TheCostModelTakesTheTreesForSmallCallsAcrossManyNodes) {
+  std::vector<int> members;
+  std::vector<std::string> hosts;
+  for (int r = 0; r < 16; ++r) {
+    members.push_back(r);
+    hosts.push_back("n" + std::to_string(r));
+  }
+  auto ch = rdma_channels(members, hosts, 5);
+  ASSERT_TRUE(ch.ok()) << ch.status().to_string();
+  ASSERT_FALSE(ch->tree_faster.empty());
+  EXPECT_EQ(rdma_auto_algo(*ch, 8), plan::Algo::kTree);
+  EXPECT_EQ(rdma_auto_algo(*ch, 4096), plan::Algo::kTree);
+  EXPECT_EQ(rdma_auto_algo(*ch, size_t(1) << 30), plan::Algo::kRing);
+  EXPECT_EQ(rdma_auto_summary(*ch).rfind("tree up to ", 0), 0u) << rdma_auto_summary(*ch);
+  EXPECT_NE(rdma_auto_summary(*ch).find("ring above"), std::string::npos) << rdma_auto_summary(*ch);
+  // A single member has no choice to make.
+  auto one = rdma_channels({3}, hosts, 3);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(rdma_auto_algo(*one, 8), plan::Algo::kRing);
+  EXPECT_EQ(rdma_auto_summary(*one), "ring at every size");
+}
+
 // Rails: 3 nodes x 2 ranks, node-major, each node's two ranks on its one device; rank r is in
 // the ring of local index r % 2 ({0, 2, 4} and {1, 3, 5}), both built by one collective set-up.
 // Each ring sums its own members only, and names its own neighbours.

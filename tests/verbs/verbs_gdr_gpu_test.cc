@@ -180,6 +180,9 @@ TEST_F(Gdr, AllreduceMatrixTwoNodesTimesTwoFlat) {
   expect_path(world, "gpudirect-rdma");
   GpuWorld gpus(world);
   testing::allreduce_matrix(gpus, Algorithm::kRing);
+  // The cost model's choice: the trees for the matrix's small calls at this shape (4 hops in
+  // sequence against the ring's 6), the ring for its large ones.
+  testing::allreduce_matrix(gpus, Algorithm::kAuto);
 }
 
 // Several nodes of several GPU ranks (all on this machine's GPUs; each "node" a daemon on its
@@ -284,20 +287,13 @@ TEST_P(StagedShapes, OverTcpRingAndTree) {
 INSTANTIATE_TEST_SUITE_P(Shapes, StagedShapes, ::testing::Values(std::pair{2, 1}, std::pair{2, 2}),
                          shape_name);
 
-// The bytes of the hierarchical path inside the node, counted by the IPC kernels: 2 (L-1)/L
-// of the buffer per rank (reduce_scatter then all_gather), at 2 nodes x 4.
-TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
-  ASSERT_TRUE(kEagerLoading);
-  ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
-  ::setenv("GRADSYNC_GDR_SLOT_BYTES", "1048576", 1);
-  DaemonCluster cluster({.nodes = 2});
-  ASSERT_TRUE(cluster.ok()) << cluster.error();
-  const int per = 4, n = 8;
-  DaemonWorld world(cluster, 2, per, "hier-bytes", 60s, on_gpus);
-  ASSERT_EQ(world.join_error(), "");
-  expect_path(world, "hierarchical");
-  const size_t count = size_t(4) << 20;  // 16 MiB of float32, 4 MiB shards
-  std::vector<uint64_t> sent(n, 0);
+// One float32 sum allreduce of `count` elements in place on every rank of `world`, checked,
+// and what each rank sent by link (Communicator::gpu_bytes_sent_by_link) during it. The
+// counters are read after a barrier that follows every rank's stream: by then every message
+// of the call has arrived, so every RDMA write was posted.
+std::vector<Communicator::GpuBytesSent> allreduce_bytes(DaemonWorld& world, size_t count, Algorithm algo) {
+  const int n = world.size();
+  std::vector<Communicator::GpuBytesSent> sent(static_cast<size_t>(n));
   auto st = world.run([&](int r) -> Status {
     Communicator& comm = world.comm(r);
     GS_RETURN_IF_ERROR(cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
@@ -307,17 +303,22 @@ TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
     GS_RETURN_IF_ERROR(cuda_status(cudaMalloc(&buf, count * 4), "cudaMalloc"));
     cudaStream_t stream = nullptr;
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    cudaMemcpy(buf, host.data(), count * 4, cudaMemcpyHostToDevice);
-    auto before = comm.gpu_bytes_sent();
-    Status s = before.ok() ? comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream)
-                           : before.status();
+    cudaMemcpyAsync(buf, host.data(), count * 4, cudaMemcpyHostToDevice, stream);
+    cudaStreamSynchronize(stream);
+    Status s = comm.barrier();
+    auto before = comm.gpu_bytes_sent_by_link();
+    if (s.ok() && !before.ok()) s = before.status();
+    if (s.ok()) s = comm.allreduce(buf, buf, count, DataType::kFloat32, ReduceOp::kSum, stream, CallOptions{algo});
     cudaStreamSynchronize(stream);
     if (s.ok()) s = comm.async_error();
-    auto after = comm.gpu_bytes_sent();
+    if (s.ok()) s = comm.barrier();
+    auto after = comm.gpu_bytes_sent_by_link();
     if (s.ok() && !after.ok()) s = after.status();
-    if (s.ok()) sent[size_t(r)] = *after - *before;
     if (s.ok()) {
-      cudaMemcpy(host.data(), buf, count * 4, cudaMemcpyDeviceToHost);
+      sent[size_t(r)] = {after->cuda_ipc - before->cuda_ipc, after->rdma_same_node - before->rdma_same_node,
+                         after->rdma_other_nodes - before->rdma_other_nodes};
+      cudaMemcpyAsync(host.data(), buf, count * 4, cudaMemcpyDeviceToHost, stream);
+      cudaStreamSynchronize(stream);
       for (size_t i = 0; i < count && s.ok(); ++i) {
         const float want = float(n * (n - 1) / 2 + n * int(i % 5));
         if (host[i] != want) {
@@ -331,12 +332,65 @@ TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
     cudaFree(buf);
     return s;
   });
-  for (int r = 0; r < n; ++r) ASSERT_TRUE(st[size_t(r)].ok()) << "rank " << r << ": " << st[size_t(r)].to_string();
+  for (int r = 0; r < n; ++r) EXPECT_TRUE(st[size_t(r)].ok()) << "rank " << r << ": " << st[size_t(r)].to_string();
+  return sent;
+}
+
+// The bytes of the hierarchical path at 2 nodes x 4: inside the node, counted by the IPC
+// kernels, 2 (L-1)/L of the buffer per rank (reduce_scatter then all_gather); between nodes,
+// counted by the RDMA link, each rank's ring over its rail allreduces its shard S/L among 2
+// nodes: 2 (N-1)/N S/L = S/L; nothing by RDMA inside the node.
+TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
+  ASSERT_TRUE(kEagerLoading);
+  ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
+  ::setenv("GRADSYNC_GDR_SLOT_BYTES", "1048576", 1);
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const int per = 4, n = 8;
+  DaemonWorld world(cluster, 2, per, "hier-bytes", 60s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "hierarchical");
+  const size_t count = size_t(4) << 20;  // 16 MiB of float32, 4 MiB shards
+  auto sent = allreduce_bytes(world, count, Algorithm::kAuto);
   const uint64_t shard = count * 4 / per;
-  for (int r = 0; r < n; ++r) EXPECT_EQ(sent[size_t(r)], 2 * uint64_t(per - 1) * shard) << "rank " << r;
-  std::printf("hierarchical 2x4, %zu-byte float32 allreduce: %llu bytes per rank over CUDA IPC "
-              "(one node's flat one-shot: %llu)\n",
-              count * 4, (unsigned long long)sent[0], (unsigned long long)(uint64_t(per - 1) * count * 4));
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(sent[size_t(r)].cuda_ipc, 2 * uint64_t(per - 1) * shard) << "rank " << r;
+    EXPECT_EQ(sent[size_t(r)].rdma_other_nodes, shard) << "rank " << r;
+    EXPECT_EQ(sent[size_t(r)].rdma_same_node, 0u) << "rank " << r;
+  }
+  std::printf("hierarchical 2x4, %zu-byte float32 allreduce: per rank %llu bytes over CUDA IPC (one node's flat "
+              "one-shot: %llu), %llu over RDMA to the other node\n",
+              count * 4, (unsigned long long)sent[0].cuda_ipc, (unsigned long long)(uint64_t(per - 1) * count * 4),
+              (unsigned long long)sent[0].rdma_other_nodes);
+}
+
+// The flat GPUDirect channels at 2 nodes x 2, ring forced: every rank sends 2 (n-1)/n S in
+// all, by RDMA (the hops inside the node too: they loop through the NIC). The tree's split
+// is printed beside it.
+TEST_F(Gdr, FlatRingSendsTwoNMinusOneOverNPerRank) {
+  ::setenv("GRADSYNC_GPU_HIERARCHICAL", "0", 1);
+  ::setenv("GRADSYNC_GDR_SLOT_BYTES", "65536", 1);
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const int n = 4;
+  DaemonWorld world(cluster, 2, 2, "flat-bytes", 20s, on_gpus);
+  ::unsetenv("GRADSYNC_GPU_HIERARCHICAL");
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  const size_t count = size_t(1) << 18;  // 1 MiB of float32
+  const uint64_t bytes = count * 4;
+  for (Algorithm algo : {Algorithm::kRing, Algorithm::kTree}) {
+    auto sent = allreduce_bytes(world, count, algo);
+    for (int r = 0; r < n; ++r) {
+      const auto& b = sent[size_t(r)];
+      EXPECT_EQ(b.cuda_ipc, 0u) << "rank " << r;
+      if (algo == Algorithm::kRing) EXPECT_EQ(b.total(), 2 * uint64_t(n - 1) * bytes / n) << "rank " << r;
+      std::printf("flat 2x2 %s, %llu-byte allreduce: rank %d sent %llu bytes by RDMA inside its node, %llu to the "
+                  "other node\n",
+                  algo == Algorithm::kRing ? "ring" : "tree", (unsigned long long)bytes, r,
+                  (unsigned long long)b.rdma_same_node, (unsigned long long)b.rdma_other_nodes);
+    }
+  }
 }
 
 // Below GRADSYNC_GDR_MIN_BYTES calls stay host-staged; both paths interleave on one stream.

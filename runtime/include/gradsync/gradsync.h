@@ -161,11 +161,21 @@ class Communicator {
   // The CUDA device of GPU collectives, or JoinOptions::kNoDevice.
   int device() const;
   // How the GPU collectives move data on this communicator, for logs: "cuda-ipc" (every rank
-  // on one node: kernels write into peers' GPU memory), "host-staged" (through pinned host
-  // memory and the daemons), "single-rank", or "none" on a host-only communicator.
+  // on one node: kernels write into peers' GPU memory), "gpudirect-rdma" and "hierarchical"
+  // (RDMA queue pairs between nodes), "host-staged" (through pinned host memory and the
+  // daemons), "single-rank", or "none" on a host-only communicator.
   std::string gpu_path() const;
-  // Payload bytes this rank's GPU collectives stored into peers' GPU memory so far (cuda-ipc;
-  // 0 on the other paths): the counter behind the byte counts in docs/benchmarks.md.
+  // Payload bytes this rank's GPU collectives sent to other GPUs so far, by link: the counters
+  // behind the byte counts in docs/benchmarks.md. The host-staged path through the daemons
+  // is not counted here (its channels have their own counters).
+  struct GpuBytesSent {
+    uint64_t cuda_ipc = 0;          // stored into peers' GPU memory by this rank's kernels (its node)
+    uint64_t rdma_same_node = 0;    // written by RDMA to peers on its own node (the flat channels)
+    uint64_t rdma_other_nodes = 0;  // written by RDMA to peers on other nodes
+    uint64_t total() const { return cuda_ipc + rdma_same_node + rdma_other_nodes; }
+  };
+  Result<GpuBytesSent> gpu_bytes_sent_by_link() const;
+  // gpu_bytes_sent_by_link().total().
   Result<uint64_t> gpu_bytes_sent() const;
 
   // send holds world_size * recv_count elements; rank r receives block r of the reduction.
