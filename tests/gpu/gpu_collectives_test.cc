@@ -173,10 +173,11 @@ TEST(GpuCollectives, FourRanksTwoNodesHostStaged) {
 // the host tree (GRADSYNC_ALGO), and reduce_scatter, all_gather and broadcast. With the ranks
 // as threads of one process (verbs_gdr_gpu_test's StagedShapes) 6 to 8 streams of one context
 // each hold a wait kernel, and one rank's copy to host memory waited behind them past the op
-// timeout: an artefact of sharing a context, so these shapes run as processes.
-TEST(GpuCollectives, StagedTwoByFourAndThreeByTwoAsProcesses) {
+// timeout: an artefact of sharing a context, so these shapes run as processes. 2x2 joined them
+// after it failed that way once as threads (2026-12-02, 1 of 9 whole runs on the H200).
+TEST(GpuCollectives, StagedShapesAsProcesses) {
   REQUIRE_GPU();
-  for (const std::vector<int>& layout : {std::vector<int>{4, 4}, std::vector<int>{2, 2, 2}}) {
+  for (const std::vector<int>& layout : {std::vector<int>{2, 2}, std::vector<int>{4, 4}, std::vector<int>{2, 2, 2}}) {
     Cluster c({.daemons = int(layout.size())});
     ASSERT_TRUE(c.ok()) << c.error();
     const int world = layout[0] * int(layout.size());

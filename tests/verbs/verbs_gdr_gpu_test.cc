@@ -262,11 +262,12 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GdrShapes,
                          shape_name);
 
 // The same shapes with TCP between the nodes (no RDMA device): host-staged, ring and tree.
-// 2x1 and 2x2 only: at 2x4 and 3x2 the 6-8 ranks' streams, all in this process's one CUDA
-// context, each hold a wait kernel for the host's results, and one rank's copy of its piece
-// to host memory waited behind them past the op timeout (its worker never reached the host
-// collective that the other ranks were in). Each rank in a process of its own, the real
-// layout, runs those shapes: gpu_collectives_test's StagedTwoByFourAndThreeByTwoAsProcesses.
+// 2x1 only: at 2x4 and 3x2 the 6-8 ranks' streams, all in this process's one CUDA context,
+// each hold a wait kernel for the host's results, and one rank's copy of its piece to host
+// memory waited behind them past the op timeout (its worker never reached the host collective
+// that the other ranks were in); 2x2 did the same once in 9 whole runs. Each rank in a
+// process of its own, the real layout, runs those shapes: gpu_collectives_test's
+// StagedShapesAsProcesses.
 class StagedShapes : public Gdr, public ::testing::WithParamInterface<std::pair<int, int>> {};
 
 TEST_P(StagedShapes, OverTcpRingAndTree) {
@@ -284,7 +285,7 @@ TEST_P(StagedShapes, OverTcpRingAndTree) {
   testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kTree);
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, StagedShapes, ::testing::Values(std::pair{2, 1}, std::pair{2, 2}),
+INSTANTIATE_TEST_SUITE_P(Shapes, StagedShapes, ::testing::Values(std::pair{2, 1}),
                          shape_name);
 
 // One float32 sum allreduce of `count` elements in place on every rank of `world`, checked,
