@@ -121,6 +121,8 @@ struct GdrLink::Impl {
   void run();
   void fail(Status s);
   std::string stall(const PeerLink& l, uint64_t planned_sends, uint64_t planned_recvs) const;
+  void log_outstanding(const char* how, const std::vector<uint64_t>& planned_s,
+                       const std::vector<uint64_t>& planned_r) const;
 };
 
 // Everything this rank can do alone: device, region, credit words, CQ, QPs (to INIT).
@@ -518,15 +520,8 @@ void GdrLink::Impl::run() {
       if (l.completed < planned_s[i] || l.arrived < planned_r[i]) pending = true;
     }
     if (!ops.abort_reason().empty()) {
-      // The stream's waits end through the abort word. What this rank still waited for, for
-      // the diagnosis of whoever aborted (a stall seen first by a wait kernel, say).
-      for (size_t i = 0; i < peers.size(); ++i) {
-        if (peers[i].completed < planned_s[i] || peers[i].arrived < planned_r[i]) {
-          log::get(cfg.log_name)->warn("{}: stopped by the abort with messages outstanding: {}", cfg.who,
-                                       stall(peers[i], planned_s[i], planned_r[i]));
-        }
-      }
-      return;
+      // The stream's waits end through the abort word.
+      return log_outstanding("stopped by the abort", planned_s, planned_r);
     }
     if (draining.load(std::memory_order_acquire) && !pending &&
         std::all_of(peers.begin(), peers.end(), [](const PeerLink& l) {
@@ -565,6 +560,27 @@ void GdrLink::Impl::run() {
       }
     }
     if (++idle > 64) std::this_thread::sleep_for(std::chrono::microseconds(idle > 4096 ? 200 : 5));
+  }
+  {
+    std::lock_guard lock(mu);
+    for (size_t i = 0; i < peers.size(); ++i) {
+      planned_s[i] = peers[i].planned_sends;
+      planned_r[i] = peers[i].planned_recvs;
+    }
+  }
+  log_outstanding("stopped (the link is closed)", planned_s, planned_r);
+}
+
+// What this rank still waited for when its worker stops early, for the diagnosis of whoever
+// failed (a stall seen first by a stream's wait kernel, whose timeout does not wait for the
+// worker's).
+void GdrLink::Impl::log_outstanding(const char* how, const std::vector<uint64_t>& planned_s,
+                                    const std::vector<uint64_t>& planned_r) const {
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (peers[i].completed < planned_s[i] || peers[i].arrived < planned_r[i]) {
+      log::get(cfg.log_name)->warn("{}: {} with messages outstanding: {}", cfg.who, how,
+                                   stall(peers[i], planned_s[i], planned_r[i]));
+    }
   }
 }
 
