@@ -452,6 +452,9 @@ Status DeviceComm::fail_from_error_word() {
                                             " for more than " + std::to_string(int64_t(ms)) +
                                             " ms (op timeout); that rank is slow, hung, or "
                                             "never called the same collective"};
+    // The job fails with it: the other ranks stop waiting for this one (and their links log
+    // what they still waited for).
+    if (ops_.abort_job) ops_.abort_job(failed_.message());
   } else {
     std::string reason = ops_.abort_reason();
     failed_ = {Code::kAborted, who() + ": a GPU collective stopped: " + what +

@@ -17,7 +17,8 @@
 //                   broadcast from the last rank) in a CUDA graph and replays it 4 times with
 //                   new inputs, checking each result; prints "PASS"
 //   absent          rank 1 joins but never calls; rank 0's allreduce must fail by its
-//                   deadline: prints "async_error: STATUS" and "PASS" when it did
+//                   deadline: prints "async_error: STATUS" and "PASS" when it did; rank 1's
+//                   barrier afterwards must fail with rank 0's reason (the job aborted)
 //   timeline COUNT  (GRADSYNC_GPU_TIMELINE=1, cuda-ipc) two float32 sum allreduces of COUNT
 //                   elements (chunked protocol), checked; each one's in-kernel timeline
 //                   (gpu/timeline.h) must be well-formed: the expected blocks and chunks per
@@ -435,8 +436,12 @@ int graph_all(gradsync::Communicator& comm, size_t count) {
 
 int absent(gradsync::Communicator& comm) {
   if (comm.rank() != 0) {
-    // Joined, alive, never calls: rank 0 must give up by its own deadline.
+    // Joined, alive, never calls: rank 0 must give up by its own deadline, and its failure
+    // fails the job, so that this rank's next call names it instead of waiting.
     std::this_thread::sleep_for(std::chrono::seconds(6));
+    gradsync::Status b = comm.barrier();
+    std::printf("rank 1 barrier: %s\n", b.to_string().c_str());
+    if (b.ok() || b.message().find("did not finish") == std::string::npos) return 1;
     std::printf("PASS\n");
     return 0;
   }
