@@ -19,7 +19,9 @@ constexpr Millis kShutdownGrace{2000};
 // Server keepalive: finds half-open WatchEvents streams of daemons that vanished.
 constexpr int kKeepaliveTimeMs = 30000;
 constexpr int kKeepaliveTimeoutMs = 10000;
-constexpr int kMinClientPingIntervalMs = 5000;  // daemons may ping this often
+// Daemons may ping this often: gradsyncd pings every second to find a partition within its
+// lease (CoordinatorLink::kPingPeriod). A ping is answered by the transport, not the service.
+constexpr int kMinClientPingIntervalMs = 500;
 
 }  // namespace
 

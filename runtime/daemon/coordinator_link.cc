@@ -82,17 +82,30 @@ CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::Chan
   // most every 30 s by default: calls failed "Connection refused" for seconds after the
   // coordinator was back (issue 17's 7 s gap of new jobs after a coordinator restart).
   args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 100);
+  // A node cut off from the network (issue 17) keeps an open event stream whose heartbeat
+  // writes still complete into the socket's buffer: nothing fails for minutes (TCP's
+  // retransmissions). A keepalive ping answered by the coordinator's transport proves the
+  // connection works; one unanswered for kPingTimeout closes it, and the outage is counted
+  // from the last answer (note_outage). Pings go even while heartbeats flow (gRPC 1.51 sends
+  // no more than one a second).
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, int(kPingPeriod.count()));
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(kPingTimeout.count()));
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   for (size_t start = 0; start <= addresses_.size();) {
     size_t comma = addresses_.find(',', start);
     if (comma == std::string::npos) comma = addresses_.size();
     std::string one = addresses_.substr(start, comma - start);
     start = comma + 1;
     if (one.empty()) continue;
-    auto stub = v1::Coordinator::NewStub(coordinator_channel(one, credentials, args, auth_));
-    targets_.push_back({std::move(one), std::move(stub)});
+    auto channel = coordinator_channel(one, credentials, args, auth_);
+    auto stub = v1::Coordinator::NewStub(channel);
+    targets_.push_back({std::move(one), std::move(channel), std::move(stub)});
   }
   if (targets_.empty()) {  // the daemon checks its flag; keep one target so calls fail with a message
-    targets_.push_back({addresses_, v1::Coordinator::NewStub(coordinator_channel(addresses_, credentials, args, auth_))});
+    auto channel = coordinator_channel(addresses_, credentials, args, auth_);
+    auto stub = v1::Coordinator::NewStub(channel);
+    targets_.push_back({addresses_, std::move(channel), std::move(stub)});
   }
 }
 
@@ -263,11 +276,22 @@ std::string forgotten_cause(int64_t silent_ms, int64_t idle_ms, int failed, int 
 void CoordinatorLink::heartbeat_loop() {
   auto log = log::get("daemon");
   std::unique_lock lock(mu_);
+  Clock::time_point next_beat = Clock::now() + std::chrono::milliseconds(lease_ms_) / 3;
   for (;;) {
     const std::chrono::milliseconds lease(lease_ms_);
-    if (cv_.wait_for(lock, lease / 3, [this] { return stopping_; })) return;
+    // Up at the next heartbeat, and also when an outage noted meanwhile passes the lease
+    // (note_outage sets outage_due_ and notifies): the node's ranks hear of a cut as soon as
+    // the rule allows, not up to a heartbeat period later.
+    auto wake = [&] { return outage_due_ == Clock::time_point{} ? next_beat : std::min(next_beat, outage_due_); };
+    while (!stopping_ && Clock::now() < wake()) cv_.wait_until(lock, wake());
+    if (stopping_) return;
+    outage_due_ = {};
+    check_reachable(lock);
+    if (stopping_) return;
+    if (Clock::now() < next_beat) continue;  // woken for the outage alone
     // How long this thread did not run (a paused or starved daemon): forgotten_cause.
     const auto now = Clock::now();
+    next_beat = now + lease / 3;
     longest_gap_ = std::max(longest_gap_, std::chrono::duration_cast<std::chrono::milliseconds>(now - heartbeat_ran_));
     heartbeat_ran_ = now;
     std::shared_ptr<EventStream> stream = stream_;
@@ -285,6 +309,43 @@ void CoordinatorLink::heartbeat_loop() {
     }
     lock.lock();
   }
+}
+
+void CoordinatorLink::note_outage(const grpc::Status& s, Clock::time_point now) {
+  if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) return;  // it answered
+  unreachable_why_ = s.error_message();
+  if (unreachable_since_ != Clock::time_point{}) return;
+  // The connection's last sign of life, at the latest: for a ping, or any data, left
+  // unacknowledged (gRPC's keepalive watchdog, or the TCP user timeout it sets on the socket to
+  // the same kPingTimeout: "Connection timed out"), when that was sent; for a stream the
+  // heartbeat thread found stuck, the write that got stuck; else (refused, reset, the
+  // coordinator going away) now.
+  auto since = now;
+  const std::string& msg = s.error_message();
+  if (msg.find("keepalive") != std::string::npos || msg.find("timed out") != std::string::npos) since = now - kPingTimeout;
+  if (stream_stuck_ != Clock::time_point{}) since = std::min(since, stream_stuck_);
+  unreachable_since_ = since;
+  outage_due_ = since + std::chrono::milliseconds(lease_ms_) + std::chrono::milliseconds(1);
+  cv_.notify_all();  // the heartbeat thread: wake up at outage_due_
+}
+
+void CoordinatorLink::check_reachable(std::unique_lock<std::mutex>& lock) {
+  if (unreachable_since_ == Clock::time_point{}) return;
+  const Target& target = targets_[current_];
+  // READY: a connection made since, with the server's HTTP/2 settings (a standby's counts too:
+  // its leader is on the way, and nothing is aborted while any coordinator answers).
+  if (target.channel->GetState(false) == GRPC_CHANNEL_READY) {
+    log::get("daemon")->info("coordinator {} reachable again after {} ms", target.address,
+                             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - unreachable_since_).count());
+    unreachable_since_ = {};
+    return;
+  }
+  const auto outage = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - unreachable_since_);
+  if (outage <= std::chrono::milliseconds(lease_ms_) || !on_unreachable_) return;
+  const std::string address = target.address, why = unreachable_why_;
+  lock.unlock();
+  on_unreachable_(outage, address, why);
+  lock.lock();
 }
 
 grpc::Status CoordinatorLink::watch_once(v1::Coordinator::Stub& stub) {
@@ -367,7 +428,9 @@ void CoordinatorLink::watch_loop() {
       last_known_ = heartbeat_ran_ = Clock::now();
       longest_gap_ = std::chrono::milliseconds(0);
       failed_ = refused_ = 0;
+      unreachable_since_ = {};
     } else if (s.error_code() != grpc::StatusCode::NOT_FOUND) {
+      note_outage(s, Clock::now());
       const bool reached = stream_sent_ != Clock::time_point{};
       if (reached) last_known_ = std::max(last_known_, stream_stuck_ != Clock::time_point{} ? stream_stuck_ : stream_sent_);
       if (!reached || stream_stuck_ != Clock::time_point{}) {  // could not reach the coordinator

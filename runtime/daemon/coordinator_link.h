@@ -51,6 +51,19 @@ class CoordinatorLink {
   // Set before start().
   using ForgottenHandler = std::function<void(const std::string& node_id, const std::string& cause)>;
   void set_on_forgotten(ForgottenHandler fn) { on_forgotten_ = std::move(fn); }
+  // Called (on the heartbeat thread: as the outage passes the lease, then every lease/3) while
+  // no coordinator has been reachable for longer than the lease: `outage` since the connection was last known to work, `why` the
+  // last failure seen (e.g. gRPC's "keepalive watchdog timeout"). The coordinator has given
+  // the node up by then, unless it is only down or changing leaders: the handler tells the
+  // two apart (Daemon::coordinator_unreachable). Set before start().
+  using UnreachableHandler =
+      std::function<void(std::chrono::milliseconds outage, const std::string& address, const std::string& why)>;
+  void set_on_unreachable(UnreachableHandler fn) { on_unreachable_ = std::move(fn); }
+  // HTTP/2 keepalive of the daemon's channel: a ping every kPingPeriod, and a connection whose
+  // ping is not answered within kPingTimeout is closed (its streams end UNAVAILABLE). The
+  // coordinator's server admits pings this often (coordinator/service.cc).
+  static constexpr std::chrono::milliseconds kPingPeriod{1000};
+  static constexpr std::chrono::milliseconds kPingTimeout{1000};
   void stop();
 
   std::string node_id() const;
@@ -82,8 +95,14 @@ class CoordinatorLink {
   Status from_grpc(const grpc::Status& s, const std::string& what, const std::string& address) const;
   struct Target {
     std::string address;
+    std::shared_ptr<grpc::Channel> channel;  // its connectivity state tells reachability
     std::unique_ptr<v1::Coordinator::Stub> stub;
   };
+  // A stream ended with `s` at `now` (under mu_): notes the start of an outage if none is noted.
+  void note_outage(const grpc::Status& s, Clock::time_point now);
+  // On the heartbeat thread, under `lock`: ends a noted outage once the current coordinator's
+  // channel is connected again, else calls on_unreachable_ (without the lock) past the lease.
+  void check_reachable(std::unique_lock<std::mutex>& lock);
   // The current coordinator: its index and stub (stubs live as long as the link).
   std::pair<size_t, v1::Coordinator::Stub*> current() const;
   // Call `index` answered UNAVAILABLE with `s`: move to the leader it names, else the next one.
@@ -101,6 +120,7 @@ class CoordinatorLink {
   const EventHandler on_event_;
   const std::shared_ptr<CallAuth> auth_;
   ForgottenHandler on_forgotten_;
+  UnreachableHandler on_unreachable_;
   std::vector<Target> targets_;  // fixed after the constructor
   size_t current_ = 0;           // guarded by mu_
   log::RateLimit failover_logs_;
@@ -123,6 +143,11 @@ class CoordinatorLink {
   std::chrono::milliseconds longest_gap_{0};
   int failed_ = 0, refused_ = 0;
   std::chrono::steady_clock::time_point stream_sent_{}, stream_stuck_{};  // of the last stream (watch_once)
+  // Since when no coordinator has been reachable (the connection's last sign of life); {}
+  // while one is, and why the last stream ended.
+  std::chrono::steady_clock::time_point unreachable_since_{};
+  std::chrono::steady_clock::time_point outage_due_{};  // when that passes the lease; {} once checked
+  std::string unreachable_why_;
   std::deque<v1::Event> events_;
   bool stream_over_ = false;
   grpc::Status stream_status_;

@@ -205,6 +205,9 @@ Status Daemon::start() {
                                             std::make_shared<CallAuth>(cfg_.cluster_secret, ""), node,
                                             [this](const v1::Event& ev) { on_event(ev); });
   link_->set_on_forgotten([this](const std::string& node_id, const std::string& cause) { forgotten(node_id, cause); });
+  link_->set_on_unreachable([this](std::chrono::milliseconds outage, const std::string& address, const std::string& why) {
+    coordinator_unreachable(outage, address, why);
+  });
   GS_RETURN_IF_ERROR(link_->start(cfg_.register_timeout));
 
   trainer_acceptor_ = std::thread([this] {

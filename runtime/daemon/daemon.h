@@ -109,6 +109,12 @@ class Daemon {
   // aborted the node's running jobs, or lost them in a restart, so their local ranks are
   // aborted here too.
   void forgotten(const std::string& node_id, const std::string& cause);
+  // No coordinator has been reachable for `outage`, longer than the lease
+  // (CoordinatorLink::set_on_unreachable). A coordinator that is down or changing leaders
+  // leaves the jobs running (their data path needs none); a node cut off from the network must
+  // end its ranks, which otherwise wait for their op timeout. Told apart by the peer daemons of
+  // the running jobs: a job one of whose peer daemons does not answer either is aborted here.
+  void coordinator_unreachable(std::chrono::milliseconds outage, const std::string& address, const std::string& why);
   // Reads the job's local flight recorders and writes them to the log directory; returns the
   // path ("" when there was nothing to write). Takes mu_.
   std::string dump_traces(const std::shared_ptr<LocalJob>& job, const std::string& why);

@@ -241,4 +241,57 @@ void Daemon::forgotten(const std::string& node_id, const std::string& cause) {
   }
 }
 
+void Daemon::coordinator_unreachable(std::chrono::milliseconds outage, const std::string& address,
+                                     const std::string& why) {
+  // The running jobs and their peer daemons elsewhere.
+  std::vector<std::pair<std::shared_ptr<LocalJob>, std::set<std::string>>> running;
+  std::set<std::string> peers;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [id, job] : jobs_) {
+      if (job->generation == 0 || job->aborted || job->state != LocalJob::State::kReady) continue;
+      std::set<std::string> theirs;
+      for (const auto& ep : job->endpoints) {
+        if (!ep.proxy().empty() && ep.proxy() != endpoint_) theirs.insert(ep.proxy());
+      }
+      if (theirs.empty()) continue;  // every rank here: no partition can touch it
+      peers.insert(theirs.begin(), theirs.end());
+      running.emplace_back(job, std::move(theirs));
+    }
+  }
+  if (running.empty()) return;
+  // A peer daemon that accepts, or refuses (its host answered), is reachable; a connection that
+  // times out or finds no route is not.
+  std::map<std::string, std::string> silent;  // endpoint -> what the probe saw
+  size_t probed = 0;
+  for (const auto& peer : peers) {
+    if (probed++ == kMaxCutOffProbes) break;
+    Status s = probe_daemon(peer, deadline_after(kPeerProbeTimeout));
+    if (s.code() == Code::kDeadlineExceeded) silent[peer] = s.message();
+  }
+  if (silent.empty()) return;  // the coordinator alone is away (down, or a takeover): go on
+  const std::string coordinator = "the coordinator at " + address + " has been unreachable for " +
+                                  std::to_string(outage.count()) + " ms (" + why + ")";
+  for (auto& [job, theirs] : running) {
+    std::string names;
+    size_t answered = 0;
+    for (const auto& peer : theirs) {
+      auto it = silent.find(peer);
+      if (it == silent.end()) {
+        ++answered;
+        continue;
+      }
+      names += (names.empty() ? "" : ", ") + it->second;
+    }
+    if (names.empty()) continue;
+    metrics_.error("cut_off", "coordinator " + address);
+    abort(job, -1,
+          job->ids() + ": gradsyncd on " + hostname_ + " (data " + endpoint_ + ") is cut off from the network: " +
+              coordinator + ", longer than its lease, so the coordinator has given this node up and ended the job " +
+              "on the other nodes; and the job's peer daemons do not answer (" + names + ")" +
+              (answered ? "; " + std::to_string(answered) + " other peer daemon(s) of the job answered" : ""),
+          false);
+  }
+}
+
 }  // namespace gradsync

@@ -41,6 +41,9 @@ inline constexpr std::chrono::milliseconds kPeerAbortGrace{500};
 inline constexpr std::chrono::milliseconds kPeerProbeTimeout{200};
 // ... and how often it probes again while the grace lasts.
 inline constexpr std::chrono::milliseconds kPeerProbeEvery{50};
+// The peer daemons probed at most each time the coordinator is found unreachable for longer
+// than the lease (Daemon::coordinator_unreachable), each for kPeerProbeTimeout.
+inline constexpr size_t kMaxCutOffProbes = 8;
 
 inline std::shared_ptr<spdlog::logger> dlog() { return log::get("daemon"); }
 
