@@ -312,7 +312,11 @@ void CoordinatorLink::heartbeat_loop() {
 }
 
 void CoordinatorLink::note_outage(const grpc::Status& s, Clock::time_point now) {
-  if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND) return;  // it answered
+  // It answered: the node is unknown there, or a standby names its leader.
+  if (s.ok() || s.error_code() == grpc::StatusCode::NOT_FOUND ||
+      s.error_message().find(kLeaderIsPhrase) != std::string::npos) {
+    return;
+  }
   unreachable_why_ = s.error_message();
   if (unreachable_since_ != Clock::time_point{}) return;
   // The connection's last sign of life, at the latest: for a ping, or any data, left
@@ -335,8 +339,9 @@ void CoordinatorLink::check_reachable(std::unique_lock<std::mutex>& lock) {
   // READY: a connection made since, with the server's HTTP/2 settings (a standby's counts too:
   // its leader is on the way, and nothing is aborted while any coordinator answers).
   if (target.channel->GetState(false) == GRPC_CHANNEL_READY) {
-    log::get("daemon")->info("coordinator {} reachable again after {} ms", target.address,
-                             std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - unreachable_since_).count());
+    const auto outage = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - unreachable_since_);
+    log::get("daemon")->log(outage.count() > lease_ms_ ? spdlog::level::info : spdlog::level::debug,
+                            "coordinator {} reachable again after {} ms", target.address, outage.count());
     unreachable_since_ = {};
     return;
   }
