@@ -25,6 +25,13 @@ constexpr int kMinClientPingIntervalMs = 500;
 
 }  // namespace
 
+void set_keepalive_policy(grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kMinClientPingIntervalMs);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+}
+
 grpc::Status to_grpc(const Status& s) {
   using grpc::StatusCode;
   StatusCode code = StatusCode::UNKNOWN;
@@ -285,11 +292,7 @@ Status CoordinatorServer::start(const std::string& listen_addr) {
   // gRPC sets SO_REUSEPORT by default, which would let a second coordinator silently share
   // the port; a busy port must be an error instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveTimeMs);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-                             kMinClientPingIntervalMs);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  set_keepalive_policy(builder);
   // No bandwidth-delay probes: every message received on a connection idle for a while starts
   // one (a PING and its answer), which tripled the cost of an idle node's heartbeat. The
   // coordinator receives only small messages, so the default receive window is enough.

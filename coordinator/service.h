@@ -25,6 +25,7 @@
 
 namespace grpc {
 class Server;
+class ServerBuilder;
 }
 
 namespace gradsync {
@@ -46,6 +47,11 @@ struct CoordinatorOptions {
   // loads its records at start() and writes every change. Null: in memory only (standalone).
   std::shared_ptr<Store> store;
 };
+
+// The HTTP/2 keepalive policy of a coordinator's server, the leader's and a standby's alike:
+// its own pings find half-open connections, and gradsyncd's (every second, to find a
+// partition: daemon/coordinator_link.h) are admitted.
+void set_keepalive_policy(grpc::ServerBuilder& builder);
 
 class CoordinatorService;  // the gRPC handlers, in service_internal.h
 

@@ -4,6 +4,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "common/log.h"
+#include "coordinator/service.h"
 
 namespace gradsync::coordinator {
 
@@ -45,6 +46,10 @@ Status StandbyServer::start(const std::string& listen_addr, const TlsOptions& tl
   service_ = std::make_unique<Service>(this);
   grpc::ServerBuilder builder;
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // gradsyncd pings every second, also a standby it asked for the leader once: refused, its
+  // pings would end in a GOAWAY ("too_many_pings") and gRPC would halve their rate on that
+  // channel, which this coordinator may later serve as the leader.
+  set_keepalive_policy(builder);
   int port = 0;
   builder.AddListeningPort(listen_addr, *credentials, &port);
   builder.RegisterCallbackGenericService(service_.get());

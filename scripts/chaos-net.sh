@@ -70,20 +70,9 @@ net_down() {
   net_nodes=0
 }
 
-# Cuts node i off (control and data links down), or heals it. The addresses go too: a TUN
-# device that is down still hands the node the packets the relay writes to it, so with the
-# links down alone a partition let packets in one way (a retransmitted segment from another
-# node arrived, seen in a chaos trial); without its addresses the node drops them.
-net_cut() {
-  local ns; ns=$(net_ns "$1")
-  ip -n "$ns" link set c0 down; ip -n "$ns" link set "${net_prefix}t$1" down
-  ip -n "$ns" addr del "10.77.$1.2/24" dev c0; ip -n "$ns" addr del "$(net_data_host "$1")/24" dev "${net_prefix}t$1"
-}
-net_heal() {
-  local ns; ns=$(net_ns "$1")
-  ip -n "$ns" addr add "10.77.$1.2/24" dev c0; ip -n "$ns" addr add "$(net_data_host "$1")/24" dev "${net_prefix}t$1"
-  ip -n "$ns" link set c0 up; ip -n "$ns" link set "${net_prefix}t$1" up
-}
+# Cuts node i off (control and data links down), or heals it.
+net_cut() { ip -n "$(net_ns "$1")" link set c0 down; ip -n "$(net_ns "$1")" link set "${net_prefix}t$1" down; }
+net_heal() { ip -n "$(net_ns "$1")" link set c0 up; ip -n "$(net_ns "$1")" link set "${net_prefix}t$1" up; }
 
 # Loss and delay on every data packet between nodes: on / off.
 net_impair() { kill -USR1 "$net_relay_pid"; }
