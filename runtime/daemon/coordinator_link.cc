@@ -86,8 +86,7 @@ CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::Chan
   // writes still complete into the socket's buffer: nothing fails for minutes (TCP's
   // retransmissions). A keepalive ping answered by the coordinator's transport proves the
   // connection works; one unanswered for kPingTimeout closes it, and the outage is counted
-  // from the last answer (note_outage). Pings go even while heartbeats flow (gRPC 1.51 sends
-  // no more than one a second).
+  // from when that ping was sent (note_outage). Pings go even while heartbeats flow.
   args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, int(kPingPeriod.count()));
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(kPingTimeout.count()));
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);

@@ -52,8 +52,9 @@ class CoordinatorLink {
   using ForgottenHandler = std::function<void(const std::string& node_id, const std::string& cause)>;
   void set_on_forgotten(ForgottenHandler fn) { on_forgotten_ = std::move(fn); }
   // Called (on the heartbeat thread: as the outage passes the lease, then every lease/3) while
-  // no coordinator has been reachable for longer than the lease: `outage` since the connection was last known to work, `why` the
-  // last failure seen (e.g. gRPC's "keepalive watchdog timeout"). The coordinator has given
+  // no coordinator has been reachable for longer than the lease: `outage` since the connection
+  // was last known to work, `why` the last failure seen (e.g. "Connection timed out", a ping
+  // left unanswered; "Network is unreachable"). The coordinator has given
   // the node up by then, unless it is only down or changing leaders: the handler tells the
   // two apart (Daemon::coordinator_unreachable). Set before start().
   using UnreachableHandler =
