@@ -70,8 +70,10 @@ net_down() {
   net_nodes=0
 }
 
-# Cuts node i off (control and data links down), or heals it.
-net_cut() { ip -n "$(net_ns "$1")" link set c0 down; ip -n "$(net_ns "$1")" link set "${net_prefix}t$1" down; }
+# Cuts node i off (control and data links down), or heals it. The data link first: each `ip`
+# waits for the kernel's rtnl lock, once for seconds, and a data link that outlived the control
+# link carried the coordinator's verdict on the node to its ranks from the other nodes.
+net_cut() { ip -n "$(net_ns "$1")" link set "${net_prefix}t$1" down; ip -n "$(net_ns "$1")" link set c0 down; }
 net_heal() { ip -n "$(net_ns "$1")" link set c0 up; ip -n "$(net_ns "$1")" link set "${net_prefix}t$1" up; }
 
 # Loss and delay on every data packet between nodes: on / off.
