@@ -170,8 +170,8 @@ void CoordinatorService::run_deferred(std::unique_lock<std::mutex>& lock) {
   lock.unlock();
   for (Deferred& op : ops) {
     if (op.unary) op.unary->Finish(std::move(op.status));
-    else if (op.write) op.watch->StartWrite(&op.watch->current);
-    else op.watch->Finish(std::move(op.status));
+    else if (op.write) op.watch->io.Write(op.watch->current, op.watch->tag(WatchStream::kWrite));
+    else op.watch->io.Finish(op.status, op.watch->tag(WatchStream::kFinish));
   }
 }
 
@@ -305,8 +305,18 @@ Status CoordinatorServer::start(const std::string& listen_addr) {
   builder.AddListeningPort(listen_addr, *credentials, &port_);
   builder.RegisterService(service_.get());
   builder.experimental().SetInterceptorCreators(service_->metrics().interceptors());
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> stream_queues;
+  for (size_t k = 0; k < kStreamQueues; ++k) stream_queues.push_back(builder.AddCompletionQueue());
   server_ = builder.BuildAndStart();
   if (!server_ || port_ == 0) {
+    if (server_) server_->Shutdown();
+    for (auto& q : stream_queues) q->Shutdown();
+    for (auto& q : stream_queues) {
+      void* tag = nullptr;
+      bool ok = false;
+      while (q->Next(&tag, &ok)) {
+      }
+    }
     server_.reset();
     service_.reset();
     port_ = 0;
@@ -315,12 +325,15 @@ Status CoordinatorServer::start(const std::string& listen_addr) {
                                     "machine, or the address is not HOST:PORT"};
   }
   service_->start();
+  service_->start_streams(std::move(stream_queues));
   if (!options_.metrics_listen.empty()) {
     metrics_ = std::make_unique<MetricsServer>();
     CoordinatorService* service = service_.get();
     if (Status s = metrics_->start(options_.metrics_listen, [service] { return service->render_metrics(); }); !s.ok()) {
       metrics_.reset();
+      service_->stop();
       server_->Shutdown();
+      service_->stop_streams();
       server_.reset();
       service_.reset();
       port_ = 0;
@@ -344,6 +357,8 @@ void CoordinatorServer::shutdown() {
   // Ending blocked calls first lets Shutdown() complete without waiting out the grace.
   service_->stop();
   server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
+  // Every call has ended: nothing begins an operation on the stream queues any more.
+  service_->stop_streams();
 }
 
 int CoordinatorServer::metrics_port() const { return metrics_ ? metrics_->port() : 0; }

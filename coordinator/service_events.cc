@@ -1,5 +1,5 @@
-// CoordinatorService's event streams (WatchEvents: a node's queued events out, its heartbeats in)
-// and TraceJob/ReportTrace, whose requests travel to the daemons over those streams
+// CoordinatorService's event streams (WatchEvents: a node's queued events out, its heartbeats in,
+// on gRPC's asynchronous API over kStreamQueues completion queues) and TraceJob/ReportTrace, whose requests travel to the daemons over those streams
 // (coordinator/service_internal.h).
 #include <algorithm>
 
@@ -19,25 +19,104 @@ constexpr uint32_t kTraceDefaultRecords = 2000;
 
 }  // namespace
 
-// The stream is named by its first message (read in watch_read); a caller without a node
-// credential is refused at once.
-grpc::ServerBidiReactor<v1::WatchRequest, v1::Event>* CoordinatorService::WatchEvents(
-    grpc::CallbackServerContext* ctx) {
-  auto* r = new WatchReactor(this, ctx);
-  if (Status a = authz_.node_call(*ctx, "", "WatchEvents"); !a.ok()) {
-    {
-      std::lock_guard lock(mu_);
-      r->finished = true;
-    }
-    r->Finish(to_grpc(a));
-    return r;
+// How many WatchEvents calls each stream queue has asked for at any time: a herd of daemons
+// opening their streams waits for the next one in gRPC's queue of unmatched calls otherwise.
+constexpr int kRequestsPerQueue = 4;
+
+void CoordinatorService::start_streams(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues) {
+  stream_queues_ = std::move(queues);
+  for (size_t k = 0; k < stream_queues_.size(); ++k) {
+    for (int i = 0; i < kRequestsPerQueue; ++i) request_stream(k);
   }
-  r->StartRead(&r->in);
-  return r;
+  for (size_t k = 0; k < stream_queues_.size(); ++k) {
+    stream_threads_.emplace_back([this, k] { poll_streams(k); });
+  }
+}
+
+void CoordinatorService::stop_streams() {
+  {
+    std::lock_guard lock(streams_mu_);
+    if (streams_closing_) return;
+    streams_closing_ = true;
+    for (auto& q : stream_queues_) q->Shutdown();
+  }
+  for (auto& t : stream_threads_) t.join();
+}
+
+// Asks queue `queue` for the next WatchEvents call; none once the queues are shutting down
+// (an operation begun on a queue that was shut down is fatal in gRPC).
+void CoordinatorService::request_stream(size_t queue) {
+  std::lock_guard lock(streams_mu_);
+  if (streams_closing_) return;
+  auto* w = new WatchStream(this, queue);
+  w->ctx.AsyncNotifyWhenDone(w->tag(WatchStream::kDone));  // delivered only once matched
+  grpc::ServerCompletionQueue* cq = stream_queues_[queue].get();
+  RequestWatchEvents(&w->ctx, &w->io, cq, cq, w->tag(WatchStream::kMatched));
+}
+
+// One stream queue's thread: every completion of the streams on it, in order.
+void CoordinatorService::poll_streams(size_t queue) {
+  void* tag = nullptr;
+  bool ok = false;
+  while (stream_queues_[queue]->Next(&tag, &ok)) {
+    auto* t = static_cast<WatchStream::Tag*>(tag);
+    WatchStream* w = t->stream;
+    switch (t->op) {
+      case WatchStream::kMatched:
+        if (!ok) {  // the server is shutting down: the call never came
+          delete w;
+          continue;
+        }
+        request_stream(queue);
+        stream_matched(w);
+        continue;
+      case WatchStream::kRead:
+        watch_read(w, ok);
+        break;
+      case WatchStream::kWrite:
+        write_done(w, ok);
+        break;
+      case WatchStream::kFinish:
+        break;
+      case WatchStream::kDone:
+        stream_over(w);
+        break;
+      case WatchStream::kOps:
+        break;
+    }
+    release(w);
+  }
+}
+
+// A new call: a caller without a node credential is refused at once; the stream is named by
+// its first message (read in watch_read).
+void CoordinatorService::stream_matched(WatchStream* w) {
+  w->ops = 1;  // the call's end (kDone), which comes on this thread, so not before this
+  if (Status a = authz_.node_call(w->ctx, "", "WatchEvents"); !a.ok()) {
+    Locked lock(this);
+    finish_watch_locked(w, to_grpc(a));
+    return;
+  }
+  start_read(w);
+}
+
+void CoordinatorService::start_read(WatchStream* w) {
+  ++w->ops;
+  w->io.Read(&w->in, w->tag(WatchStream::kRead));
+}
+
+void CoordinatorService::release(WatchStream* w) {
+  if (--w->ops == 0) delete w;
+}
+
+// Queues a stream's Write of `current` (or its Finish) for after the service's mutex.
+void CoordinatorService::defer_stream_locked(WatchStream* w, bool write, grpc::Status status) {
+  ++w->ops;
+  deferred_.push_back({nullptr, w, write, std::move(status)});
 }
 
 // A message on a node's stream: the first names the node, every later one is a heartbeat.
-void CoordinatorService::watch_read(WatchReactor* r, bool ok) {
+void CoordinatorService::watch_read(WatchStream* r, bool ok) {
   const int64_t now_ms = std::chrono::duration_cast<Millis>(Clock::now().time_since_epoch()).count();
   // How much later than this stream's best the message is read (0 when it sets a new best).
   int64_t late_ms = 0;
@@ -57,7 +136,7 @@ void CoordinatorService::watch_read(WatchReactor* r, bool ok) {
                               "WatchEvents: the stream ended before a WatchRequest named the node"});
       return;
     }
-    if (attach_watch_locked(r)) r->StartRead(&r->in);
+    if (attach_watch_locked(r)) start_read(r);
     return;
   }
   // Not ok: the node half-closed (it keeps the stream for events and heartbeats with unary
@@ -74,10 +153,10 @@ void CoordinatorService::watch_read(WatchReactor* r, bool ok) {
     finish_watch_locked(r, to_grpc(lost_or_unknown(r->node_id)));
     return;
   }
-  r->StartRead(&r->in);
+  start_read(r);
 }
 
-void CoordinatorService::write_done(WatchReactor* r, bool ok) {
+void CoordinatorService::write_done(WatchStream* r, bool ok) {
   Locked lock(this);
   r->writing = false;
   auto q = queues_.find(r->node_id);
@@ -91,30 +170,27 @@ void CoordinatorService::write_done(WatchReactor* r, bool ok) {
   }
   if (r->finish_due) {
     r->finish_due = false;
-    deferred_.push_back({nullptr, r, false, r->final_status});
+    if (!r->over) defer_stream_locked(r, false, r->final_status);
     return;
   }
   if (ok && attached) pump_locked(q->second);
 }
 
-void CoordinatorService::watch_cancelled(WatchReactor* r) {
+// The call has ended (finished, cancelled by the client, or its connection gone): the node
+// has no stream until it opens another.
+void CoordinatorService::stream_over(WatchStream* w) {
   Locked lock(this);
-  finish_watch_locked(r, {grpc::StatusCode::CANCELLED, "WatchEvents cancelled"});
-}
-
-void CoordinatorService::watch_done(WatchReactor* r) {
-  std::lock_guard lock(mu_);
-  auto q = queues_.find(r->node_id);
-  if (q != queues_.end() && q->second.watcher == r) q->second.watcher = nullptr;
+  w->over = true;
+  finish_watch_locked(w, {grpc::StatusCode::CANCELLED, "WatchEvents cancelled"});
 }
 
 // The first message of a stream names its node: checks the caller holds the node's key, makes
 // the stream the node's one watcher (a newer one, from a daemon that reconnected, replaces
 // the older), renews the lease (opening the stream is a proof of life) and writes what is
 // queued. False when the stream was finished instead.
-bool CoordinatorService::attach_watch_locked(WatchReactor* r) {
+bool CoordinatorService::attach_watch_locked(WatchStream* r) {
   r->node_id = r->in.node_id();
-  if (Status a = authz_.node_call(*r->ctx_, r->node_id, "WatchEvents"); !a.ok()) {
+  if (Status a = authz_.node_call(r->ctx, r->node_id, "WatchEvents"); !a.ok()) {
     finish_watch_locked(r, to_grpc(a));
     return false;
   }
@@ -162,25 +238,27 @@ void CoordinatorService::queue_event_locked(NodeQueue& q, v1::Event ev) {
 }
 
 void CoordinatorService::pump_locked(NodeQueue& q) {
-  WatchReactor* w = q.watcher;
+  WatchStream* w = q.watcher;
   if (!w || w->writing || w->finished || q.events.empty()) return;
   w->current = std::move(q.events.front());
   q.events.pop_front();
   w->writing = true;
-  deferred_.push_back({nullptr, w, true, {}});
+  defer_stream_locked(w, true);
 }
 
-// Finishes a stream now, or after its write in flight; detaches it from its node.
-void CoordinatorService::finish_watch_locked(WatchReactor* w, const grpc::Status& status) {
+// Finishes a stream now, or after its write in flight; detaches it from its node. A call
+// that has ended already is only detached.
+void CoordinatorService::finish_watch_locked(WatchStream* w, const grpc::Status& status) {
   auto q = queues_.find(w->node_id);
   if (q != queues_.end() && q->second.watcher == w) q->second.watcher = nullptr;
   if (w->finished) return;
   w->finished = true;
+  if (w->over) return;
   if (w->writing) {
     w->finish_due = true;
     w->final_status = status;
   } else {
-    deferred_.push_back({nullptr, w, false, status});
+    defer_stream_locked(w, false, status);
   }
 }
 
@@ -285,12 +363,5 @@ void CoordinatorService::cancel_trace_locked(TraceReactor* r) {
 }
 
 void TraceReactor::OnCancel() { service_->cancel_trace(this); }
-void WatchReactor::OnReadDone(bool ok) { service_->watch_read(this, ok); }
-void WatchReactor::OnWriteDone(bool ok) { service_->write_done(this, ok); }
-void WatchReactor::OnCancel() { service_->watch_cancelled(this); }
-void WatchReactor::OnDone() {
-  service_->watch_done(this);
-  delete this;
-}
 
 }  // namespace gradsync::coordinator

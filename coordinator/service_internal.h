@@ -73,22 +73,54 @@ class TraceReactor final : public grpc::ServerUnaryReactor {
   bool cancelled = false;
 };
 
-// One node's event stream, both ways: writes its queued events one at a time (no thread, no
-// wake-ups while there is nothing to send) and reads the node's heartbeats. Reads start only in
-// the handler and in OnReadDone, so they need no lock; a heartbeat takes only the lease table's.
-class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::Event> {
+// How many completion queues carry the nodes' event streams, each polled by a thread of its
+// own. Debian's gRPC is built without NDEBUG, so every completion searches a list of its
+// queue's outstanding operations (`cq_check_tag` in completion_queue.cc): one queue holding
+// two operations per open stream made each heartbeat cost O(nodes) (docs/benchmarks.md "The
+// coordinator at scale"). Spread over kStreamQueues queues, each search is over 1/kStreamQueues
+// of them; the unary calls stay on the callback API's own queue.
+constexpr size_t kStreamQueues = 8;
+
+// The service's base: gRPC's callback API for every method but WatchEvents, which is on the
+// asynchronous API (WatchStream). Methods in the order of the proto.
+using CoordinatorBase = v1::Coordinator::WithCallbackMethod_RegisterNode<
+    v1::Coordinator::WithCallbackMethod_Heartbeat<v1::Coordinator::WithCallbackMethod_JoinJob<
+        v1::Coordinator::WithCallbackMethod_GetPeerTable<v1::Coordinator::WithAsyncMethod_WatchEvents<
+            v1::Coordinator::WithCallbackMethod_LeaveJob<v1::Coordinator::WithCallbackMethod_AbortJob<
+                v1::Coordinator::WithCallbackMethod_ListJobs<v1::Coordinator::WithCallbackMethod_DescribeJob<
+                    v1::Coordinator::WithCallbackMethod_ReportPath<v1::Coordinator::WithCallbackMethod_TraceJob<
+                        v1::Coordinator::WithCallbackMethod_ReportTrace<
+                            v1::Coordinator::WithCallbackMethod_Regroup<v1::Coordinator::Service>>>>>>>>>>>>>;
+
+// One node's event stream, both ways, on one of the stream queues: writes the node's queued
+// events one at a time (no wake-ups while there is nothing to send) and reads its heartbeats.
+// Every completion of a stream's operations comes on its queue's one thread, so its reads
+// (started only there) need no lock; a heartbeat takes only the lease table's. Writes and
+// Finish are started by whoever holds the service's mutex (CoordinatorService::Locked).
+// The stream deletes itself when the last of its operations has completed (`ops`).
+class WatchStream {
  public:
-  WatchReactor(CoordinatorService* service, grpc::CallbackServerContext* ctx) : service_(service), ctx_(ctx) {}
-  void OnReadDone(bool ok) override;
-  void OnWriteDone(bool ok) override;
-  void OnCancel() override;
-  void OnDone() override;
+  enum Op : uint8_t { kMatched, kRead, kWrite, kFinish, kDone, kOps };
+  struct Tag {  // what a completion queue hands back
+    WatchStream* stream;
+    Op op;
+  };
+  WatchStream(CoordinatorService* service, size_t queue) : service_(service), queue_(queue) {
+    for (int i = 0; i < kOps; ++i) tags_[i] = {this, Op(i)};
+  }
+  void* tag(Op op) { return &tags_[op]; }
+
   CoordinatorService* const service_;
-  grpc::CallbackServerContext* const ctx_;  // valid until OnDone
+  const size_t queue_;  // which stream queue
+  grpc::ServerContext ctx;
+  grpc::ServerAsyncReaderWriter<v1::Event, v1::WatchRequest> io{&ctx};
+  // Operations begun (or queued to begin after the service's mutex) and not yet completed;
+  // from 1 (the call's end, kDone) once the call is matched.
+  std::atomic<int> ops{0};
   v1::WatchRequest in;  // the message being read
   bool named = false;   // the first message arrived (touched by reads only)
   // Set under the service's mutex when the first message names the node; read by later reads
-  // (after it, through StartRead) and under the service's mutex.
+  // (after it, through the next read) and under the service's mutex.
   std::string node_id;
   // The smallest (read time - WatchRequest.sent_ms) of this stream so far, in ms: how late a
   // message is read is measured against it (coordinator/leases.h). Touched by reads only.
@@ -99,17 +131,24 @@ class WatchReactor final : public grpc::ServerBidiReactor<v1::WatchRequest, v1::
   bool writing = false;
   bool finished = false;  // Finish called, or due once the write in flight is done
   bool finish_due = false;
+  bool over = false;      // the call has ended (kDone): nothing more to finish
   grpc::Status final_status;
+
+ private:
+  Tag tags_[kOps];
 };
 
-class CoordinatorService final : public v1::Coordinator::CallbackService {
+class CoordinatorService final : public CoordinatorBase {
  public:
   explicit CoordinatorService(const CoordinatorOptions& o)
       : options_(o), authz_(with_client_certs(o)), table_(JobTableOptions{o.lease, o.default_join_timeout}),
         leases_(o.lease) {
     if (o.store) writer_ = std::make_unique<StoreWriter>(o.store);
   }
-  ~CoordinatorService() override { stop(); }
+  ~CoordinatorService() override {
+    stop();
+    stop_streams();
+  }
 
   // mu_, and after it is released the gRPC operations queued while it was held (finish_later,
   // write_later): finishing a call or starting a write serialises a message and may write it
@@ -162,11 +201,12 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
                                         v1::DescribeJobResponse* resp) override;
 
   // service_events.cc: the nodes' event streams and TraceJob.
-  grpc::ServerBidiReactor<v1::WatchRequest, v1::Event>* WatchEvents(grpc::CallbackServerContext* ctx) override;
-  void watch_read(WatchReactor* r, bool ok);
-  void write_done(WatchReactor* r, bool ok);
-  void watch_cancelled(WatchReactor* r);
-  void watch_done(WatchReactor* r);
+  // Takes the stream queues the server was built with (kStreamQueues), asks each for
+  // WatchEvents calls and polls each on a thread of its own.
+  void start_streams(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues);
+  // After the server's Shutdown: shuts the queues down, drains them and joins their threads.
+  // Idempotent.
+  void stop_streams();
   grpc::ServerUnaryReactor* TraceJob(grpc::CallbackServerContext* ctx, const v1::TraceJobRequest* req,
                                      v1::TraceJobResponse* resp) override;
   void cancel_trace(TraceReactor* r);
@@ -176,15 +216,15 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
  private:
   struct NodeQueue {
     std::deque<v1::Event> events;
-    WatchReactor* watcher = nullptr;  // the node's current stream, if any
+    WatchStream* watcher = nullptr;  // the node's current stream, if any
   };
 
   // A gRPC operation queued under mu_ (see Locked): Finish of a unary call or of a stream,
-  // or a stream's StartWrite of its `current` event.
+  // or a stream's Write of its `current` event. A stream's counts in its `ops` from here.
   struct Deferred {
     grpc::ServerUnaryReactor* unary = nullptr;
-    WatchReactor* watch = nullptr;
-    bool write = false;  // watch: StartWrite instead of Finish
+    WatchStream* watch = nullptr;
+    bool write = false;  // watch: Write instead of Finish
     grpc::Status status;
   };
 
@@ -196,11 +236,20 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   // service_jobs.cc
   void withdraw_locked(JoinReactor* r, const std::string& why);
   // service_events.cc
-  bool attach_watch_locked(WatchReactor* r);
+  void request_stream(size_t queue);
+  void poll_streams(size_t queue);
+  void stream_matched(WatchStream* w);
+  void watch_read(WatchStream* w, bool ok);
+  void write_done(WatchStream* w, bool ok);
+  void stream_over(WatchStream* w);
+  void start_read(WatchStream* w);
+  static void release(WatchStream* w);
+  void defer_stream_locked(WatchStream* w, bool write, grpc::Status status = grpc::Status::OK);
+  bool attach_watch_locked(WatchStream* w);
   Status lost_or_unknown(const std::string& id) const;
   void queue_event_locked(NodeQueue& q, v1::Event ev);
   void pump_locked(NodeQueue& q);
-  void finish_watch_locked(WatchReactor* w, const grpc::Status& status);
+  void finish_watch_locked(WatchStream* w, const grpc::Status& status);
   void finish_traces_locked(TimePoint now);
   void cancel_trace_locked(TraceReactor* r);
 
@@ -243,6 +292,12 @@ class CoordinatorService final : public v1::Coordinator::CallbackService {
   std::condition_variable ticker_cv_;  // only to stop the ticker early
   std::thread ticker_;
   std::unique_ptr<StoreWriter> writer_;  // with a store: its records, written off the mutex
+  // The event streams' queues and their threads (start_streams). streams_mu_ orders asking a
+  // queue for a call against shutting it down.
+  std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> stream_queues_;
+  std::vector<std::thread> stream_threads_;
+  std::mutex streams_mu_;
+  bool streams_closing_ = false;  // under streams_mu_
 };
 
 }  // namespace gradsync::coordinator

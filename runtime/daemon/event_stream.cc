@@ -11,25 +11,51 @@ uint64_t now_ms() {
 
 }  // namespace
 
+StreamQueues::StreamQueues(size_t count) {
+  for (size_t k = 0; k < std::max<size_t>(count, 1); ++k) queues_.push_back(std::make_unique<grpc::CompletionQueue>());
+  for (auto& q : queues_) {
+    threads_.emplace_back([cq = q.get()] {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq->Next(&tag, &ok)) {
+        auto* t = static_cast<EventStream::Tag*>(tag);
+        t->stream->completed(t->op, ok);
+      }
+    });
+  }
+}
+
+StreamQueues::~StreamQueues() {
+  for (auto& q : queues_) q->Shutdown();
+  for (auto& t : threads_) t.join();
+}
+
+grpc::CompletionQueue* StreamQueues::next() { return queues_[next_++ % queues_.size()].get(); }
+
+StreamQueues& StreamQueues::shared() {
+  static StreamQueues* queues = new StreamQueues(1);  // outlives every stream: never destroyed
+  return *queues;
+}
+
 std::shared_ptr<EventStream> EventStream::open(v1::Coordinator::Stub& stub, const std::string& node_id,
                                                const std::function<void(grpc::ClientContext&)>& prepare,
-                                               EventFn on_event, DoneFn on_done) {
+                                               EventFn on_event, DoneFn on_done, StreamQueues* queues) {
   auto s = std::make_shared<EventStream>(std::move(on_event), std::move(on_done));
   prepare(s->ctx_);
   s->first_.set_node_id(node_id);
+  grpc::CompletionQueue* cq = (queues ? *queues : StreamQueues::shared()).next();
+  std::lock_guard lock(s->mu_);  // the completions wait until every operation below began
   s->self_ = s;
-  stub.async()->WatchEvents(&s->ctx_, s.get());
-  // heartbeat() writes from outside the reactions: the hold keeps the call open for them until
-  // the reads end (OnReadDone(false)).
-  s->AddHold();
-  {
-    std::lock_guard lock(s->mu_);
-    s->pending_ = Clock::now();
-  }
+  // Corked: the call's metadata leaves with the naming message, so that starting the call is
+  // no operation of its own (the asynchronous API allows no write before it completed).
+  s->ctx_.set_initial_metadata_corked(true);
+  s->io_ = stub.PrepareAsyncWatchEvents(&s->ctx_, cq);
+  s->ops_ = 2;
+  s->pending_ = Clock::now();
   s->first_.set_sent_ms(now_ms());
-  s->StartWrite(&s->first_);
-  s->StartRead(&s->event_);
-  s->StartCall();
+  s->io_->StartCall(nullptr);  // corked: no completion
+  s->io_->Write(s->first_, s->tag(kWrite));
+  s->io_->Read(&s->event_, s->tag(kRead));
   return s;
 }
 
@@ -39,7 +65,8 @@ EventStream::Sent EventStream::heartbeat() {
   if (pending_ != Clock::time_point{}) return Sent::kBusy;
   pending_ = Clock::now();
   beat_.set_sent_ms(now_ms());
-  StartWrite(&beat_);  // under mu_: over_ (and so the hold) cannot change meanwhile
+  ++ops_;
+  io_->Write(beat_, tag(kWrite));
   return Sent::kSent;
 }
 
@@ -53,28 +80,38 @@ EventStream::Clock::time_point EventStream::last_sent() const {
   return last_sent_;
 }
 
-void EventStream::OnWriteDone(bool ok) {
+void EventStream::finish_locked() {
+  if (!over_ || finishing_ || pending_ != Clock::time_point{}) return;
+  finishing_ = true;
+  ++ops_;
+  io_->Finish(&status_, tag(kFinish));
+}
+
+void EventStream::completed(Op op, bool ok) {
+  if (op == kRead && ok) on_event_(event_);  // not under mu_: the owner's callback may take its own locks
+  if (op == kFinish) on_done_(status_);
+  std::shared_ptr<EventStream> last;  // released after mu_
   std::lock_guard lock(mu_);
-  pending_ = {};
-  if (ok) last_sent_ = Clock::now();
-}
-
-void EventStream::OnReadDone(bool ok) {
-  if (ok) {
-    on_event_(event_);
-    StartRead(&event_);
-    return;
+  switch (op) {
+    case kRead:
+      if (ok) {
+        ++ops_;
+        io_->Read(&event_, tag(kRead));
+      } else {
+        over_ = true;
+        finish_locked();
+      }
+      break;
+    case kWrite:
+      pending_ = {};
+      if (ok) last_sent_ = Clock::now();
+      finish_locked();
+      break;
+    case kFinish:
+    case kOps:
+      break;
   }
-  {
-    std::lock_guard lock(mu_);
-    over_ = true;
-  }
-  RemoveHold();
-}
-
-void EventStream::OnDone(const grpc::Status& s) {
-  auto keep = std::move(self_);  // the owner may have dropped it: this lives until the end here
-  on_done_(s);
+  if (--ops_ == 0) last = std::move(self_);
 }
 
 }  // namespace gradsync

@@ -2,39 +2,68 @@
 // events from the coordinator one way, the node's heartbeats the other. The first message
 // names the node; heartbeat() sends one more, which renews the node's lease at the
 // coordinator. Each carries when it was sent (this process's monotonic clock), from which the
-// coordinator tells how far its own reads are behind (coordinator/leases.h). An idle node so costs the coordinator one small message on an open stream per
-// lease/3, not a unary call (docs/benchmarks.md "The coordinator at scale").
+// coordinator tells how far its own reads are behind (coordinator/leases.h). An idle node so
+// costs the coordinator one small message on an open stream per lease/3, not a unary call
+// (docs/benchmarks.md "The coordinator at scale").
 //
-// On gRPC's callback API: no thread of its own. Callbacks run on gRPC's threads and must not
-// block. Writes never block either: a heartbeat due while the previous one is still being
-// written is not sent, and `pending_since()` tells how long the stream has been stuck.
+// On gRPC's asynchronous API over StreamQueues: completion queues, each polled by a thread of
+// its own, on which the stream's callbacks run (they must not block). Debian's gRPC is built
+// without NDEBUG, so every completion searches a list of its queue's outstanding operations;
+// a process with thousands of streams (the load generator) spreads them over several queues
+// instead of gRPC's one callback queue, and a stream keeps one operation outstanding while
+// idle (its read; the status is asked for only once the reads end). Writes never block: a
+// heartbeat due while the previous one is still being written is not sent, and
+// `pending_since()` tells how long the stream has been stuck.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "coordinator.grpc.pb.h"
 
 namespace gradsync {
 
-class EventStream final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::Event>,
-                          public std::enable_shared_from_this<EventStream> {
+// Completion queues for event streams, each polled by a thread of its own; a stream stays on
+// the queue it was opened on.
+class StreamQueues {
+ public:
+  explicit StreamQueues(size_t count);
+  // Shuts the queues down and joins their threads: every stream on them must have ended.
+  ~StreamQueues();
+  StreamQueues(const StreamQueues&) = delete;
+  StreamQueues& operator=(const StreamQueues&) = delete;
+  // The next queue, round robin.
+  grpc::CompletionQueue* next();
+  // One queue for a process with few streams (gradsyncd); made on first use, never destroyed.
+  static StreamQueues& shared();
+
+ private:
+  std::vector<std::unique_ptr<grpc::CompletionQueue>> queues_;
+  std::vector<std::thread> threads_;
+  std::atomic<size_t> next_{0};
+};
+
+class EventStream final : public std::enable_shared_from_this<EventStream> {
  public:
   using Clock = std::chrono::steady_clock;
   using EventFn = std::function<void(const v1::Event&)>;
   using DoneFn = std::function<void(const grpc::Status&)>;
 
-  // Opens the stream of node `node_id`. `prepare` adds the call's metadata (credentials) to its
-  // context; `on_event` runs for every event, `on_done` once with the stream's status. The
-  // stream stays alive until on_done has returned, however its owner drops it.
+  // Opens the stream of node `node_id` on one of `queues` (StreamQueues::shared() when null).
+  // `prepare` adds the call's metadata (credentials) to its context; `on_event` runs for every
+  // event, `on_done` once with the stream's status, both on the queue's thread. The stream
+  // stays alive until on_done has returned, however its owner drops it.
   static std::shared_ptr<EventStream> open(v1::Coordinator::Stub& stub, const std::string& node_id,
                                            const std::function<void(grpc::ClientContext&)>& prepare,
-                                           EventFn on_event, DoneFn on_done);
+                                           EventFn on_event, DoneFn on_done, StreamQueues* queues = nullptr);
 
   enum class Sent { kSent, kBusy, kOver };
   // One heartbeat: kBusy when the previous message is still being written (not sent: the
@@ -48,23 +77,35 @@ class EventStream final : public grpc::ClientBidiReactor<v1::WatchRequest, v1::E
   // Ends the stream (on_done follows with CANCELLED, or the coordinator's status if it came first).
   void cancel() { ctx_.TryCancel(); }
 
-  void OnWriteDone(bool ok) override;
-  void OnReadDone(bool ok) override;
-  void OnDone(const grpc::Status& s) override;
-
   EventStream(EventFn on_event, DoneFn on_done) : on_event_(std::move(on_event)), on_done_(std::move(on_done)) {}
 
  private:
+  friend class StreamQueues;
+  enum Op : uint8_t { kRead, kWrite, kFinish, kOps };
+  struct Tag {  // what a completion queue hands back
+    EventStream* stream;
+    Op op;
+  };
+  void* tag(Op op) { return &tags_[op]; }
+  // A completion, on the queue's thread.
+  void completed(Op op, bool ok);
+  void finish_locked();  // asks for the status once the reads are over and no write is in flight
+
   grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::WatchRequest, v1::Event>> io_;
+  Tag tags_[kOps] = {{this, kRead}, {this, kWrite}, {this, kFinish}};
   v1::WatchRequest first_;      // names the node
   v1::WatchRequest beat_;       // every heartbeat: only its sent_ms
   v1::Event event_;             // the one being read
+  grpc::Status status_;         // the call's, once kFinish completed
   const EventFn on_event_;
   const DoneFn on_done_;
-  std::shared_ptr<EventStream> self_;  // until OnDone: gRPC holds the reactor
+  std::shared_ptr<EventStream> self_;  // until the last operation completed
 
   mutable std::mutex mu_;
-  bool over_ = false;           // reads ended: no new writes (the hold is released)
+  int ops_ = 0;                 // operations begun and not completed
+  bool over_ = false;           // reads ended: no new writes
+  bool finishing_ = false;      // the status was asked for
   Clock::time_point pending_{}; // the write in flight started then; {} none
   Clock::time_point last_sent_{};
 };

@@ -127,7 +127,8 @@ void SimNode::watch() {
         std::lock_guard lock(mu_);
         stream_over_ = true;
         stream_cv_.notify_all();
-      });
+      },
+      totals_->streams);
   std::lock_guard lock(mu_);
   stream_ = std::move(stream);
 }

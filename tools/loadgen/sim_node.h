@@ -1,7 +1,8 @@
 // One simulated node daemon of gradsync-loadgen: the calls runtime/daemon/coordinator_link.cc
 // makes (RegisterNode, the event stream with a heartbeat on it every lease/3 through the
-// daemon's own daemon/event_stream.h, JoinJob, GetPeerTable), on gRPC's callback API so that
-// thousands of nodes need no thread each. Every unary call has a deadline, as the daemon's have.
+// daemon's own daemon/event_stream.h, JoinJob, GetPeerTable), on gRPC's callback API (the
+// streams on the asynchronous API over Totals::streams) so that thousands of nodes need no
+// thread each. Every unary call has a deadline, as the daemon's have.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -40,6 +41,7 @@ struct Totals {
   std::atomic<uint64_t> failures{0};              // join or table calls that failed
   std::atomic<int64_t> in_flight{0};              // unary calls not yet answered
   std::string cluster_secret;  // what every call presents (the coordinator's --cluster-secret)
+  StreamQueues* streams = nullptr;  // the completion queues the event streams are spread over
   std::mutex mu;
   std::string first_error;
   void error(const std::string& what);
