@@ -1,5 +1,7 @@
 #include "coordinator/coordinator_metrics.h"
 
+#include <string_view>
+
 #include "common/prometheus_text.h"
 
 namespace gradsync::coordinator {
@@ -46,6 +48,9 @@ class RpcCounterFactory : public grpc::experimental::ServerInterceptorFactoryInt
  public:
   explicit RpcCounterFactory(CoordinatorMetrics* metrics) : metrics_(metrics) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    // Not the event streams: an interceptor takes part in every message of its call, and a
+    // stream carries a heartbeat every lease/3; the service counts their ends itself.
+    if (info->method() && std::string_view(info->method()) == kWatchEventsMethod) return nullptr;
     return new RpcCounter(metrics_, info->method());
   }
 

@@ -20,9 +20,13 @@
 
 namespace gradsync::coordinator {
 
+// The event streams' method: the interceptor leaves it out, the service counts it.
+inline constexpr const char* kWatchEventsMethod = "/gradsync.v1.Coordinator/WatchEvents";
+
 class CoordinatorMetrics {
  public:
-  // One finished RPC (the interceptor); method "/gradsync.v1.Coordinator/JoinJob".
+  // One finished RPC (the interceptor, or the service for kWatchEventsMethod); method
+  // "/gradsync.v1.Coordinator/JoinJob".
   void rpc(const std::string& method, grpc::StatusCode code);
   // A JoinJob call from arrival to its answer, successful or not.
   void join(double seconds, bool ok);

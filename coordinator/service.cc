@@ -171,7 +171,10 @@ void CoordinatorService::run_deferred(std::unique_lock<std::mutex>& lock) {
   for (Deferred& op : ops) {
     if (op.unary) op.unary->Finish(std::move(op.status));
     else if (op.write) op.watch->io.Write(op.watch->current, op.watch->tag(WatchStream::kWrite));
-    else op.watch->io.Finish(op.status, op.watch->tag(WatchStream::kFinish));
+    else {
+      metrics_.rpc(kWatchEventsMethod, op.status.error_code());  // no interceptor on the streams
+      op.watch->io.Finish(op.status, op.watch->tag(WatchStream::kFinish));
+    }
   }
 }
 
