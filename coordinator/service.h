@@ -39,6 +39,9 @@ struct CoordinatorOptions {
   Millis lease{5000};                  // a node with no heartbeat for this long is lost
   Millis default_join_timeout{60000};  // for JoinJob requests with timeout_ms = 0
   Millis tick{100};                    // lease/deadline check period; bounds detection delay
+  // Event streams per completion queue before the next of the 8 is taken into use
+  // (service_internal.h, kStreamQueues); tests lower it to use several with a few nodes.
+  size_t streams_per_queue = 2048;
   TlsOptions tls;                      // plaintext only on loopback or with tls.insecure
   // Who may call what (authz.h); with tls.require_client_cert a verified certificate is a
   // node's credential.

@@ -24,29 +24,51 @@ constexpr uint32_t kTraceDefaultRecords = 2000;
 constexpr int kRequestsPerQueue = 4;
 
 void CoordinatorService::start_streams(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues) {
+  std::lock_guard lock(streams_mu_);
   stream_queues_ = std::move(queues);
-  for (size_t k = 0; k < stream_queues_.size(); ++k) {
-    for (int i = 0; i < kRequestsPerQueue; ++i) request_stream(k);
-  }
-  for (size_t k = 0; k < stream_queues_.size(); ++k) {
-    stream_threads_.emplace_back([this, k] { poll_streams(k); });
+  start_queue_locked();
+}
+
+// Takes the next stream queue into use: its thread, and calls asked for on it.
+void CoordinatorService::start_queue_locked() {
+  const size_t k = stream_threads_.size();
+  if (streams_closing_ || k >= stream_queues_.size()) return;
+  for (int i = 0; i < kRequestsPerQueue; ++i) request_stream_locked(k);
+  stream_threads_.emplace_back([this, k] { poll_streams(k); });
+  started_queues_ = k + 1;
+  if (k > 0) {
+    log::get("coordinator")->info("{} event streams open: stream queue {} of {} started", open_streams_.load(), k + 1,
+                                  stream_queues_.size());
   }
 }
 
 void CoordinatorService::stop_streams() {
+  std::vector<std::thread> threads;
   {
     std::lock_guard lock(streams_mu_);
     if (streams_closing_) return;
     streams_closing_ = true;
     for (auto& q : stream_queues_) q->Shutdown();
+    threads.swap(stream_threads_);
   }
-  for (auto& t : stream_threads_) t.join();
+  for (auto& t : threads) t.join();
+  // The queues never started had nothing asked of them: only their shutdown to take.
+  for (size_t k = threads.size(); k < stream_queues_.size(); ++k) {
+    void* tag = nullptr;
+    bool ok = false;
+    while (stream_queues_[k]->Next(&tag, &ok)) {
+    }
+  }
 }
 
 // Asks queue `queue` for the next WatchEvents call; none once the queues are shutting down
 // (an operation begun on a queue that was shut down is fatal in gRPC).
 void CoordinatorService::request_stream(size_t queue) {
   std::lock_guard lock(streams_mu_);
+  request_stream_locked(queue);
+}
+
+void CoordinatorService::request_stream_locked(size_t queue) {
   if (streams_closing_) return;
   auto* w = new WatchStream(this, queue);
   w->ctx.AsyncNotifyWhenDone(w->tag(WatchStream::kDone));  // delivered only once matched
@@ -66,6 +88,10 @@ void CoordinatorService::poll_streams(size_t queue) {
         if (!ok) {  // the server is shutting down: the call never came
           delete w;
           continue;
+        }
+        if (++open_streams_ > options_.streams_per_queue * started_queues_.load()) {
+          std::lock_guard lock(streams_mu_);
+          if (open_streams_.load() > options_.streams_per_queue * stream_threads_.size()) start_queue_locked();
         }
         request_stream(queue);
         stream_matched(w);
@@ -106,7 +132,10 @@ void CoordinatorService::start_read(WatchStream* w) {
 }
 
 void CoordinatorService::release(WatchStream* w) {
-  if (--w->ops == 0) delete w;
+  if (--w->ops == 0) {
+    delete w;
+    --open_streams_;
+  }
 }
 
 // Queues a stream's Write of `current` (or its Finish) for after the service's mutex.

@@ -73,12 +73,15 @@ class TraceReactor final : public grpc::ServerUnaryReactor {
   bool cancelled = false;
 };
 
-// How many completion queues carry the nodes' event streams, each polled by a thread of its
-// own. Debian's gRPC is built without NDEBUG, so every completion searches a list of its
-// queue's outstanding operations (`cq_check_tag` in completion_queue.cc): one queue holding
-// two operations per open stream made each heartbeat cost O(nodes) (docs/benchmarks.md "The
-// coordinator at scale"). Spread over kStreamQueues queues, each search is over 1/kStreamQueues
-// of them; the unary calls stay on the callback API's own queue.
+// How many completion queues may carry the nodes' event streams, each polled by a thread of
+// its own, and how many streams each takes before the next is taken into use. Debian's gRPC is
+// built without NDEBUG, so every completion searches a list of its queue's outstanding
+// operations (`cq_check_tag` in completion_queue.cc): one queue holding two operations per
+// open stream made each heartbeat cost O(nodes) (docs/benchmarks.md "The coordinator at
+// scale"). But every thread waiting on a queue also takes turns at polling the connections,
+// and each message then wakes more of them: at 2,048 idle nodes 8 queues cost 30-50% more
+// CPU per heartbeat than one. So queues are taken into use as the streams grow, one per
+// CoordinatorOptions::streams_per_queue open streams.
 constexpr size_t kStreamQueues = 8;
 
 // The service's base: gRPC's callback API for every method but WatchEvents, which is on the
@@ -201,8 +204,9 @@ class CoordinatorService final : public CoordinatorBase {
                                         v1::DescribeJobResponse* resp) override;
 
   // service_events.cc: the nodes' event streams and TraceJob.
-  // Takes the stream queues the server was built with (kStreamQueues), asks each for
-  // WatchEvents calls and polls each on a thread of its own.
+  // Takes the stream queues the server was built with (kStreamQueues) and starts the first:
+  // asks it for WatchEvents calls and polls it on a thread of its own. The next is started
+  // whenever the open streams pass options.streams_per_queue per started queue.
   void start_streams(std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> queues);
   // After the server's Shutdown: shuts the queues down, drains them and joins their threads.
   // Idempotent.
@@ -237,13 +241,15 @@ class CoordinatorService final : public CoordinatorBase {
   void withdraw_locked(JoinReactor* r, const std::string& why);
   // service_events.cc
   void request_stream(size_t queue);
+  void request_stream_locked(size_t queue);
+  void start_queue_locked();
   void poll_streams(size_t queue);
   void stream_matched(WatchStream* w);
   void watch_read(WatchStream* w, bool ok);
   void write_done(WatchStream* w, bool ok);
   void stream_over(WatchStream* w);
   void start_read(WatchStream* w);
-  static void release(WatchStream* w);
+  void release(WatchStream* w);
   void defer_stream_locked(WatchStream* w, bool write, grpc::Status status = grpc::Status::OK);
   bool attach_watch_locked(WatchStream* w);
   Status lost_or_unknown(const std::string& id) const;
@@ -292,12 +298,14 @@ class CoordinatorService final : public CoordinatorBase {
   std::condition_variable ticker_cv_;  // only to stop the ticker early
   std::thread ticker_;
   std::unique_ptr<StoreWriter> writer_;  // with a store: its records, written off the mutex
-  // The event streams' queues and their threads (start_streams). streams_mu_ orders asking a
-  // queue for a call against shutting it down.
+  // The event streams' queues and the threads of those started (start_streams). streams_mu_
+  // orders asking a queue for a call and starting a queue against shutting them down.
   std::vector<std::unique_ptr<grpc::ServerCompletionQueue>> stream_queues_;
-  std::vector<std::thread> stream_threads_;
+  std::vector<std::thread> stream_threads_;  // one per started queue, in order; under streams_mu_
   std::mutex streams_mu_;
   bool streams_closing_ = false;  // under streams_mu_
+  std::atomic<size_t> open_streams_{0};  // matched and not yet deleted
+  std::atomic<size_t> started_queues_{0};  // stream_threads_.size(), read without the lock
 };
 
 }  // namespace gradsync::coordinator

@@ -2,6 +2,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -34,6 +35,7 @@ class CoordinatorServiceTest : public ::testing::Test {
     CoordinatorOptions options;
     options.lease = lease;
     options.default_join_timeout = kTestJoinTimeout;
+    options.streams_per_queue = streams_per_queue_;
     server = std::make_unique<CoordinatorServer>(options);
     ASSERT_TRUE(server->start("127.0.0.1:0").ok());
     ASSERT_GT(server->port(), 0);
@@ -128,7 +130,32 @@ class CoordinatorServiceTest : public ::testing::Test {
     return seen;
   }
 
+  // What a node's event stream (daemon/event_stream.h) delivered.
+  struct Seen {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<v1::Event> events;
+    bool over = false;
+    grpc::Status status;
+  };
+  std::shared_ptr<EventStream> open(const std::string& node, Seen& seen, v1::Coordinator::Stub* over = nullptr) {
+    return EventStream::open(
+        over ? *over : *stub, node, [](grpc::ClientContext&) {},
+        [&seen](const v1::Event& ev) {
+          std::lock_guard lock(seen.mu);
+          seen.events.push_back(ev);
+          seen.cv.notify_all();
+        },
+        [&seen](const grpc::Status& s) {
+          std::lock_guard lock(seen.mu);
+          seen.over = true;
+          seen.status = s;
+          seen.cv.notify_all();
+        });
+  }
+
   Millis lease_ = kTestLease;
+  size_t streams_per_queue_ = 2048;
   std::unique_ptr<CoordinatorServer> server;
   std::unique_ptr<v1::Coordinator::Stub> stub;
 };
@@ -239,28 +266,6 @@ TEST_F(CoordinatorServiceTest, StreamHeartbeatsKeepANodeAndASilentStreamIsLost) 
   start(kShortLease);
   std::string a = register_node("host-a");
   std::string b = register_node("host-b");
-  struct Seen {
-    std::mutex mu;
-    std::condition_variable cv;
-    std::vector<v1::Event> events;
-    bool over = false;
-    grpc::Status status;
-  };
-  auto open = [&](const std::string& node, Seen& seen) {
-    return EventStream::open(
-        *stub, node, [](grpc::ClientContext&) {},
-        [&seen](const v1::Event& ev) {
-          std::lock_guard lock(seen.mu);
-          seen.events.push_back(ev);
-          seen.cv.notify_all();
-        },
-        [&seen](const grpc::Status& s) {
-          std::lock_guard lock(seen.mu);
-          seen.over = true;
-          seen.status = s;
-          seen.cv.notify_all();
-        });
-  };
   Seen seen_a, seen_b;
   auto stream_a = open(a, seen_a);
   const auto b_silent_since = std::chrono::steady_clock::now();  // its stream's first message is its last
@@ -299,6 +304,88 @@ TEST_F(CoordinatorServiceTest, StreamHeartbeatsKeepANodeAndASilentStreamIsLost) 
   stream_a->cancel();
   std::unique_lock lock(seen_a.mu);
   EXPECT_TRUE(seen_a.cv.wait_for(lock, 5s, [&] { return seen_a.over; }));
+}
+
+// The event streams spread over several completion queues (coordinator/service_internal.h,
+// kStreamQueues): with one stream per queue, five nodes' streams take five queues into use,
+// and a second stream of each node, on its own connection, lands on one of them (gRPC picks
+// the queue to try first per connection). Every node's stream carries JOB_READY, heartbeats on every queue keep every
+// node through three leases, and the server shuts down promptly with the streams open.
+TEST_F(CoordinatorServiceTest, StreamsOnSeveralQueuesCarryEventsAndHeartbeats) {
+  lease_ = kShortLease;
+  streams_per_queue_ = 1;
+  start(kShortLease);
+  constexpr uint32_t kNodes = 5;
+  std::vector<std::string> ids;
+  std::vector<Seen> seen(kNodes);
+  // First a stream per node on the shared connection: they start the queues (a queue takes
+  // new streams only once started), then each node's own stream on its own connection
+  // replaces that one, so the connections find every queue started.
+  std::vector<Seen> first(kNodes);
+  std::vector<std::shared_ptr<EventStream>> firsts;
+  for (uint32_t i = 0; i < kNodes; ++i) {
+    ids.push_back(register_node("host-" + std::to_string(i)));
+    firsts.push_back(open(ids.back(), first[i]));
+  }
+  std::vector<std::shared_ptr<EventStream>> streams;
+  std::vector<std::unique_ptr<v1::Coordinator::Stub>> own;  // a connection per node
+  const auto named_by = std::chrono::steady_clock::now() + 5s;  // each named before it is replaced
+  for (uint32_t i = 0; i < kNodes; ++i) {
+    while (firsts[i]->last_sent() == EventStream::Clock::time_point{}) {
+      ASSERT_LT(std::chrono::steady_clock::now(), named_by) << "node " << i << "'s first stream";
+      std::this_thread::sleep_for(5ms);
+    }
+  }
+  for (uint32_t i = 0; i < kNodes; ++i) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+    own.push_back(v1::Coordinator::NewStub(grpc::CreateCustomChannel(
+        "127.0.0.1:" + std::to_string(server->port()), grpc::InsecureChannelCredentials(), args)));
+    streams.push_back(open(ids[i], seen[i], own.back().get()));
+  }
+  for (uint32_t i = 0; i < kNodes; ++i) {  // replaced: the node's own stream is its watcher now
+    std::unique_lock lock(first[i].mu);
+    ASSERT_TRUE(first[i].cv.wait_for(lock, 5s, [&] { return first[i].over; })) << "node " << i;
+    EXPECT_EQ(first[i].status.error_code(), StatusCode::ABORTED) << first[i].status.error_message();
+  }
+  std::atomic<bool> stop{false};
+  std::thread heartbeats([&] {
+    while (!stop) {
+      for (auto& st : streams) EXPECT_NE(st->heartbeat(), EventStream::Sent::kOver);
+      std::this_thread::sleep_for(kShortLease / 4);
+    }
+  });
+  std::vector<std::future<JoinOutcome>> joins;
+  for (uint32_t i = 0; i < kNodes; ++i) {
+    joins.push_back(std::async(std::launch::async, [&, i] { return join(ids[i], {i}, kNodes); }));
+  }
+  for (auto& j : joins) {
+    JoinOutcome o = j.get();
+    EXPECT_TRUE(o.status.ok()) << o.status.error_message();
+  }
+  for (uint32_t i = 0; i < kNodes; ++i) {
+    std::unique_lock lock(seen[i].mu);
+    EXPECT_TRUE(seen[i].cv.wait_for(lock, 5s, [&] {
+      return std::any_of(seen[i].events.begin(), seen[i].events.end(),
+                         [](const v1::Event& e) { return e.kind() == v1::Event::JOB_READY; });
+    })) << "node " << i << " got no JOB_READY on its stream";
+  }
+  std::this_thread::sleep_for(kShortLease * 3);
+  stop = true;
+  heartbeats.join();
+  for (uint32_t i = 0; i < kNodes; ++i) {
+    std::lock_guard lock(seen[i].mu);
+    EXPECT_FALSE(seen[i].over) << "node " << i << ": " << seen[i].status.error_message();
+    EXPECT_EQ(heartbeat(ids[i]), StatusCode::OK) << "node " << i << " was lost";
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  server->shutdown();
+  server->wait();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 3s);
+  for (uint32_t i = 0; i < kNodes; ++i) {
+    std::unique_lock lock(seen[i].mu);
+    EXPECT_TRUE(seen[i].cv.wait_for(lock, 5s, [&] { return seen[i].over; })) << "node " << i;
+  }
 }
 
 TEST_F(CoordinatorServiceTest, WrongTokenIsDeniedToEveryNodeAtOnce) {

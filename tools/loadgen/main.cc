@@ -54,10 +54,13 @@ struct Flags {
 
 using Seconds = std::chrono::duration<double>;
 constexpr int kHeartbeatThreads = 4;
-// Completion queues for the simulated nodes' event streams, a thread each: with gRPC's debug
-// build every completion searches its queue's outstanding operations, and one queue holding
-// 16,384 streams made this process, not the coordinator, the bottleneck (perf).
-constexpr size_t kStreamQueues = 8;
+// Completion queues for the simulated nodes' event streams, a thread each, one per this many
+// nodes and 8 at most: with gRPC's debug build every completion searches its queue's
+// outstanding operations, and one queue holding 16,384 streams made this process, not the
+// coordinator, the bottleneck (perf); but each thread waiting on a queue also takes turns at
+// polling the connections, so more queues than needed cost wake-ups (as in the coordinator).
+constexpr uint32_t kStreamsPerQueue = 2048;
+constexpr uint32_t kMaxStreamQueues = 8;
 
 double since(Clock::time_point t) { return Seconds(Clock::now() - t).count(); }
 
@@ -309,7 +312,8 @@ int run(const Flags& flags) {
   if (totals.cluster_secret.empty()) totals.cluster_secret = "loadgen-" + std::to_string(getpid()) + "-" + std::to_string(std::random_device{}());
   if (address.empty()) address = start_coordinator(f, totals.cluster_secret, &pid);
   if (address.empty()) return 1;
-  totals.streams = new StreamQueues(kStreamQueues);  // never destroyed: the process ends with _Exit
+  // Never destroyed: the process ends with _Exit.
+  totals.streams = new StreamQueues(std::clamp((f.nodes + kStreamsPerQueue - 1) / kStreamsPerQueue, 1u, kMaxStreamQueues));
   int rc = 0;
   {
     std::vector<std::shared_ptr<v1::Coordinator::Stub>> stubs;
