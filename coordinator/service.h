@@ -5,12 +5,13 @@
 // table's own mutex (coordinator/leases.h), so they never queue behind a join or a peer table.
 // A pending JoinJob is a reactor finished when its generation completes or fails (or withdrawn
 // when the call is cancelled). A node's event stream (WatchEvents) is one bidirectional call on
-// gRPC's asynchronous API, spread over kStreamQueues completion queues with a thread each
-// (service_internal.h says why): it writes when an event is queued and reads the node's
-// heartbeats, one small message each lease/3 on the open stream, authorised once when the
-// stream is named (the unary Heartbeat remains for clients without a stream). One ticker
-// expires leases (a heap) and join deadlines every `tick`, and wakes nothing else, so an idle
-// node costs a message read every lease/3 and nothing more. Nothing busy-waits.
+// gRPC's asynchronous API, spread over up to kStreamQueues completion queues with a thread
+// each, taken into use as the streams grow (service_internal.h says why): it writes when an
+// event is queued and reads the node's heartbeats, one small message each lease/3 on the open
+// stream, authorised once when the stream is named (the unary Heartbeat remains for clients
+// without a stream). One ticker expires leases (a heap) and join deadlines every `tick`, and
+// wakes nothing else, so an idle node costs a message read every lease/3 and nothing more.
+// Nothing busy-waits.
 #pragma once
 
 #include <chrono>
