@@ -204,6 +204,7 @@ Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, c
   auto ch = channels_of(cfg);
   if (!ch.ok()) return Status(ch.status().code(), cfg.link.who + ": " + ch.status().message());
   m.channels = std::move(ch).value();
+  rdma_choose_algos(m.channels);
   lc.peers = m.channels.peers;
   const size_t nwords = std::max<size_t>(1, lc.peers.size());
 

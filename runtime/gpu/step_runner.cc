@@ -35,8 +35,8 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
   }
   if (ch.position < 0) return Status(Code::kInternal, "RDMA channels: rank " + std::to_string(me) + " is no member");
   if (std::string why = ch.shape.validate(); !why.empty()) return Status(Code::kInternal, "RDMA channels: " + why);
-  // Every hop of these channels is a queue pair, those inside a node too.
-  ch.shape.links.intra_gbps = ch.shape.links.nic_gbps;
+  // Every hop of these channels is a queue pair, those inside a node too (the cost model's
+  // latency per hop; rdma_choose_algos counts the bytes so).
   ch.shape.links.intra_lat = ch.shape.links.nic_lat;
   plan::PlanRequest req;
   req.algo = plan::Algo::kRing;
@@ -61,43 +61,35 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
     return Status(Code::kInternal, "RDMA channels: " + std::to_string(ch.peers.size()) + " peers, at most " +
                                        std::to_string(kMaxGdrPeers));
   }
-  // The cost model's ring against its trees, 8 B .. 64 MiB (its terms are linear in the bytes
-  // beyond): its hop counts, and as the bytes the most any rank sends, inside its node and
-  // out of it together, since on these channels every hop goes through the rank's NIC (the
-  // model's own figures take a GPU's bytes inside its node and its NIC's as apart). Counted on
-  // every rank up to 16, else on the ranks of 4 nodes (first, second, middle, last).
-  if (k >= 2) {
-    std::vector<int> sample;  // plan ranks
-    const int nn = ch.shape.node_count();
-    for (int x : {0, 1, nn / 2, nn - 1}) {
-      if (x >= nn) continue;
+  return ch;
+}
+
+void rdma_choose_algos(RdmaChannels& ch) {
+  ch.tree_faster.clear();
+  if (ch.members.size() < 2) return;
+  // The model's hop counts; as the bytes, the most any rank of its sample sends, inside its
+  // node and out of it together: on these channels every hop goes through the rank's NIC
+  // (the model's own figures take a GPU's bytes inside its node and its NIC's as apart).
+  auto predict = [&](plan::Algo algo, size_t bytes) {
+    plan::PlanRequest r;
+    r.algo = algo;
+    r.count = bytes / 4;
+    const plan::ChannelSet& set = algo == plan::Algo::kTree ? ch.tree : ch.ring;
+    plan::ScheduleFigures fig = plan::schedule_hops(ch.shape, r, set);
+    plan::LinkBytes b(ch.shape);
+    for (int x : plan::sample_nodes(ch.shape, algo)) {
       for (int q : ch.shape.nodes[size_t(x)].ranks) {
-        if (std::find(sample.begin(), sample.end(), q) == sample.end()) sample.push_back(q);
+        plan::count_bytes(ch.shape, set, q, plan::rank_steps(ch.shape, set, r, q), r.esize, &b);
+        fig.max_nic_bytes = std::max(fig.max_nic_bytes, b.intra_sent[size_t(q)] + b.inter_sent[size_t(q)]);
       }
     }
-    if (k <= 16) {
-      sample.resize(size_t(k));
-      for (int q = 0; q < k; ++q) sample[size_t(q)] = q;
-    }
-    auto predict = [&](plan::Algo algo, size_t bytes) {
-      plan::PlanRequest r;
-      r.algo = algo;
-      r.count = bytes / 4;
-      plan::ScheduleFigures fig = plan::schedule_figures(ch.shape, r);
-      const plan::ChannelSet& set = algo == plan::Algo::kTree ? ch.tree : ch.ring;
-      plan::LinkBytes b(ch.shape);
-      for (int q : sample) plan::count_bytes(ch.shape, set, q, plan::rank_steps(ch.shape, set, r, q), r.esize, &b);
-      fig.max_intra_bytes = 0;
-      fig.max_nic_bytes = 0;
-      for (int q : sample) fig.max_nic_bytes = std::max(fig.max_nic_bytes, b.intra_sent[size_t(q)] + b.inter_sent[size_t(q)]);
-      return std::min(plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kLowLatency),
-                      plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kBulk));
-    };
-    for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {
-      ch.tree_faster.push_back(predict(plan::Algo::kTree, bytes) < predict(plan::Algo::kRing, bytes));
-    }
+    return std::min(plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kLowLatency),
+                    plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kBulk));
+  };
+  // 8 B .. 64 MiB: the model's terms are linear in the bytes beyond.
+  for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {
+    ch.tree_faster.push_back(predict(plan::Algo::kTree, bytes) < predict(plan::Algo::kRing, bytes));
   }
-  return ch;
 }
 
 plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes) {

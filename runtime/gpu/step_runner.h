@@ -44,12 +44,15 @@ struct RdmaChannels {
   // of its bytes (index i: up to 8 << i bytes; the last entry holds above): true where the
   // trees are predicted faster than the ring (the GPU cost model on this shape, the hops and
   // bytes inside a node costed as the NIC's, since on these channels they loop through it).
+  // Filled by rdma_choose_algos; empty: the ring.
   std::vector<bool> tree_faster;
 };
 // `hosts`: every world rank's node (its host, or any grouping key). An error when `me` is not among `members` once, or the
 // peers exceed kMaxGdrPeers.
 Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me);
 
+// Fills `tree_faster` (once per set of channels, at set-up: it plans every size).
+void rdma_choose_algos(RdmaChannels& ch);
 // The algorithm an allreduce of `bytes` takes on these channels when none is forced:
 // kTree or kRing, from `tree_faster`.
 plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes);

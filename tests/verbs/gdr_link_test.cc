@@ -397,6 +397,7 @@ TEST(RdmaChannels, TheCostModelTakesTheTreesForSmallCallsAcrossManyNodes) {
   }
   auto ch = rdma_channels(members, hosts, 5);
   ASSERT_TRUE(ch.ok()) << ch.status().to_string();
+  rdma_choose_algos(*ch);
   ASSERT_FALSE(ch->tree_faster.empty());
   EXPECT_EQ(rdma_auto_algo(*ch, 8), plan::Algo::kTree);
   EXPECT_EQ(rdma_auto_algo(*ch, 4096), plan::Algo::kTree);
@@ -406,6 +407,7 @@ TEST(RdmaChannels, TheCostModelTakesTheTreesForSmallCallsAcrossManyNodes) {
   // A single member has no choice to make.
   auto one = rdma_channels({3}, hosts, 3);
   ASSERT_TRUE(one.ok());
+  rdma_choose_algos(*one);
   EXPECT_EQ(rdma_auto_algo(*one, 8), plan::Algo::kRing);
   EXPECT_EQ(rdma_auto_summary(*one), "ring at every size");
 }

@@ -10,23 +10,6 @@ namespace {
 
 using Kind = CollectiveKind;
 
-// Nodes whose ranks carry the most bytes. Rings and direct pushes treat every node alike:
-// node 0. Trees differ per node (root, interior, leaf): every node up to 64, else the first
-// four (interior with two child nodes in one tree and a leaf in the other among them), the
-// middle and the last ones.
-std::vector<int> sample_nodes(const JobShape& shape, Algo algo) {
-  const int k = shape.node_count();
-  std::vector<int> nodes;
-  if (algo != Algo::kTree || k <= 64) {
-    for (int x = 0; x < (algo == Algo::kTree ? k : 1); ++x) nodes.push_back(x);
-    return nodes;
-  }
-  for (int x : {0, 1, 2, 3, k / 2 - 1, k / 2, k / 2 + 1, k - 2, k - 1}) nodes.push_back(x);
-  std::sort(nodes.begin(), nodes.end());
-  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
-  return nodes;
-}
-
 // Tree depth of channel 0: the most hops inside nodes and between nodes on a way to the root.
 void tree_depth(const JobShape& shape, const Channel& ch, int* intra, int* inter) {
   std::vector<int> node(size_t(shape.world_size()));
@@ -46,13 +29,29 @@ void tree_depth(const JobShape& shape, const Channel& ch, int* intra, int* inter
 
 }  // namespace
 
+// Nodes whose ranks carry the most bytes. Rings and direct pushes treat every node alike:
+// node 0. Trees differ per node (root, interior, leaf): every node up to 64, else the first
+// four (interior with two child nodes in one tree and a leaf in the other among them), the
+// middle and the last ones.
+std::vector<int> sample_nodes(const JobShape& shape, Algo algo) {
+  const int k = shape.node_count();
+  std::vector<int> nodes;
+  if (algo != Algo::kTree || k <= 64) {
+    for (int x = 0; x < (algo == Algo::kTree ? k : 1); ++x) nodes.push_back(x);
+    return nodes;
+  }
+  for (int x : {0, 1, 2, 3, k / 2 - 1, k / 2, k / 2 + 1, k - 2, k - 1}) nodes.push_back(x);
+  std::sort(nodes.begin(), nodes.end());
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  return nodes;
+}
+
 const char* to_string(Protocol p) { return p == Protocol::kLowLatency ? "LL" : "bulk"; }
 
-ScheduleFigures schedule_figures(const JobShape& shape, const PlanRequest& req) {
+ScheduleFigures schedule_hops(const JobShape& shape, const PlanRequest& req, const ChannelSet& channels) {
   ScheduleFigures f;
   const int n = shape.world_size(), k = shape.node_count();
   const Algo algo = effective_algo(req.kind, req.algo);
-  const ChannelSet channels = plan_channels(shape, req);
   const bool allreduce = req.kind == Kind::kAllreduce;
   switch (algo) {
     case Algo::kRing: {
@@ -74,6 +73,13 @@ ScheduleFigures schedule_figures(const JobShape& shape, const PlanRequest& req) 
       f.inter_hops = 2 * (k - 1);
       break;
   }
+  return f;
+}
+
+ScheduleFigures schedule_figures(const JobShape& shape, const PlanRequest& req) {
+  const Algo algo = effective_algo(req.kind, req.algo);
+  const ChannelSet channels = plan_channels(shape, req);
+  ScheduleFigures f = schedule_hops(shape, req, channels);
   LinkBytes bytes(shape);
   std::vector<int> ranks;
   for (int x : sample_nodes(shape, algo))

@@ -48,6 +48,11 @@ struct ScheduleFigures {
 // Plans `req` on `shape` and counts the steps of the ranks that carry the most (node 0's for
 // rings and direct pushes; a sample of nodes for trees, all of them up to 64). Moves no data.
 ScheduleFigures schedule_figures(const JobShape& shape, const PlanRequest& req);
+// The nodes whose ranks carry the most bytes, which schedule_figures counts: node 0 for rings
+// and direct pushes; for trees every node up to 64, else nine of them.
+std::vector<int> sample_nodes(const JobShape& shape, Algo algo);
+// Its hop counts alone (bytes 0): what a caller that counts the bytes its own way needs.
+ScheduleFigures schedule_hops(const JobShape& shape, const PlanRequest& req, const ChannelSet& channels);
 
 struct Estimate {
   Algo algo = Algo::kRing;
