@@ -170,7 +170,9 @@ prefix_mode() {
 root=""  # the fresh tree of chroot_mode and nspawn_mode; global for the EXIT trap
 # A fresh Debian 12 tree in $root with both packages, a compiler and the extra packages given
 # installed by apt, and this check and examples/consumer in /gradsync; /proc and /dev mounted.
-fresh_debian() {
+# A fresh Debian 12 tree in $root (debootstrap, or a copy of GRADSYNC_CHROOT_BASE), /proc and
+# /dev mounted, DEB_DIR's packages in /debs and the consumer example in /gradsync.
+fresh_tree() {
   local debs
   debs=$(cd "$1" && pwd)
   shift
@@ -192,7 +194,12 @@ fresh_debian() {
   cp "$debs"/gradsync*.deb "$root/debs/"
   cp "$here/scripts/package-check.sh" "$root/gradsync/scripts/"
   cp -r "$here/examples/consumer" "$root/gradsync/examples/"
-  [ "${GRADSYNC_NO_APT_INSTALL:-0}" = 1 ] && return
+}
+
+# fresh_tree, then the packages, a compiler and "$@" by apt.
+fresh_debian() {
+  fresh_tree "$@"
+  shift
   say "apt-get install the packages and a compiler${*:+ and $*} in the chroot"
   chroot "$root" bash -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -qq &&
     apt-get install -y -q --no-install-recommends /debs/gradsync_*.deb /debs/gradsync-dev_*.deb \
@@ -215,7 +222,7 @@ chroot_mode() {
 # apt, the packages by dpkg with that one ignored. Then the installed library's fatbinaries are
 # listed (cuobjdump where the CUDA toolkit has it, else scripts/fatbin-list.py).
 cuda_mode() {
-  GRADSYNC_NO_APT_INSTALL=1 fresh_debian "$1"
+  fresh_tree "$1"
   say "apt-get install the dependencies but cuda-cudart-13-0, then dpkg -i the packages"
   chroot "$root" bash -c 'export DEBIAN_FRONTEND=noninteractive; apt-get update -qq &&
     deps=$(dpkg-deb -f /debs/gradsync_*.deb Depends | tr "," "\n" | sed "s/(.*//; s/ //g" | grep -v "^cuda-cudart") &&

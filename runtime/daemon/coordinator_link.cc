@@ -91,21 +91,20 @@ CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::Chan
   args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(kPingTimeout.count()));
   args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
   args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  auto add_target = [&](std::string address) {
+    auto channel = coordinator_channel(address, credentials, args, auth_);
+    auto stub = v1::Coordinator::NewStub(channel);
+    targets_.push_back({std::move(address), std::move(channel), std::move(stub)});
+  };
   for (size_t start = 0; start <= addresses_.size();) {
     size_t comma = addresses_.find(',', start);
     if (comma == std::string::npos) comma = addresses_.size();
     std::string one = addresses_.substr(start, comma - start);
     start = comma + 1;
-    if (one.empty()) continue;
-    auto channel = coordinator_channel(one, credentials, args, auth_);
-    auto stub = v1::Coordinator::NewStub(channel);
-    targets_.push_back({std::move(one), std::move(channel), std::move(stub)});
+    if (!one.empty()) add_target(std::move(one));
   }
-  if (targets_.empty()) {  // the daemon checks its flag; keep one target so calls fail with a message
-    auto channel = coordinator_channel(addresses_, credentials, args, auth_);
-    auto stub = v1::Coordinator::NewStub(channel);
-    targets_.push_back({addresses_, std::move(channel), std::move(stub)});
-  }
+  // The daemon checks its flag; keep one target so calls fail with a message.
+  if (targets_.empty()) add_target(addresses_);
 }
 
 std::string CoordinatorLink::address() const {
