@@ -35,6 +35,9 @@ GdrConfig DeviceComm::gdr_config() const {
   l.slot_bytes = size_t(env_positive("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
   l.slots = uint32_t(std::max(2L, env_positive("GRADSYNC_GDR_SLOTS", 4)));
   l.op_timeout = cfg_.op_timeout;
+  // The hops inside a node by CUDA IPC unless GRADSYNC_GDR_DIRECT=0 (then through the NIC).
+  const char* direct = std::getenv("GRADSYNC_GDR_DIRECT");
+  g.direct = direct == nullptr || std::strcmp(direct, "0") != 0;
   g.abort_dev = &m.words_dev->abort;
   g.error_dev = &m.words_dev->error;
   g.abort_host = &m.words->abort;

@@ -6,7 +6,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <optional>
+
+#include <unistd.h>
 
 #include "common/log.h"
 #include "gpu/gdr_link.h"
@@ -95,6 +98,64 @@ Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
   return region;
 }
 
+// The direct region (gpu/gdr_link.h) in GPU memory, and what a peer of this node needs to map
+// it: CUDA IPC, or the address itself for a rank of this process (ranks as threads).
+struct DirectHandle {
+  int32_t pid = 0;
+  int32_t device = 0;
+  uint64_t addr = 0;
+  cudaIpcMemHandle_t ipc;
+};
+static_assert(sizeof(DirectHandle) <= kGdrHandleBytes, "the direct region's handle does not fit");
+
+Result<GdrDirectRegion> direct_region(int device, size_t bytes) {
+  GS_RETURN_IF_ERROR(cuda(cudaSetDevice(device), "cudaSetDevice"));
+  void* p = nullptr;
+  GS_RETURN_IF_ERROR(cuda(cudaMalloc(&p, bytes), "cudaMalloc of the CUDA IPC slots (" + std::to_string(bytes) + " bytes)"));
+  GdrDirectRegion d;
+  d.owner = std::shared_ptr<void>(p, [device](void* q) {
+    (void)cudaSetDevice(device);
+    (void)cudaFree(q);
+  });
+  GS_RETURN_IF_ERROR(cuda(cudaMemset(p, 0, bytes), "cudaMemset"));
+  GS_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
+  DirectHandle h{};
+  h.pid = int32_t(::getpid());
+  h.device = device;
+  h.addr = reinterpret_cast<uint64_t>(p);
+  GS_RETURN_IF_ERROR(cuda(cudaIpcGetMemHandle(&h.ipc, p), "cudaIpcGetMemHandle"));
+  d.base = static_cast<uint8_t*>(p);
+  std::memcpy(d.handle, &h, sizeof(h));
+  return d;
+}
+
+Result<GdrDirectRegion> open_direct_region(int device, const uint8_t* handle) {
+  DirectHandle h{};
+  std::memcpy(&h, handle, sizeof(h));
+  GS_RETURN_IF_ERROR(cuda(cudaSetDevice(device), "cudaSetDevice"));
+  GdrDirectRegion d;
+  if (h.pid == int32_t(::getpid())) {
+    if (h.device != device) {
+      const cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
+        return cuda(e, "peer access to GPU " + std::to_string(h.device));
+      }
+      (void)cudaGetLastError();
+    }
+    d.base = reinterpret_cast<uint8_t*>(h.addr);
+    return d;
+  }
+  void* p = nullptr;
+  GS_RETURN_IF_ERROR(cuda(cudaIpcOpenMemHandle(&p, h.ipc, cudaIpcMemLazyEnablePeerAccess),
+                          "cudaIpcOpenMemHandle (GPU " + std::to_string(h.device) + " of pid " + std::to_string(h.pid) + ")"));
+  d.base = static_cast<uint8_t*>(p);
+  d.owner = std::shared_ptr<void>(p, [device](void* q) {
+    (void)cudaSetDevice(device);
+    (void)cudaIpcCloseMemHandle(q);
+  });
+  return d;
+}
+
 }  // namespace
 
 struct GdrChannels::Impl {
@@ -107,6 +168,7 @@ struct GdrChannels::Impl {
   uint64_t slot_region_bytes = 0;  // every peer's send and receive slots (GPU or pinned host memory)
   GdrWords* words = nullptr;       // one per peer, mapped pinned host memory: host view
   GdrWords* words_dev = nullptr;   // device view
+  size_t nwords = 0;
 };
 
 namespace {
@@ -118,21 +180,25 @@ class KernelStream final : public StepStream {
       : m_(m), link_(*m.link), stream_(stream), type_(type), op_(op), divisor_(divisor),
         timeout_ns_(uint64_t(m.cfg.link.op_timeout.count()) * 1'000'000ull) {}
 
+  // The link's words for peer p (a direct peer's in GPU memory, its own or the peer's; an RDMA
+  // peer's in the mapped words, seen here through their device view).
   Status wait_arrived(int p, uint64_t v) override {
-    return check(kernels::launch_wait_host(&m_.words_dev[p].arrived, v, m_.cfg.abort_dev, m_.cfg.error_dev,
+    return check(kernels::launch_wait_host(dev(link_.stream_words(p).arrived), v, m_.cfg.abort_dev, m_.cfg.error_dev,
                                            timeout_ns_, nullptr, stream_, link_.peer(p).rank, kWaitArrival),
                  "wait kernel");
   }
   Status wait_send_free(int p, uint64_t v) override {
-    return check(kernels::launch_wait_host(&m_.words_dev[p].send_free, v, m_.cfg.abort_dev, m_.cfg.error_dev,
-                                           timeout_ns_, nullptr, stream_, link_.peer(p).rank, kWaitSendSlot),
+    return check(kernels::launch_wait_host(dev(link_.stream_words(p).send_free), v, m_.cfg.abort_dev,
+                                           m_.cfg.error_dev, timeout_ns_, nullptr, stream_, link_.peer(p).rank,
+                                           kWaitSendSlot),
                  "wait kernel");
   }
   Status signal_ready(int p, uint64_t v) override {
-    return check(kernels::launch_signal_host(&m_.words_dev[p].ready, v, nullptr, stream_), "signal kernel");
+    return check(kernels::launch_signal_host(dev(link_.stream_words(p).ready), v, nullptr, stream_), "signal kernel");
   }
   Status signal_consumed(int p, uint64_t v) override {
-    return check(kernels::launch_signal_host(&m_.words_dev[p].consumed, v, nullptr, stream_), "signal kernel");
+    return check(kernels::launch_signal_host(dev(link_.stream_words(p).consumed), v, nullptr, stream_),
+                 "signal kernel");
   }
   // Copies by a kernel, not cudaMemcpyAsync: a copy between two addresses of one device may
   // wait for the other streams' work (CUDA's implicit synchronization), and another stream of
@@ -151,6 +217,14 @@ class KernelStream final : public StepStream {
 
  private:
   Status check(cudaError_t e, const char* what) const { return cuda(e, m_.cfg.link.who + ": " + what); }
+  uint64_t* dev(uint64_t* w) const {
+    auto* at = reinterpret_cast<uint8_t*>(w);
+    auto* lo = reinterpret_cast<uint8_t*>(m_.words);
+    if (at >= lo && at < lo + m_.nwords * sizeof(GdrWords)) {
+      return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(m_.words_dev) + (at - lo));
+    }
+    return w;
+  }
 
   const GdrChannels::Impl& m_;
   const GdrLink& link_;
@@ -169,14 +243,15 @@ std::vector<int> members_of(const GdrConfig& cfg) {
 }
 
 // The members' channels and this rank's peers (gpu/step_runner.h).
-Result<RdmaChannels> channels_of(const GdrConfig& cfg) {
-  return rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank);
+Result<RdmaChannels> channels_of(const GdrConfig& cfg, bool direct) {
+  return rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank, direct);
 }
 
-// The slots of `peers`: `slots` of `slot_bytes` per peer and direction used.
+// The slots of `peers`: `slots` of `slot_bytes` per peer and direction used (a direct peer:
+// receive slots only; we write into its own).
 uint64_t peer_slot_bytes(const std::vector<GdrPeer>& peers, const GdrLinkConfig& link) {
   uint64_t directions = 0;
-  for (const GdrPeer& p : peers) directions += uint64_t(p.send) + uint64_t(p.recv);
+  for (const GdrPeer& p : peers) directions += uint64_t(p.send && !p.direct) + uint64_t(p.recv);
   return directions * link.slots * link.slot_bytes;
 }
 
@@ -190,7 +265,7 @@ GdrChannels::~GdrChannels() {
 }
 
 uint64_t GdrChannels::slot_region_bytes(const GdrConfig& cfg) {
-  auto ch = channels_of(cfg);
+  auto ch = channels_of(cfg, cfg.direct);
   return ch.ok() ? peer_slot_bytes(ch->peers, cfg.link) : 0;
 }
 
@@ -200,13 +275,42 @@ Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, c
   Impl& m = *impl;
   m.cfg = cfg;
   std::unique_ptr<GdrChannels> chan(new GdrChannels(std::move(impl)));
+  // Direct hops inside a node only where every rank wants them (GRADSYNC_GDR_DIRECT).
+  int32_t direct = cfg.direct ? 1 : 0;
+  GS_RETURN_IF_ERROR(ops.allreduce_now(&direct, &direct, 1, DataType::kInt32, ReduceOp::kMin));
+  m.cfg.direct = direct != 0;
+  std::string refused;
+  auto made = set_up(m, ops, why_not, &refused);
+  if (made.ok() && !*made && !refused.empty()) {
+    // Some pair of this node's ranks could not map the other's memory: the same channels with
+    // every hop through the NIC (every rank learnt it in the same round).
+    log::get("gpu")->warn("{}: no CUDA IPC between this node's ranks on the RDMA channels ({}); their hops go "
+                          "through the NIC", cfg.link.who, refused);
+    m.cfg.direct = false;
+    why_not->clear();
+    made = set_up(m, ops, why_not, nullptr);
+  }
+  if (!made.ok()) return made.status();
+  if (!*made) return std::unique_ptr<GdrChannels>();
+  return chan;
+}
+
+// One attempt at the channels' set-up with m.cfg (collective). False with *why_not: not on
+// every rank. *refused (when given) gets why direct peers failed, and false is returned.
+Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_not, std::string* refused) {
+  const GdrConfig& cfg = m.cfg;
+  if (m.words) {
+    (void)cudaFreeHost(m.words);
+    m.words = nullptr;
+  }
   GdrLinkConfig lc = cfg.link;
-  auto ch = channels_of(cfg);
+  auto ch = channels_of(cfg, cfg.direct);
   if (!ch.ok()) return Status(ch.status().code(), cfg.link.who + ": " + ch.status().message());
   m.channels = std::move(ch).value();
   rdma_choose_algos(m.channels);
   lc.peers = m.channels.peers;
   const size_t nwords = std::max<size_t>(1, lc.peers.size());
+  m.nwords = nwords;
 
   // What only this GPU decides: the mapped words and whether arrivals need a flush. A
   // failure here still takes part in the link's collective set-up (with no device), so that
@@ -294,24 +398,34 @@ Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, c
   // The stream's waits end at once when the link fails (every other rank's through the abort).
   uint32_t* abort_host = cfg.abort_host;
   lo.on_failure = [abort_host] { __atomic_store_n(abort_host, 1u, __ATOMIC_RELEASE); };
+  lo.direct_make = [device](size_t bytes) { return direct_region(device, bytes); };
+  lo.direct_open = [device](const uint8_t* handle, int) { return open_direct_region(device, handle); };
   std::vector<GdrWords> dummy(nwords);
-  auto link = GdrLink::create(lc, lo, make_region, m.words ? m.words : dummy.data(), std::move(flush), why_not);
+  bool direct_refused = false;
+  auto link = GdrLink::create(lc, lo, make_region, m.words ? m.words : dummy.data(), std::move(flush), why_not,
+                              &direct_refused);
   if (!link.ok()) return link.status();
   if (!*link) {
+    if (direct_refused && refused != nullptr) {
+      *refused = *why_not;
+      return false;
+    }
     if (!local_why.empty()) *why_not = "GPUDirect RDMA: " + local_why;
-    return std::unique_ptr<GdrChannels>();
+    return false;
   }
   m.link = std::move(link).value();
   m.runner = std::make_unique<StepRunner>(m.link.get());
   m.gpu_slots = in_host->empty();
-  m.slot_region_bytes = peer_slot_bytes(lc.peers, lc);
+  std::vector<GdrPeer> rdma_peers;  // the direct peers' receive slots are in the link's direct region
+  std::copy_if(lc.peers.begin(), lc.peers.end(), std::back_inserter(rdma_peers), [](const GdrPeer& p) { return !p.direct; });
+  m.slot_region_bytes = peer_slot_bytes(rdma_peers, lc);
   const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
                            (m.channels.shape.node_count() == 1 ? " node" : " nodes") +
                            "; allreduce by the cost model: " + rdma_auto_summary(m.channels);
   m.description = m.gpu_slots ? "GPUDirect RDMA (" + what + ") over " + m.link->describe() + where +
                                     (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "")
                               : "host-staged RDMA (" + what + ") over " + m.link->describe() + " (" + *in_host + ")";
-  return chan;
+  return true;
 }
 
 bool GdrChannels::gpu_slots() const { return impl_->gpu_slots; }
@@ -319,6 +433,7 @@ bool GdrChannels::gpu_slots() const { return impl_->gpu_slots; }
 DeviceComm::MemoryUse GdrChannels::memory() const {
   DeviceComm::MemoryUse u;
   (impl_->gpu_slots ? u.gpu_bytes : u.pinned_host_bytes) += impl_->slot_region_bytes;
+  u.gpu_bytes += impl_->link->direct_region_bytes();
   u.pinned_host_bytes += std::max<size_t>(1, impl_->channels.peers.size()) * sizeof(GdrWords);
   return u;
 }
@@ -329,7 +444,9 @@ void GdrChannels::add_bytes_sent(Communicator::GpuBytesSent& b) const {
   const std::string& mine = node[size_t(m.cfg.link.rank)];
   for (int p = 0; p < m.link->peer_count(); ++p) {
     const uint64_t bytes = m.link->bytes_sent(p);
-    (node[size_t(m.link->peer(p).rank)] == mine ? b.rdma_same_node : b.rdma_other_nodes) += bytes;
+    (m.link->peer(p).direct                      ? b.cuda_ipc
+     : node[size_t(m.link->peer(p).rank)] == mine ? b.rdma_same_node
+                                                  : b.rdma_other_nodes) += bytes;
   }
 }
 

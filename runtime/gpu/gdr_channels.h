@@ -1,7 +1,7 @@
 // The RDMA path of the GPU communicator (docs/architecture.md, the GPU paths): the planning
 // layer's channels (gpu/plan: a ring, and the two trees of a double binary tree with a chain
-// per node) over queue pairs to each peer, and the plan's primitive steps run on the caller's
-// stream. The NIC writes each message straight from a send slot in one rank's GPU memory into
+// per node) over queue pairs to each peer on another node and CUDA IPC to each peer on this
+// one (GdrConfig::direct), and the plan's primitive steps run on the caller's stream. The NIC writes each message straight from a send slot in one rank's GPU memory into
 // a receive slot in the peer's GPU memory, and the kernels on the stream read the slots there:
 // no byte of the payload passes through host memory. A rank whose GPU memory the NIC cannot
 // reach keeps its links with its slots in pinned host memory instead (gpu_slots() below).
@@ -45,6 +45,11 @@ struct GdrConfig {
   // hosts of link.hosts (several daemons on one machine are then one node).
   std::vector<std::string> nodes;
   int device = 0;      // the CUDA device
+  // The hops between ranks of one node go through CUDA IPC (the peer's receive slots and words
+  // mapped into this process; NVLink where the GPUs have it), not through the NIC. Agreed at
+  // set-up (off on any rank: off on all); where some pair cannot map the other's memory every
+  // rank sets up again without it.
+  bool direct = true;
   // The communicator's mapped words (device views) that the stream's waits read and report
   // through, and the host view of the abort word (set when this ring fails).
   const uint32_t* abort_dev = nullptr;
@@ -95,6 +100,7 @@ class GdrChannels {
 
  private:
   explicit GdrChannels(std::unique_ptr<Impl> impl);
+  static Result<bool> set_up(Impl& m, const HostOps& ops, std::string* why_not, std::string* refused);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -34,8 +34,13 @@ struct alignas(64) CreditWords {
 struct GdrPeerEntry {
   int32_t rank_plus_one = 0;  // 0: unused
   uint32_t qpn = 0;           // our QP to that peer
-  uint64_t recv_slots = 0;    // our receive slot 0 for its messages (0: we receive nothing)
-  uint64_t credit_addr = 0;   // our credit word for our messages to it (0: we send nothing)
+  uint64_t recv_slots = 0;    // our receive slot 0 for its messages (0: we receive nothing);
+                              // direct: its offset in our direct region
+  uint64_t credit_addr = 0;   // our credit word for our messages to it (0: we send nothing);
+                              // direct: our words for it (their offset), when we send
+  uint64_t words_off = 0;     // direct: the offset of our words for it (always set)
+  uint32_t direct = 0;        // 1: a direct peer
+  uint32_t pad = 0;
 };
 struct GdrBlob {
   uint32_t psn = 0;  // every QP's initial send PSN (24 bits)
@@ -45,8 +50,12 @@ struct GdrBlob {
   uint32_t credit_rkey = 0;
   uint32_t npeers = 0;
   uint8_t gid[16] = {};
+  uint8_t direct_handle[kGdrHandleBytes] = {};
   GdrPeerEntry peers[kMaxGdrPeers];
 };
+
+// A direct region: this header, a GdrWords per peer index, then the receive slots.
+constexpr size_t kDirectWordsOffset = 64;
 
 constexpr uint64_t kCreditWr = uint64_t(1) << 63;  // wr_id bit of credit writes
 constexpr uint64_t kRecvWr = uint64_t(1) << 62;    // wr_id bit of posted receives (error completions carry no opcode)
@@ -77,6 +86,10 @@ struct PeerLink {
   bool credit_inflight = false;
   uint64_t bytes_sent = 0;  // payload bytes posted; written by the worker, read atomically
   std::deque<uint32_t> landed;  // lengths of receives completed but not yet planned
+  // Direct peers: its region as mapped here, its receive slots for us and its words for us
+  // (offsets there); recv_off is then our receive slots' offset in our direct region.
+  GdrDirectRegion peer_region;
+  size_t peer_recv_off = 0, peer_words_off = 0;
 };
 
 }  // namespace
@@ -91,6 +104,8 @@ struct GdrLink::Impl {
   GdrRegion region;
   size_t region_bytes = 0;
   CreditWords* credits = nullptr;  // one per peer
+  GdrDirectRegion direct;          // with direct peers: words, then their receive slots
+  size_t direct_bytes = 0;
   verbs::MemoryRegion credit_mr;
   verbs::CompletionQueue cq;
   std::vector<PeerLink> peers;
@@ -104,7 +119,12 @@ struct GdrLink::Impl {
 
   uint8_t* slot(int p, bool recv_side, uint64_t msg) const {
     const PeerLink& l = peers[size_t(p)];
-    return region.base + (recv_side ? l.recv_off : l.send_off) + size_t(msg % cfg.slots) * cfg.slot_bytes;
+    const size_t at = size_t(msg % cfg.slots) * cfg.slot_bytes;
+    if (l.peer.direct) return recv_side ? direct.base + l.recv_off + at : l.peer_region.base + l.peer_recv_off + at;
+    return region.base + (recv_side ? l.recv_off : l.send_off) + at;
+  }
+  GdrWords* direct_words(int p) const {
+    return reinterpret_cast<GdrWords*>(direct.base + kDirectWordsOffset) + p;
   }
   std::string peer_name(int r) const {
     return "rank " + std::to_string(r) +
@@ -112,7 +132,7 @@ struct GdrLink::Impl {
   }
   int by_qpn(uint32_t qpn) const {
     for (size_t i = 0; i < peers.size(); ++i) {
-      if (peers[i].qp.qpn() == qpn) return int(i);
+      if (!peers[i].peer.direct && peers[i].qp.qpn() == qpn) return int(i);
     }
     return -1;
   }
@@ -143,9 +163,17 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
     return {opened.status().code(), "the RDMA device " + cfg.verbs_device + ": " + opened.status().message()};
   }
   node = std::move(opened).value();
-  // The region: per peer, its send slots then its receive slots (only the directions used).
+  // The region: per RDMA peer, its send slots then its receive slots (only the directions
+  // used). The direct region: the words, then each direct peer's receive slots.
   const size_t block = size_t(cfg.slots) * cfg.slot_bytes;
+  bool any_direct = false;
+  direct_bytes = (kDirectWordsOffset + peers.size() * sizeof(GdrWords) + 255) / 256 * 256;
   for (PeerLink& l : peers) {
+    if (l.peer.direct) {
+      any_direct = true;
+      if (l.peer.recv) l.recv_off = std::exchange(direct_bytes, direct_bytes + block);
+      continue;
+    }
     if (l.peer.send) l.send_off = std::exchange(region_bytes, region_bytes + block);
     if (l.peer.recv) l.recv_off = std::exchange(region_bytes, region_bytes + block);
   }
@@ -153,6 +181,14 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
     auto reg = make_region(node->pd(), region_bytes);
     if (!reg.ok()) return reg.status();
     region = std::move(reg).value();
+  }
+  if (!any_direct) {
+    direct_bytes = 0;
+  } else {
+    if (!ops.direct_make || !ops.direct_open) return {Code::kInternal, "direct peers without direct_make/direct_open"};
+    auto d = ops.direct_make(direct_bytes);
+    if (!d.ok()) return {d.status().code(), "the direct region for this node's peers: " + d.status().message()};
+    direct = std::move(d).value();
   }
 
   const size_t credit_bytes = std::max<size_t>(1, peers.size()) * sizeof(CreditWords);
@@ -176,11 +212,12 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
   const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
   for (size_t i = 0; i < peers.size(); ++i) {
     PeerLink& l = peers[i];
+    l.credit = &credits[i];
+    if (l.peer.direct) continue;
     auto a = verbs::QueuePair::create_rc(node->pd(), cq, cq, caps, peer_name(l.peer.rank));
     if (!a.ok()) return a.status();
     l.qp = std::move(a).value();
     GS_RETURN_IF_ERROR(l.qp.to_init(node->port(), access));
-    l.credit = &credits[i];
   }
   return Status::Ok();
 }
@@ -191,8 +228,13 @@ GdrLink::~GdrLink() {
   Impl& m = *impl_;
   m.stop.store(true, std::memory_order_release);
   if (m.worker.joinable()) m.worker.join();
-  // Verbs objects in order (QPs, CQ, MRs) before the memory they name and the PD.
-  for (PeerLink& l : m.peers) l.qp = {};
+  // Verbs objects in order (QPs, CQ, MRs) before the memory they name and the PD; the peers'
+  // direct regions unmapped before ours goes.
+  for (PeerLink& l : m.peers) {
+    l.qp = {};
+    l.peer_region = {};
+  }
+  m.direct = {};
   m.cq = {};
   m.credit_mr = {};
   m.region = {};
@@ -201,7 +243,9 @@ GdrLink::~GdrLink() {
 
 Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const GdrLinkOps& ops,
                                                  const GdrRegionMaker& make_region, GdrWords* words,
-                                                 std::function<Status()> flush, std::string* why_not) {
+                                                 std::function<Status()> flush, std::string* why_not,
+                                                 bool* direct_refused) {
+  if (direct_refused != nullptr) *direct_refused = false;
   auto impl = std::make_unique<Impl>();
   Impl& m = *impl;
   m.cfg = cfg;
@@ -259,10 +303,18 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   mine.credit_rkey = m.credit_mr.rkey();
   mine.npeers = uint32_t(m.peers.size());
   std::memcpy(mine.gid, m.node->gid().raw, sizeof(mine.gid));
+  std::memcpy(mine.direct_handle, m.direct.handle, sizeof(mine.direct_handle));
   for (size_t i = 0; i < m.peers.size(); ++i) {
     const PeerLink& l = m.peers[i];
     GdrPeerEntry& e = mine.peers[i];
     e.rank_plus_one = l.peer.rank + 1;
+    if (l.peer.direct) {
+      e.direct = 1;
+      e.words_off = kDirectWordsOffset + i * sizeof(GdrWords);
+      e.recv_slots = l.peer.recv ? l.recv_off : 0;
+      e.credit_addr = l.peer.send ? e.words_off : 0;
+      continue;
+    }
     e.qpn = l.qp.qpn();
     e.recv_slots = l.peer.recv ? reinterpret_cast<uint64_t>(m.slot(int(i), true, 0)) : 0;
     e.credit_addr = l.peer.send ? reinterpret_cast<uint64_t>(&l.credit->credit) : 0;
@@ -272,6 +324,7 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   const ibv_mtu mtu = m.node->port_info().active_mtu;
   const int sgid = m.node->sgid_index();
   Status conn = Status::Ok();
+  bool direct_failed = false;
   for (size_t i = 0; conn.ok() && i < m.peers.size(); ++i) {
     PeerLink& l = m.peers[i];
     const GdrBlob& b = table[size_t(l.peer.rank)];
@@ -281,11 +334,25 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
     }
     // Symmetry: what we send it receives, and the other way round. A programming error, the
     // same on every rank (the peers come from the same plan).
-    if (e == nullptr || (l.peer.send != (e->recv_slots != 0)) || (l.peer.recv != (e->credit_addr != 0))) {
+    if (e == nullptr || (l.peer.send != (e->recv_slots != 0)) || (l.peer.recv != (e->credit_addr != 0)) ||
+        l.peer.direct != (e->direct != 0)) {
       return Status(Code::kInternal, cfg.who + ": the RDMA peers are not symmetric: this rank " +
                                          (l.peer.send ? "sends to " : "") + (l.peer.recv ? "receives from " : "") +
-                                         m.peer_name(l.peer.rank) + ", which " +
-                                         (e == nullptr ? "does not list it" : "lists it otherwise"));
+                                         (l.peer.direct ? "(directly) " : "") + m.peer_name(l.peer.rank) +
+                                         ", which " + (e == nullptr ? "does not list it" : "lists it otherwise"));
+    }
+    if (l.peer.direct) {
+      auto opened = ops.direct_open(b.direct_handle, l.peer.rank);
+      if (!opened.ok()) {
+        conn = Status(opened.status().code(), "mapping the memory of " + m.peer_name(l.peer.rank) +
+                                                  " on this node: " + opened.status().message());
+        direct_failed = true;
+        break;
+      }
+      l.peer_region = std::move(opened).value();
+      l.peer_recv_off = size_t(e->recv_slots);
+      l.peer_words_off = size_t(e->words_off);
+      continue;
     }
     l.peer_slots = e->recv_slots;
     l.peer_slot_rkey = b.slot_rkey;
@@ -302,10 +369,12 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
     for (uint32_t s = 0; conn.ok() && l.peer.recv && s < cfg.slots; ++s) conn = l.qp.post_recv(kRecvWr | s);
   }
 
-  // Round 3: every QP is ready to receive before anyone sends.
+  // Round 3: every QP is ready to receive before anyone sends (2: a direct peer failed).
   std::fill(bad.begin(), bad.end(), 0);
-  bad[me] = conn.ok() ? 0 : 1;
+  bad[me] = conn.ok() ? 0 : direct_failed ? 2 : 1;
   GS_RETURN_IF_ERROR(ops.allreduce_now(bad.data(), bad.data(), n, DataType::kInt32, ReduceOp::kSum));
+  if (direct_refused != nullptr) *direct_refused = std::count(bad.begin(), bad.end(), 2) > 0;
+  std::replace(bad.begin(), bad.end(), 2, 1);
   if (!conn.ok()) {
     *why_not = "GPUDirect RDMA: connecting the queue pairs: " + conn.message();
     return std::unique_ptr<GdrLink>();
@@ -318,6 +387,8 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   m.description = m.node->describe() + ", " + (m.region.method.empty() ? "no slots" : m.region.method) + ", " +
                   std::to_string(cfg.slots) + " x " + std::to_string(cfg.slot_bytes) + "-byte slots, " +
                   std::to_string(m.peers.size()) + (m.peers.size() == 1 ? " peer" : " peers");
+  const auto direct = std::count_if(m.peers.begin(), m.peers.end(), [](const PeerLink& l) { return l.peer.direct; });
+  if (direct > 0) m.description += " (" + std::to_string(direct) + " of them on this node, by CUDA IPC)";
   m.worker = std::thread([&m] { m.run(); });
   return link;
 }
@@ -332,6 +403,16 @@ int GdrLink::peer_index(int rank) const {
   return -1;
 }
 uint8_t* GdrLink::slot(int index, bool receive, uint64_t msg) const { return impl_->slot(index, receive, msg); }
+size_t GdrLink::direct_region_bytes() const { return impl_->direct_bytes; }
+
+GdrLink::StreamWords GdrLink::stream_words(int index) const {
+  const Impl& m = *impl_;
+  const PeerLink& l = m.peers[size_t(index)];
+  if (!l.peer.direct) return {&l.words->arrived, &l.words->send_free, &l.words->ready, &l.words->consumed};
+  GdrWords* mine = m.direct_words(index);
+  auto* theirs = reinterpret_cast<GdrWords*>(l.peer_region.base + l.peer_words_off);
+  return {&mine->arrived, &mine->send_free, &theirs->arrived, &theirs->send_free};
+}
 uint32_t GdrLink::slots() const { return impl_->cfg.slots; }
 size_t GdrLink::slot_bytes() const { return impl_->cfg.slot_bytes; }
 
@@ -349,6 +430,10 @@ void GdrLink::plan(const std::vector<Message>& messages) {
   std::lock_guard lock(m.mu);
   for (const Message& msg : messages) {
     PeerLink& l = m.peers[size_t(msg.peer)];
+    if (l.peer.direct) {  // the stream moves it; the worker never sees it
+      if (msg.send) __atomic_fetch_add(&l.bytes_sent, uint64_t(msg.bytes), __ATOMIC_RELAXED);
+      continue;
+    }
     if (msg.send) {
       l.send_len.push_back(msg.bytes);
       ++l.planned_sends;
@@ -414,7 +499,7 @@ void GdrLink::Impl::run() {
     // Sends: filled by the stream, a free receive slot at the peer, room in the SQ.
     for (size_t i = 0; i < peers.size(); ++i) {
       PeerLink& l = peers[i];
-      while (l.posted < planned_s[i] && load(&l.words->ready) > l.posted &&
+      while (!l.peer.direct && l.posted < planned_s[i] && load(&l.words->ready) > l.posted &&
              load(&l.credit->credit) + cfg.slots > l.posted && l.posted - l.completed < cfg.slots) {
         uint32_t len = 0;
         {
@@ -483,6 +568,7 @@ void GdrLink::Impl::run() {
     bool pending = false;
     for (size_t i = 0; i < peers.size(); ++i) {
       PeerLink& l = peers[i];
+      if (l.peer.direct) continue;
       // Arrivals the stream may read: checked against the plan, flushed, published.
       while (!l.landed.empty() && l.arrived < planned_r[i]) {
         uint32_t want = 0;
@@ -525,7 +611,7 @@ void GdrLink::Impl::run() {
     }
     if (draining.load(std::memory_order_acquire) && !pending &&
         std::all_of(peers.begin(), peers.end(), [](const PeerLink& l) {
-          return !l.credit_inflight && load(&l.words->consumed) == l.credit_sent;
+          return l.peer.direct || (!l.credit_inflight && load(&l.words->consumed) == l.credit_sent);
         })) {
       return;
     }
@@ -553,6 +639,7 @@ void GdrLink::Impl::run() {
     if (trace && Clock::now() - last_trace > std::chrono::seconds(1)) {
       last_trace = Clock::now();
       for (const PeerLink& l : peers) {
+        if (l.peer.direct) continue;
         log::get(cfg.log_name)->info("{}: gdr idle with {}: planned {}/{} posted {} completed {} ready {} credit {} "
                                      "arrived {} landed {} consumed {}", cfg.who, peer_name(l.peer.rank),
                                      planned_s[size_t(&l - peers.data())], planned_r[size_t(&l - peers.data())], l.posted, l.completed, load(&l.words->ready),
@@ -577,6 +664,7 @@ void GdrLink::Impl::run() {
 void GdrLink::Impl::log_outstanding(const char* how, const std::vector<uint64_t>& planned_s,
                                     const std::vector<uint64_t>& planned_r) const {
   for (size_t i = 0; i < peers.size(); ++i) {
+    if (peers[i].peer.direct) continue;
     if (peers[i].completed < planned_s[i] || peers[i].arrived < planned_r[i]) {
       log::get(cfg.log_name)->warn("{}: {} with messages outstanding: {}", cfg.who, how,
                                    stall(peers[i], planned_s[i], planned_r[i]));

@@ -27,6 +27,19 @@
 // advances. A stall longer than the op timeout fails the link with the state of the peer waited
 // for. On failure it calls ops.on_failure and ops.abort_job; when ops.abort_reason() is
 // non-empty it stops quietly.
+//
+// Direct peers (GdrPeer::direct: ranks of this node whose GPU memory this rank can map, by
+// CUDA IPC in the GPU communicator) need neither queue pair nor worker: the stream writes each
+// message straight into the peer's receive slot and signals by storing into the peer's words.
+// Each rank's direct region (ops.direct_make, mapped by its direct peers with
+// ops.direct_open) holds a GdrWords per peer index, then its receive slots for each direct
+// peer it receives from. For direct peer p (this rank is peer q of p):
+//   our send slot m      = p's receive slot m % slots for us (in p's region)
+//   ready  (stream)      -> stored into p's words[q].arrived
+//   consumed (stream)    -> stored into p's words[q].send_free (p may write that slot again)
+//   arrived, send_free   <- our own words[p] in our region, which p stores into
+// stream_words() gives the stream those addresses; for RDMA peers they are the `words` given to
+// create. The stream's waits keep their own deadline (the worker never sees direct messages).
 #pragma once
 
 #include <chrono>
@@ -54,6 +67,7 @@ struct GdrPeer {
   int rank = -1;  // world rank
   bool send = false;
   bool recv = false;
+  bool direct = false;  // through the peer's mapped memory (same node), not a queue pair
 };
 constexpr int kMaxGdrPeers = 16;
 
@@ -76,12 +90,24 @@ struct GdrLinkConfig {
   std::string log_name = "gpu";  // spdlog logger
 };
 
+// Memory the ranks of this node can map: a rank's direct region, or a peer's as opened.
+constexpr size_t kGdrHandleBytes = 96;
+struct GdrDirectRegion {
+  uint8_t* base = nullptr;
+  uint8_t handle[kGdrHandleBytes] = {};  // what a peer needs to open it (direct_make fills it)
+  std::shared_ptr<void> owner;           // keeps it allocated (made) or mapped (opened)
+};
+
 struct GdrLinkOps {
   // A host allreduce among the job's ranks, now, on the calling thread (set-up).
   std::function<Status(const void* send, void* recv, size_t count, DataType, ReduceOp)> allreduce_now;
   std::function<std::string()> abort_reason;               // non-empty: the job was aborted
   std::function<void(const std::string& reason)> abort_job;  // abort it on every rank
   std::function<void()> on_failure;                        // the link failed (after error is set)
+  // Direct peers only: allocate this rank's direct region (zeroed), and map a peer's from its
+  // handle (`rank`: the peer, for errors).
+  std::function<Result<GdrDirectRegion>(size_t bytes)> direct_make;
+  std::function<Result<GdrDirectRegion>(const uint8_t* handle, int rank)> direct_open;
 };
 
 // The slot region, registered with the link's protection domain by the caller.
@@ -98,10 +124,13 @@ class GdrLink {
   // Collective: every rank calls it at the same point. Null with *why_not when some rank
   // cannot set up (every rank learns which); an error only when the host allreduce failed or
   // the peers are not symmetric. `words` (one per peer, in `peers` order) must stay valid while
-  // the link lives; `flush` may be empty.
+  // the link lives; `flush` may be empty. When the null comes from direct peers that some
+  // rank could not map, *direct_refused (if given) is set on every rank: the same set-up
+  // without direct peers may work.
   static Result<std::unique_ptr<GdrLink>> create(const GdrLinkConfig& cfg, const GdrLinkOps& ops,
                                                  const GdrRegionMaker& make_region, GdrWords* words,
-                                                 std::function<Status()> flush, std::string* why_not);
+                                                 std::function<Status()> flush, std::string* why_not,
+                                                 bool* direct_refused = nullptr);
   ~GdrLink();
   GdrLink(const GdrLink&) = delete;
   GdrLink& operator=(const GdrLink&) = delete;
@@ -109,8 +138,19 @@ class GdrLink {
   int peer_count() const;
   const GdrPeer& peer(int index) const;
   int peer_index(int rank) const;  // -1 when `rank` is not a peer
-  // Send slot (receive: false) or receive slot of message `msg` to or from peer `index`.
+  // Send slot (receive: false) or receive slot of message `msg` to or from peer `index` (a
+  // direct peer's send slot is in its region).
   uint8_t* slot(int index, bool receive, uint64_t msg) const;
+  // Where the stream waits (arrived, send_free) and signals (ready, consumed) for peer `index`.
+  struct StreamWords {
+    uint64_t* arrived;
+    uint64_t* send_free;
+    uint64_t* ready;
+    uint64_t* consumed;
+  };
+  StreamWords stream_words(int index) const;
+  // Bytes of this rank's direct region (words and receive slots; 0 without direct peers).
+  size_t direct_region_bytes() const;
   uint32_t slots() const;
   size_t slot_bytes() const;
   // The next messages' lengths in bytes, in order per peer and direction.
@@ -121,8 +161,8 @@ class GdrLink {
   };
   void plan(const std::vector<Message>& messages);
   Status error() const;
-  // Payload bytes written to peer `index` so far (RDMA writes posted; the credit words are
-  // not counted).
+  // Payload bytes written to peer `index` so far (RDMA writes posted, the credit words not
+  // counted; a direct peer's: the messages planned).
   uint64_t bytes_sent(int index) const;
   // Lets the last credits go out and stops the worker; the stream must be idle.
   void quiesce();

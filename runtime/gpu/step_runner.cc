@@ -8,9 +8,11 @@
 
 namespace gradsync {
 
-Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me) {
+Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me,
+                                   bool direct) {
   RdmaChannels ch;
   ch.members = members;
+  ch.direct = direct;
   const int k = int(members.size());
   for (int i = 0; i < k; ++i) {
     const int r = members[size_t(i)];
@@ -35,9 +37,10 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
   }
   if (ch.position < 0) return Status(Code::kInternal, "RDMA channels: rank " + std::to_string(me) + " is no member");
   if (std::string why = ch.shape.validate(); !why.empty()) return Status(Code::kInternal, "RDMA channels: " + why);
-  // Every hop of these channels is a queue pair, those inside a node too (the cost model's
-  // latency per hop; rdma_choose_algos counts the bytes so).
-  ch.shape.links.intra_lat = ch.shape.links.nic_lat;
+  // Without direct peers every hop of these channels is a queue pair, those inside a node too
+  // (the cost model's latency per hop; rdma_choose_algos counts the bytes so).
+  if (!direct) ch.shape.links.intra_lat = ch.shape.links.nic_lat;
+  const std::string& my_node = hosts[size_t(me)];
   plan::PlanRequest req;
   req.algo = plan::Algo::kRing;
   ch.ring = plan::plan_channels(ch.shape, req);
@@ -50,7 +53,7 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
         const int other = members[size_t(h.src == ch.position ? h.dst : h.src)];
         auto p = std::find_if(ch.peers.begin(), ch.peers.end(), [&](const GdrPeer& q) { return q.rank == other; });
         if (p == ch.peers.end()) {
-          ch.peers.push_back({other, false, false});
+          ch.peers.push_back({other, false, false, direct && hosts[size_t(other)] == my_node});
           p = ch.peers.end() - 1;
         }
         (h.src == ch.position ? p->send : p->recv) = true;
@@ -67,9 +70,10 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
 void rdma_choose_algos(RdmaChannels& ch) {
   ch.tree_faster.clear();
   if (ch.members.size() < 2) return;
-  // The model's hop counts; as the bytes, the most any rank of its sample sends, inside its
-  // node and out of it together: on these channels every hop goes through the rank's NIC
-  // (the model's own figures take a GPU's bytes inside its node and its NIC's as apart).
+  // The model's hop counts; as the bytes, the most any rank of its sample sends. Without direct
+  // peers, inside its node and out of it together: every hop goes through the rank's NIC
+  // (the model's own figures take a GPU's bytes inside its node and its NIC's as apart, which
+  // is what direct peers give).
   auto predict = [&](plan::Algo algo, size_t bytes) {
     plan::PlanRequest r;
     r.algo = algo;
@@ -80,7 +84,12 @@ void rdma_choose_algos(RdmaChannels& ch) {
     for (int x : plan::sample_nodes(ch.shape, algo)) {
       for (int q : ch.shape.nodes[size_t(x)].ranks) {
         plan::count_bytes(ch.shape, set, q, plan::rank_steps(ch.shape, set, r, q), r.esize, &b);
-        fig.max_nic_bytes = std::max(fig.max_nic_bytes, b.intra_sent[size_t(q)] + b.inter_sent[size_t(q)]);
+        if (ch.direct) {
+          fig.max_intra_bytes = std::max(fig.max_intra_bytes, b.intra_sent[size_t(q)]);
+          fig.max_nic_bytes = std::max(fig.max_nic_bytes, b.inter_sent[size_t(q)]);
+        } else {
+          fig.max_nic_bytes = std::max(fig.max_nic_bytes, b.intra_sent[size_t(q)] + b.inter_sent[size_t(q)]);
+        }
       }
     }
     return std::min(plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kLowLatency),

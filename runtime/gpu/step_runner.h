@@ -40,16 +40,20 @@ struct RdmaChannels {
   plan::JobShape shape;
   plan::ChannelSet ring, tree;
   std::vector<GdrPeer> peers;
+  // Hops inside a node go through the peers' mapped memory (GdrPeer::direct), not the NIC.
+  bool direct = false;
   // The GPU cost model's choice for an allreduce that forces no algorithm, per power of two
   // of its bytes (index i: up to 8 << i bytes; the last entry holds above): true where the
-  // trees are predicted faster than the ring (the GPU cost model on this shape, the hops and
-  // bytes inside a node costed as the NIC's, since on these channels they loop through it).
+  // trees are predicted faster than the ring (the GPU cost model on this shape; without
+  // `direct`, the hops and bytes inside a node costed as the NIC's, since they loop through it).
   // Filled by rdma_choose_algos; empty: the ring.
   std::vector<bool> tree_faster;
 };
 // `hosts`: every world rank's node (its host, or any grouping key). An error when `me` is not among `members` once, or the
-// peers exceed kMaxGdrPeers.
-Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me);
+// peers exceed kMaxGdrPeers. `direct`: the peers on this rank's node are direct peers (their
+// GPU memory mapped, CUDA IPC) rather than queue pairs through the NIC.
+Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me,
+                                   bool direct = false);
 
 // Fills `tree_faster` (once per set of channels, at set-up: it plans every size).
 void rdma_choose_algos(RdmaChannels& ch);

@@ -103,6 +103,23 @@ Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
   return region;
 }
 
+// A direct region for ranks as threads: plain memory, its address as the handle.
+Result<GdrDirectRegion> thread_direct_region(size_t bytes) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, 4096, bytes) != 0) return Status(Code::kInternal, "posix_memalign");
+  std::memset(p, 0, bytes);
+  GdrDirectRegion d;
+  d.base = static_cast<uint8_t*>(p);
+  std::memcpy(d.handle, &p, sizeof(p));
+  d.owner = std::shared_ptr<void>(p, std::free);
+  return d;
+}
+Result<GdrDirectRegion> open_thread_region(const uint8_t* handle, int) {
+  GdrDirectRegion d;
+  std::memcpy(&d.base, handle, sizeof(d.base));
+  return d;
+}
+
 uint64_t load(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
@@ -110,16 +127,18 @@ void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); 
 // reductions run at once with the host loops (int64 or any type the call names).
 class HostStream final : public StepStream {
  public:
-  HostStream(GdrWords* words, std::function<Status()> stop, DataType type, ReduceOp op, int world)
-      : words_(words), stop_(std::move(stop)), type_(type), op_(op), world_(world) {}
-  Status wait_arrived(int p, uint64_t v) override { return wait(&words_[p].arrived, v, "an arrival"); }
-  Status wait_send_free(int p, uint64_t v) override { return wait(&words_[p].send_free, v, "a send slot"); }
+  HostStream(const GdrLink& link, std::function<Status()> stop, DataType type, ReduceOp op, int world)
+      : link_(link), stop_(std::move(stop)), type_(type), op_(op), world_(world) {}
+  Status wait_arrived(int p, uint64_t v) override { return wait(link_.stream_words(p).arrived, v, "an arrival"); }
+  Status wait_send_free(int p, uint64_t v) override {
+    return wait(link_.stream_words(p).send_free, v, "a send slot");
+  }
   Status signal_ready(int p, uint64_t v) override {
-    store(&words_[p].ready, v);
+    store(link_.stream_words(p).ready, v);
     return Status::Ok();
   }
   Status signal_consumed(int p, uint64_t v) override {
-    store(&words_[p].consumed, v);
+    store(link_.stream_words(p).consumed, v);
     return Status::Ok();
   }
   Status copy(void* dst, const void* src, size_t bytes) override {
@@ -145,7 +164,7 @@ class HostStream final : public StepStream {
     }
     return Status::Ok();
   }
-  GdrWords* words_;
+  const GdrLink& link_;
   std::function<Status()> stop_;
   DataType type_;
   ReduceOp op_;
@@ -158,8 +177,9 @@ class Ring {
   // `per_node` ranks share each node and its emulated device (a node's ranks use its one NIC;
   // hosts "n0", "n1", ... node-major). `rails` > 1: rank r's members are the ranks q with
   // q % rails == r % rails (the hierarchical path's rails: one ring per local index).
+  // `direct`: a node's ranks reach each other through mapped memory (GdrPeer::direct).
   Ring(int n, uint32_t slots, size_t slot_bytes, int per_node = 1, std::chrono::milliseconds timeout = 10s,
-       int rails = 1)
+       int rails = 1, bool direct = false)
       : n_(n), slot_bytes_(slot_bytes), ar_(n), words_(n), links_(n), runners_(n), channels_(n) {
     const int job = ++g_job;
     std::vector<std::string> hosts;
@@ -178,7 +198,7 @@ class Ring {
       threads.emplace_back([&, r] {
         std::vector<int> members;
         for (int q = r % rails; q < n; q += rails) members.push_back(q);
-        auto ch = rdma_channels(members, hosts, r);
+        auto ch = rdma_channels(members, hosts, r, direct);
         if (!ch.ok()) {
           st[r] = ch.status();
           return;
@@ -203,6 +223,8 @@ class Ring {
           std::lock_guard lock(mu_);
           if (abort_.empty()) abort_ = why;
         };
+        ops.direct_make = thread_direct_region;
+        ops.direct_open = open_thread_region;
         words_[r].resize(std::max<size_t>(1, c.peers.size()));
         auto link = GdrLink::create(c, ops, host_region, words_[r].data(), nullptr, &why[r]);
         if (!link.ok()) st[r] = link.status();
@@ -255,7 +277,7 @@ class Ring {
           st[r] = steps.status();
           return;
         }
-        HostStream hs(words_[r].data(), [this, r]() -> Status {
+        HostStream hs(*links_[r], [this, r]() -> Status {
           if (std::string a = abort_reason(); !a.empty()) return {Code::kAborted, "rank " + std::to_string(r) + " stopped: " + a};
           return links_[r]->error();
         }, type, op, int(channels_[r].members.size()));
@@ -412,6 +434,34 @@ TEST(RdmaChannels, TheCostModelTakesTheTreesForSmallCallsAcrossManyNodes) {
   EXPECT_EQ(rdma_auto_summary(*one), "ring at every size");
 }
 
+// With direct peers the hops inside a node are costed at the intra-node link and only the
+// bytes between nodes at the NIC: at 2 nodes x 2 the trees' busiest NIC sends S against the
+// ring's 1.5 S, in fewer hops, so the trees win at every size; through the NIC (not direct)
+// the ring's fewer bytes per rank win for large calls. The tables of a few shapes are printed.
+TEST(RdmaChannels, DirectHopsAreCostedAtTheLinkInsideTheNode) {
+  auto shape = [](int nodes, int per, bool direct) {
+    std::vector<int> members;
+    std::vector<std::string> hosts;
+    for (int r = 0; r < nodes * per; ++r) {
+      members.push_back(r);
+      hosts.push_back("n" + std::to_string(r / per));
+    }
+    auto ch = rdma_channels(members, hosts, 0, direct);
+    EXPECT_TRUE(ch.ok()) << ch.status().to_string();
+    rdma_choose_algos(*ch);
+    return *ch;
+  };
+  const RdmaChannels direct = shape(2, 2, true), nic = shape(2, 2, false);
+  EXPECT_EQ(rdma_auto_summary(direct), "tree at every size");
+  EXPECT_EQ(rdma_auto_algo(nic, size_t(64) << 20), plan::Algo::kRing) << rdma_auto_summary(nic);
+  for (const GdrPeer& p : direct.peers) EXPECT_EQ(p.direct, p.rank == 1) << "peer " << p.rank;
+  for (const GdrPeer& p : nic.peers) EXPECT_FALSE(p.direct) << "peer " << p.rank;
+  for (auto [nodes, per] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 4}, std::pair{4, 2}, std::pair{4, 8}}) {
+    std::printf("%dx%d: direct: %s; through the NIC: %s\n", nodes, per, rdma_auto_summary(shape(nodes, per, true)).c_str(),
+                rdma_auto_summary(shape(nodes, per, false)).c_str());
+  }
+}
+
 // Rails: 3 nodes x 2 ranks, node-major, each node's two ranks on its one device; rank r is in
 // the ring of local index r % 2 ({0, 2, 4} and {1, 3, 5}), both built by one collective set-up.
 // Each ring sums its own members only, and names its own neighbours.
@@ -462,13 +512,21 @@ TEST(GdrLink, RanksSharingADevice) {
 // ranks and crosses between nodes once per node; the trees chain each node and join the nodes'
 // heads in a double binary tree. Allreduce on both, int64 sum and int32 max, odd counts, one
 // call after another; then the other collectives on the ring. Every result exact.
-class GdrLinkShapes : public ::testing::TestWithParam<std::tuple<int, int>> {};
+// With `direct`, the hops inside a node go through the peers' memory, as CUDA IPC does on the
+// GPU, and only the hops between nodes are queue pairs.
+class GdrLinkShapes : public ::testing::TestWithParam<std::tuple<int, int, bool>> {};
 
 TEST_P(GdrLinkShapes, RingAndTreeOverNodes) {
-  const auto [nodes, per] = GetParam();
+  const auto [nodes, per, direct] = GetParam();
   const int n = nodes * per;
-  Ring ring(n, 2, 256, per);
+  Ring ring(n, 2, 256, per, 10s, 1, direct);
   ASSERT_EQ(ring.error(), "");
+  for (int r = 0; r < n; ++r) {
+    for (int p = 0; p < ring.link(r).peer_count(); ++p) {
+      EXPECT_EQ(ring.link(r).peer(p).direct, direct && ring.link(r).peer(p).rank / per == r / per)
+          << "rank " << r << " peer " << ring.link(r).peer(p).rank;
+    }
+  }
   EXPECT_EQ(ring.channels(0).shape.node_count(), nodes);
   EXPECT_EQ(ring.channels(0).tree.size(), 2) << "two trees";
   for (size_t count : {size_t(1), size_t(7), size_t(2053)}) {
@@ -522,11 +580,48 @@ TEST_P(GdrLinkShapes, RingAndTreeOverNodes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GdrLinkShapes,
-                         ::testing::Values(std::make_tuple(2, 2), std::make_tuple(3, 2), std::make_tuple(2, 4)),
+                         ::testing::Values(std::make_tuple(2, 2, false), std::make_tuple(3, 2, false),
+                                           std::make_tuple(2, 4, false), std::make_tuple(2, 2, true),
+                                           std::make_tuple(3, 2, true), std::make_tuple(2, 4, true)),
                          [](const auto& info) {
                            return "x" + std::to_string(std::get<0>(info.param)) + "_" +
-                                  std::to_string(std::get<1>(info.param));
+                                  std::to_string(std::get<1>(info.param)) +
+                                  (std::get<2>(info.param) ? "_direct" : "");
                          });
+
+// Direct peers at 2 nodes x 4: the ring's hops inside a node move 2 (n-1)/n S through mapped
+// memory, no queue pair is made for them, and only the node's exit ranks send over the NIC
+// (S/n... per hop of the ring between nodes: the same 2 (n-1)/n S at the exit rank). The
+// fabric's counters see the NIC bytes only.
+TEST(GdrLink, DirectPeersKeepTheHopsInsideANodeOffTheNic) {
+  const int nodes = 2, per = 4, n = nodes * per;
+  Ring ring(n, 2, 256, per, 10s, 1, /*direct=*/true);
+  ASSERT_EQ(ring.error(), "");
+  const size_t count = 1024;  // int64: S = 8 KiB
+  auto send = inputs(n, count);
+  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+  auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv, plan::Algo::kRing);
+  uint64_t nic_total = 0, direct_total = 0;
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (size_t i = 0; i < count; ++i) {
+      int64_t want = 0;
+      for (int q = 0; q < n; ++q) want += send[q][i];
+      ASSERT_EQ(recv[r][i], want) << "rank " << r << " i " << i;
+    }
+    uint64_t sent = 0;
+    for (int p = 0; p < ring.link(r).peer_count(); ++p) {
+      sent += ring.link(r).bytes_sent(p);
+      (ring.link(r).peer(p).direct ? direct_total : nic_total) += ring.link(r).bytes_sent(p);
+    }
+    EXPECT_EQ(sent, 2 * uint64_t(n - 1) * count * 8 / n) << "rank " << r;
+    EXPECT_GT(ring.link(r).direct_region_bytes(), 0u);
+  }
+  // One ring: each node has one exit rank, which sends its 2 (n-1)/n S over the NIC.
+  EXPECT_EQ(nic_total, uint64_t(nodes) * 2 * (n - 1) * count * 8 / n);
+  EXPECT_EQ(direct_total, uint64_t(n - nodes) * 2 * (n - 1) * count * 8 / n);
+  EXPECT_NE(ring.link(0).describe().find("on this node, by CUDA IPC"), std::string::npos) << ring.link(0).describe();
+}
 
 INSTANTIATE_TEST_SUITE_P(Rings, GdrLinkWorlds,
                          ::testing::Values(std::make_tuple(2, 2u), std::make_tuple(2, 4u), std::make_tuple(3, 2u),

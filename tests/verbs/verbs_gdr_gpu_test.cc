@@ -366,30 +366,39 @@ TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
 }
 
 // The flat GPUDirect channels at 2 nodes x 2, ring forced: every rank sends 2 (n-1)/n S in
-// all, by RDMA (the hops inside the node too: they loop through the NIC). The tree's split
-// is printed beside it.
+// all. By default the hops inside a node go by CUDA IPC (counted as such) and only the hops
+// between the nodes by RDMA; with GRADSYNC_GDR_DIRECT=0 they loop through the NIC. The tree's
+// split is printed beside it.
 TEST_F(Gdr, FlatRingSendsTwoNMinusOneOverNPerRank) {
-  ::setenv("GRADSYNC_GPU_HIERARCHICAL", "0", 1);
-  ::setenv("GRADSYNC_GDR_SLOT_BYTES", "65536", 1);
-  DaemonCluster cluster({.nodes = 2});
-  ASSERT_TRUE(cluster.ok()) << cluster.error();
-  const int n = 4;
-  DaemonWorld world(cluster, 2, 2, "flat-bytes", 20s, on_gpus);
-  ::unsetenv("GRADSYNC_GPU_HIERARCHICAL");
-  ASSERT_EQ(world.join_error(), "");
-  expect_path(world, "gpudirect-rdma");
-  const size_t count = size_t(1) << 18;  // 1 MiB of float32
-  const uint64_t bytes = count * 4;
-  for (Algorithm algo : {Algorithm::kRing, Algorithm::kTree}) {
-    auto sent = allreduce_bytes(world, count, algo);
-    for (int r = 0; r < n; ++r) {
-      const auto& b = sent[size_t(r)];
-      EXPECT_EQ(b.cuda_ipc, 0u) << "rank " << r;
-      if (algo == Algorithm::kRing) EXPECT_EQ(b.total(), 2 * uint64_t(n - 1) * bytes / n) << "rank " << r;
-      std::printf("flat 2x2 %s, %llu-byte allreduce: rank %d sent %llu bytes by RDMA inside its node, %llu to the "
-                  "other node\n",
-                  algo == Algorithm::kRing ? "ring" : "tree", (unsigned long long)bytes, r,
-                  (unsigned long long)b.rdma_same_node, (unsigned long long)b.rdma_other_nodes);
+  for (const char* direct : {"1", "0"}) {
+    ::setenv("GRADSYNC_GPU_HIERARCHICAL", "0", 1);
+    ::setenv("GRADSYNC_GDR_SLOT_BYTES", "65536", 1);
+    ::setenv("GRADSYNC_GDR_DIRECT", direct, 1);
+    DaemonCluster cluster({.nodes = 2});
+    ASSERT_TRUE(cluster.ok()) << cluster.error();
+    const int n = 4;
+    DaemonWorld world(cluster, 2, 2, std::string("flat-bytes-") + direct, 20s, on_gpus);
+    ::unsetenv("GRADSYNC_GPU_HIERARCHICAL");
+    ::unsetenv("GRADSYNC_GDR_DIRECT");
+    ASSERT_EQ(world.join_error(), "");
+    expect_path(world, "gpudirect-rdma");
+    const bool ipc = direct[0] == '1';
+    const size_t count = size_t(1) << 18;  // 1 MiB of float32
+    const uint64_t bytes = count * 4;
+    for (Algorithm algo : {Algorithm::kRing, Algorithm::kTree}) {
+      auto sent = allreduce_bytes(world, count, algo);
+      for (int r = 0; r < n; ++r) {
+        const auto& b = sent[size_t(r)];
+        EXPECT_EQ(ipc ? b.rdma_same_node : b.cuda_ipc, 0u) << "rank " << r << " direct " << direct;
+        if (algo == Algorithm::kRing) {
+          EXPECT_EQ(b.total(), 2 * uint64_t(n - 1) * bytes / n) << "rank " << r;
+        }
+        std::printf("flat 2x2 %s, GRADSYNC_GDR_DIRECT=%s, %llu-byte allreduce: rank %d sent %llu bytes inside its "
+                    "node (%llu by CUDA IPC, %llu by RDMA), %llu to the other node\n",
+                    algo == Algorithm::kRing ? "ring" : "tree", direct, (unsigned long long)bytes, r,
+                    (unsigned long long)(b.cuda_ipc + b.rdma_same_node), (unsigned long long)b.cuda_ipc,
+                    (unsigned long long)b.rdma_same_node, (unsigned long long)b.rdma_other_nodes);
+      }
     }
   }
 }
@@ -667,14 +676,16 @@ TEST_F(Gdr, GpuMemoryStatedAndWithinGpuMemoryMax) {
   ::setenv("GRADSYNC_GDR_SLOT_BYTES", "4194304", 1);
   ::setenv("GRADSYNC_GDR_SLOTS", "4", 1);
   // Slots per peer and direction: 4 x 4 MiB. At 2 nodes x 2 the flat channels (the ring and
-  // the two trees) give a rank 3 to 5 directions (48-80 MiB); a rail of two nodes 2 (32 MiB).
+  // the two trees) give a rank 3 to 5 directions (48-80 MiB), fewer with the hops inside the
+  // node by CUDA IPC (a peer there takes receive slots only: 2 or more); a rail of two nodes 2
+  // (32 MiB).
   const uint64_t dir = 4ull * (4 << 20);
   struct Case {
     const char* max_mib;
     const char* path;
     uint64_t min_gpu, max_gpu;
   };
-  for (const Case& k : {Case{"160", "hierarchical", 5 * dir, 160ull << 20}, Case{"96", "gpudirect-rdma", 3 * dir, 5 * dir},
+  for (const Case& k : {Case{"160", "hierarchical", 5 * dir, 160ull << 20}, Case{"96", "gpudirect-rdma", 2 * dir, 5 * dir},
                         Case{"16", "host-staged", 0, 0}}) {
     SCOPED_TRACE(std::string("GRADSYNC_GPU_MEMORY_MAX=") + k.max_mib);
     ::setenv("GRADSYNC_GPU_MEMORY_MAX", k.max_mib, 1);
