@@ -707,5 +707,55 @@ TEST(GdrLink, ARankWithoutDeviceLeavesEveryRankWithout) {
   EXPECT_NE(why[1].find("runs no verbs channels"), std::string::npos) << why[1];
 }
 
+// Two ranks of one node as direct peers; rank 1 cannot map rank 0's region: neither gets a
+// link, both learn that direct peers were the cause (the GPU half then sets up again with
+// queue pairs), and the same set-up without direct peers works.
+TEST(GdrLink, ARankThatCannotMapItsPeerRefusesDirectOnEveryRank) {
+  ThreadAllreduce ar(2);
+  const std::string dev = "gdrlink-direct" + std::to_string(++g_job);
+  verbs::EmulatedFabric::instance().add_device(dev, 1, verbs::LinkLayer::kEthernet);
+  for (bool direct : {true, false}) {
+    std::vector<std::string> why(2);
+    std::vector<bool> refused(2, false);
+    std::vector<Result<std::unique_ptr<GdrLink>>> made;
+    for (int r = 0; r < 2; ++r) made.emplace_back(Status(Code::kInternal, "not run"));
+    std::vector<GdrWords> words(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        GdrLinkConfig c;
+        c.who = "rank " + std::to_string(r);
+        c.rank = r;
+        c.world_size = 2;
+        c.hosts = {"a", "a"};
+        c.verbs_device = dev;
+        c.verbs_api = verbs::emulated_ibv()->name;
+        c.slot_bytes = 64;
+        c.slots = 2;
+        c.log_name = "test";
+        c.peers = {{1 - r, true, true, direct}};
+        GdrLinkOps ops;
+        ops.allreduce_now = [&](const void* s, void* d, size_t k, DataType t, ReduceOp o) { return ar.run(s, d, k, t, o); };
+        ops.abort_reason = [] { return std::string(); };
+        ops.direct_make = thread_direct_region;
+        ops.direct_open = [r](const uint8_t* h, int rank) -> Result<GdrDirectRegion> {
+          if (r == 1) return Status(Code::kUnavailable, "no peer access (test)");
+          return open_thread_region(h, rank);
+        };
+        bool ref = false;
+        made[size_t(r)] = GdrLink::create(c, ops, host_region, &words[size_t(r)], nullptr, &why[size_t(r)], &ref);
+        refused[size_t(r)] = ref;
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(made[size_t(r)].ok()) << made[size_t(r)].status().to_string();
+      EXPECT_EQ(*made[size_t(r)] == nullptr, direct) << "rank " << r << " direct " << direct << ": " << why[size_t(r)];
+      EXPECT_EQ(refused[size_t(r)], direct) << "rank " << r;
+    }
+    if (direct) EXPECT_NE(why[1].find("mapping the memory of rank 0"), std::string::npos) << why[1];
+  }
+}
+
 }  // namespace
 }  // namespace gradsync
