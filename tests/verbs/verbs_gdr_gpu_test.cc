@@ -622,6 +622,54 @@ TEST_F(Gdr, LinkDownMidCollectiveFailsEveryRankNamingThePeer) {
 // the host-staged path over the daemons' verbs channels and over TCP channels, in this
 // process. The emulated NIC is a cudaMemcpy under one lock: this compares the paths' own
 // costs, not a NIC.
+// Time per allreduce at 2 nodes x 2 and 2 x 4 (ranks as threads sharing GPU 0, each node a
+// daemon with its own emulated RDMA device): the flat channels with the hops inside a node by
+// CUDA IPC and through the NIC (GRADSYNC_GDR_DIRECT=0), ring and trees forced, and the
+// hierarchical path. Ranks sharing one GPU time-slice it, so the figures compare paths of one
+// run, not GPUs.
+TEST(GdrBench, DISABLED_FlatChannelsDirectBesideNic) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  verbs::EmulatedFabric::instance().set_copier(gpu_copier);
+  ::setenv("GRADSYNC_GDR_MIN_BYTES", "0", 1);
+  ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
+  struct Path {
+    const char* name;
+    const char* algo;  // GRADSYNC_ALGO
+    const char* direct;
+    const char* hierarchical;
+  };
+  const Path paths[] = {{"ring, CUDA IPC", "ring", "1", "0"}, {"ring, NIC", "ring", "0", "0"},
+                        {"tree, CUDA IPC", "tree", "1", "0"}, {"tree, NIC", "tree", "0", "0"},
+                        {"hierarchical", "auto", "1", "1"}};
+  const size_t sizes[] = {size_t(1) << 20, size_t(16) << 20, size_t(64) << 20};
+  std::printf("# GPU allreduce float32 sum, us per call; ranks as threads sharing GPU 0, emulated RDMA fabric\n");
+  std::printf("# %-6s %-16s %12s %12s %12s\n", "shape", "path", "1 MiB", "16 MiB", "64 MiB");
+  for (int per : {2, 4}) {
+    for (const Path& p : paths) {
+      ::setenv("GRADSYNC_ALGO", p.algo, 1);
+      ::setenv("GRADSYNC_GDR_DIRECT", p.direct, 1);
+      ::setenv("GRADSYNC_GPU_HIERARCHICAL", p.hierarchical, 1);
+      DaemonCluster cluster({.nodes = 2});
+      ASSERT_TRUE(cluster.ok()) << cluster.error();
+      DaemonWorld world(cluster, 2, per, "bench-flat-" + std::to_string(per) + "-" + p.algo + p.direct + p.hierarchical,
+                        60s, on_gpus);
+      ASSERT_EQ(world.join_error(), "");
+      double us[3];
+      for (int i = 0; i < 3; ++i) {
+        auto t = testing::device_allreduce_us(world, sizes[i], i == 0 ? 20 : 5);
+        ASSERT_TRUE(t.ok()) << p.name << ": " << t.status().to_string();
+        us[i] = *t;
+      }
+      std::printf("  2x%-4d %-16s %12.1f %12.1f %12.1f\n", per, p.name, us[0], us[1], us[2]);
+    }
+  }
+  for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_GDR_DIRECT", "GRADSYNC_GPU_HIERARCHICAL", "GRADSYNC_GDR_MIN_BYTES",
+                        "GRADSYNC_GPU_BLOCKS"}) {
+    ::unsetenv(v);
+  }
+  verbs::EmulatedFabric::instance().set_copier(nullptr);
+}
+
 TEST(GdrBench, DISABLED_BusbwGpuDirectBesideHostStaged) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
   verbs::EmulatedFabric::instance().set_copier(gpu_copier);
