@@ -673,6 +673,21 @@ TEST(GdrLink, LinkDownMidCollectiveStopsEveryRank) {
 }
 
 // No RDMA device on one rank's node: nobody takes the link, and each rank says who lacks it.
+// Rank r of a two-rank world on `hosts`, with 2 slots of 64 bytes on `device` (emulated).
+GdrLinkConfig two_rank_config(int r, std::vector<std::string> hosts, const std::string& device) {
+  GdrLinkConfig c;
+  c.who = "rank " + std::to_string(r);
+  c.rank = r;
+  c.world_size = 2;
+  c.hosts = std::move(hosts);
+  c.verbs_device = device;
+  c.verbs_api = verbs::emulated_ibv()->name;
+  c.slot_bytes = 64;
+  c.slots = 2;
+  c.log_name = "test";
+  return c;
+}
+
 TEST(GdrLink, ARankWithoutDeviceLeavesEveryRankWithout) {
   ThreadAllreduce ar(2);
   std::vector<std::string> why(2);
@@ -683,16 +698,7 @@ TEST(GdrLink, ARankWithoutDeviceLeavesEveryRankWithout) {
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
-      GdrLinkConfig c;
-      c.who = "rank " + std::to_string(r);
-      c.rank = r;
-      c.world_size = 2;
-      c.hosts = {"a", "b"};
-      c.verbs_device = r == 0 ? dev : "";  // rank 1's node runs TCP
-      c.verbs_api = verbs::emulated_ibv()->name;
-      c.slot_bytes = 64;
-      c.slots = 2;
-      c.log_name = "test";
+      GdrLinkConfig c = two_rank_config(r, {"a", "b"}, r == 0 ? dev : "");  // rank 1's node runs TCP
       GdrLinkOps ops;
       ops.allreduce_now = [&](const void* s, void* d, size_t k, DataType t, ReduceOp o) { return ar.run(s, d, k, t, o); };
       ops.abort_reason = [] { return std::string(); };
@@ -723,16 +729,7 @@ TEST(GdrLink, ARankThatCannotMapItsPeerRefusesDirectOnEveryRank) {
     std::vector<std::thread> threads;
     for (int r = 0; r < 2; ++r) {
       threads.emplace_back([&, r] {
-        GdrLinkConfig c;
-        c.who = "rank " + std::to_string(r);
-        c.rank = r;
-        c.world_size = 2;
-        c.hosts = {"a", "a"};
-        c.verbs_device = dev;
-        c.verbs_api = verbs::emulated_ibv()->name;
-        c.slot_bytes = 64;
-        c.slots = 2;
-        c.log_name = "test";
+        GdrLinkConfig c = two_rank_config(r, {"a", "a"}, dev);
         c.peers = {{1 - r, true, true, direct}};
         GdrLinkOps ops;
         ops.allreduce_now = [&](const void* s, void* d, size_t k, DataType t, ReduceOp o) { return ar.run(s, d, k, t, o); };
