@@ -20,7 +20,7 @@ constexpr Millis kShutdownGrace{2000};
 constexpr int kKeepaliveTimeMs = 30000;
 constexpr int kKeepaliveTimeoutMs = 10000;
 // Daemons may ping this often: gradsyncd pings every second to find a partition within its
-// lease (CoordinatorLink::kPingPeriod). A ping is answered by the transport, not the service.
+// lease (kNodePingPeriod, daemon/event_stream.h). A ping is answered by the transport, not the service.
 constexpr int kMinClientPingIntervalMs = 500;
 
 }  // namespace

@@ -18,9 +18,6 @@ constexpr std::chrono::milliseconds kTablePageTimeout{20'000};
 constexpr std::chrono::milliseconds kTableTimeout{60'000};
 // Pause before re-opening an event stream that ended (the coordinator is up).
 constexpr std::chrono::milliseconds kRetryPause{500};
-// gRPC's longest pause between connection attempts to a coordinator that is down (its default
-// is 2 minutes): a restarted coordinator is found within about this.
-constexpr std::chrono::milliseconds kMaxReconnect{250};
 
 // Jittered exponential backoff: attempt 0 waits 50-100 ms, doubling up to 1-2 s, so that a
 // herd of daemons retrying a busy coordinator spreads out instead of arriving together.
@@ -74,23 +71,7 @@ CoordinatorLink::CoordinatorLink(std::string address, std::shared_ptr<grpc::Chan
     std::random_device rd;
     node_.set_incarnation((uint64_t(rd()) << 32 | rd()) | 1);
   }
-  grpc::ChannelArguments args;
-  // Reconnect quickly after a coordinator restart instead of gRPC's default backoff (up to 2 min).
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, int(kMaxReconnect.count()));
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  // After a failed connection gRPC asks its resolver again, and the DNS resolver answers at
-  // most every 30 s by default: calls failed "Connection refused" for seconds after the
-  // coordinator was back (issue 17's 7 s gap of new jobs after a coordinator restart).
-  args.SetInt(GRPC_ARG_DNS_MIN_TIME_BETWEEN_RESOLUTIONS_MS, 100);
-  // A node cut off from the network (issue 17) keeps an open event stream whose heartbeat
-  // writes still complete into the socket's buffer: nothing fails for minutes (TCP's
-  // retransmissions). A keepalive ping answered by the coordinator's transport proves the
-  // connection works; one unanswered for kPingTimeout closes it, and the outage is counted
-  // from when that ping was sent (note_outage). Pings go even while heartbeats flow.
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, int(kPingPeriod.count()));
-  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, int(kPingTimeout.count()));
-  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  const grpc::ChannelArguments args = node_channel_args();  // keepalive pings, quick reconnection
   auto add_target = [&](std::string address) {
     auto channel = coordinator_channel(address, credentials, args, auth_);
     auto stub = v1::Coordinator::NewStub(channel);
@@ -319,12 +300,12 @@ void CoordinatorLink::note_outage(const grpc::Status& s, Clock::time_point now) 
   if (unreachable_since_ != Clock::time_point{}) return;
   // The connection's last sign of life, at the latest: for a ping, or any data, left
   // unacknowledged (gRPC's keepalive watchdog, or the TCP user timeout it sets on the socket to
-  // the same kPingTimeout: "Connection timed out"), when that was sent; for a stream the
+  // the same kNodePingTimeout: "Connection timed out"), when that was sent; for a stream the
   // heartbeat thread found stuck, the write that got stuck; else (refused, reset, the
   // coordinator going away) now.
   auto since = now;
   const std::string& msg = s.error_message();
-  if (msg.find("keepalive") != std::string::npos || msg.find("timed out") != std::string::npos) since = now - kPingTimeout;
+  if (msg.find("keepalive") != std::string::npos || msg.find("timed out") != std::string::npos) since = now - kNodePingTimeout;
   if (stream_stuck_ != Clock::time_point{}) since = std::min(since, stream_stuck_);
   unreachable_since_ = since;
   outage_due_ = since + std::chrono::milliseconds(lease_ms_) + std::chrono::milliseconds(1);
@@ -444,7 +425,7 @@ void CoordinatorLink::watch_loop() {
     // Registered again: a stream at once. Another coordinator to try: soon (a standby may name a
     // leader that just died, so never at once: that would spin). A coordinator that is down
     // (or forgot the node and refused it again): soon too (gRPC's reconnect backoff, at most
-    // kMaxReconnect, bounds the connection attempts), so that every node finds a restarted one
+    // kNodeMaxReconnect, bounds the connection attempts), so that every node finds a restarted one
     // within about that and the nodes end the jobs it lost together. The same one: a longer pause.
     const bool down = s.error_code() == grpc::StatusCode::UNAVAILABLE || s.error_code() == grpc::StatusCode::NOT_FOUND;
     const auto pause = registered          ? std::chrono::milliseconds(0)

@@ -60,11 +60,6 @@ class CoordinatorLink {
   using UnreachableHandler =
       std::function<void(std::chrono::milliseconds outage, const std::string& address, const std::string& why)>;
   void set_on_unreachable(UnreachableHandler fn) { on_unreachable_ = std::move(fn); }
-  // HTTP/2 keepalive of the daemon's channel: a ping every kPingPeriod, and a connection whose
-  // ping is not answered within kPingTimeout is closed (its streams end UNAVAILABLE). The
-  // coordinator's server admits pings this often (coordinator/service.cc).
-  static constexpr std::chrono::milliseconds kPingPeriod{1000};
-  static constexpr std::chrono::milliseconds kPingTimeout{1000};
   void stop();
 
   std::string node_id() const;

@@ -31,6 +31,24 @@
 
 namespace gradsync {
 
+// A node's connection to the coordinator, as gradsyncd makes it (CoordinatorLink) and the load
+// generator's simulated nodes too, so that those cost the coordinator what daemons do.
+//  - HTTP/2 keepalive: a node cut off from the network (issue 17) keeps an open event stream
+//    whose heartbeat writes still complete into the socket's buffer, and nothing fails for
+//    minutes (TCP's retransmissions). A ping answered by the coordinator's transport proves the
+//    connection works; one unanswered for kNodePingTimeout closes it (its streams end
+//    UNAVAILABLE). gRPC sends a ping once nothing was read for kNodePingPeriod, so while
+//    heartbeats flow an idle node pings about once per heartbeat (each heartbeat's window
+//    update resets the timer): at 2,048 idle nodes a few % of a core of the coordinator's
+//    (docs/benchmarks.md "The coordinator at scale"). The coordinator admits pings this often
+//    (coordinator/service.cc).
+//  - Reconnection within kNodeMaxReconnect of a restarted coordinator, and the DNS resolver
+//    asked again at once after a failed connection.
+constexpr std::chrono::milliseconds kNodePingPeriod{1000};
+constexpr std::chrono::milliseconds kNodePingTimeout{1000};
+constexpr std::chrono::milliseconds kNodeMaxReconnect{250};
+grpc::ChannelArguments node_channel_args();
+
 // Completion queues for event streams, each polled by a thread of its own; a stream stays on
 // the queue it was opened on.
 class StreamQueues {

@@ -320,7 +320,7 @@ int run(const Flags& flags) {
     std::vector<std::shared_ptr<grpc::Channel>> channels;
     const auto connect_t0 = Clock::now();
     for (uint32_t c = 0; c < f.channels; ++c) {
-      grpc::ChannelArguments args;
+      grpc::ChannelArguments args = node_channel_args();  // the daemon's: its keepalive pings too
       args.SetInt("gradsync.loadgen.connection", int(c));  // a connection of its own
       args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
       args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, -1);
