@@ -33,18 +33,20 @@ namespace gradsync {
 
 // A node's connection to the coordinator, as gradsyncd makes it (CoordinatorLink) and the load
 // generator's simulated nodes too, so that those cost the coordinator what daemons do.
-//  - HTTP/2 keepalive: a node cut off from the network (issue 17) keeps an open event stream
-//    whose heartbeat writes still complete into the socket's buffer, and nothing fails for
-//    minutes (TCP's retransmissions). A ping answered by the coordinator's transport proves the
-//    connection works; one unanswered for kNodePingTimeout closes it (its streams end
-//    UNAVAILABLE). gRPC sends a ping once nothing was read for kNodePingPeriod, so while
-//    heartbeats flow an idle node pings about once per heartbeat (each heartbeat's window
-//    update resets the timer): at 2,048 idle nodes a few % of a core of the coordinator's
-//    (docs/benchmarks.md "The coordinator at scale"). The coordinator admits pings this often
+//  - A node cut off from the network (issue 17) must see its connection fail, not keep an
+//    open event stream whose heartbeat writes complete into the socket's buffer while TCP
+//    retransmits for minutes. The keepalive arguments make gRPC set TCP_USER_TIMEOUT to
+//    kNodePingTimeout on the socket: a heartbeat (every lease/3) unacknowledged for that long
+//    closes the connection and its streams end UNAVAILABLE ("timed out"). With no data in
+//    flight, a ping goes once nothing was read for kNodePingPeriod, and one unanswered for
+//    kNodePingTimeout closes it too. The period is longer than a heartbeat's, so a node that
+//    heartbeats pings seldom: at 1 s (once per heartbeat, the window updates resetting the
+//    timer) the pings cost 2,048 idle nodes' coordinator 4-5 points of a core
+//    (docs/benchmarks.md "The coordinator at scale"). The coordinator admits pings every 500 ms
 //    (coordinator/service.cc).
 //  - Reconnection within kNodeMaxReconnect of a restarted coordinator, and the DNS resolver
 //    asked again at once after a failed connection.
-constexpr std::chrono::milliseconds kNodePingPeriod{1000};
+constexpr std::chrono::milliseconds kNodePingPeriod{5000};
 constexpr std::chrono::milliseconds kNodePingTimeout{1000};
 constexpr std::chrono::milliseconds kNodeMaxReconnect{250};
 grpc::ChannelArguments node_channel_args();
@@ -113,7 +115,14 @@ class EventStream final : public std::enable_shared_from_this<EventStream> {
   std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::WatchRequest, v1::Event>> io_;
   Tag tags_[kOps] = {{this, kRead}, {this, kWrite}, {this, kFinish}};
   v1::WatchRequest first_;      // names the node
-  v1::WatchRequest beat_;       // every heartbeat: only its sent_ms
+  // A heartbeat: empty, or only its sent_ms on every kClockEvery-th. A message with a payload
+  // makes gRPC 1.51's coordinator send a WINDOW_UPDATE back for each one (a socket write per
+  // heartbeat, a quarter of an idle node's cost there); the coordinator's estimate of how far
+  // its reads are behind (coordinator/leases.h) is a median over all nodes' samples and needs
+  // no more than one in four.
+  static constexpr uint64_t kClockEvery = 4;
+  v1::WatchRequest beat_;
+  uint64_t beats_ = 0;
   v1::Event event_;             // the one being read
   grpc::Status status_;         // the call's, once kFinish completed
   const EventFn on_event_;
