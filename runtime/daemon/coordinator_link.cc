@@ -35,6 +35,10 @@ std::chrono::milliseconds jittered(std::chrono::milliseconds hint) {
   return std::chrono::milliseconds(std::uniform_int_distribution<long>(hint.count() / 2, hint.count() * 3 / 2)(rng));
 }
 
+// How long a call to a single coordinator that is unreachable is tried again (with_failover):
+// four of the channel's longest reconnect pauses.
+constexpr std::chrono::milliseconds kUnreachableGrace = 4 * kNodeMaxReconnect;
+
 // The coordinator was busy or unreachable: worth another try.
 bool retryable(grpc::StatusCode c) {
   return c == grpc::StatusCode::UNAVAILABLE || c == grpc::StatusCode::DEADLINE_EXCEEDED ||
@@ -122,6 +126,7 @@ void CoordinatorLink::fail_over(size_t index, const grpc::Status& s) {
 
 grpc::Status CoordinatorLink::with_failover(const std::function<grpc::Status(v1::Coordinator::Stub&)>& call,
                                             Deadline deadline, std::string* address) {
+  const auto first = Clock::now();
   for (int attempt = 0;; ++attempt) {
     auto [index, stub] = current();
     grpc::Status s = call(*stub);
@@ -129,7 +134,17 @@ grpc::Status CoordinatorLink::with_failover(const std::function<grpc::Status(v1:
     // CANCELLED: the call reached a standby as it stopped to become the leader (its server's
     // shutdown cancels calls in flight); this side never cancels a call itself.
     const bool cancelled = s.error_code() == grpc::StatusCode::CANCELLED;
-    if ((s.error_code() != grpc::StatusCode::UNAVAILABLE && !cancelled) || targets_.size() < 2) return s;
+    if (s.error_code() != grpc::StatusCode::UNAVAILABLE && !cancelled) return s;
+    if (targets_.size() < 2) {
+      // One coordinator, unreachable: it may have just come back, with this channel still in
+      // its reconnect backoff (at most kNodeMaxReconnect), where a call fails at once. A few
+      // tries over kUnreachableGrace find it serving; a coordinator that stays down fails the
+      // call that much later.
+      const auto pause = std::chrono::milliseconds(100);
+      if (Clock::now() - first + pause > kUnreachableGrace || Clock::now() + pause >= deadline) return s;
+      std::this_thread::sleep_for(pause);
+      continue;
+    }
     if (!cancelled) fail_over(index, s);
     // Every coordinator tried once: wait a little for an election before the next round. Short
     // (100-200 ms), not growing: a new leader must see the joins as soon as it serves.

@@ -104,7 +104,8 @@ class CoordinatorLink {
   // Call `index` answered UNAVAILABLE with `s`: move to the leader it names, else the next one.
   void fail_over(size_t index, const grpc::Status& s);
   // One unary call, `call(stub)` (which sets its own context and deadline), retried on
-  // UNAVAILABLE against the other coordinators until `deadline`.
+  // UNAVAILABLE against the other coordinators until `deadline`; with one coordinator, against
+  // it for up to a second (a channel that has not reconnected yet to a coordinator just back).
   grpc::Status with_failover(const std::function<grpc::Status(v1::Coordinator::Stub&)>& call, Deadline deadline,
                              std::string* address);
 
