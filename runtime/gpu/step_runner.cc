@@ -92,8 +92,11 @@ void rdma_choose_algos(RdmaChannels& ch) {
         }
       }
     }
-    return std::min(plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kLowLatency),
-                    plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kBulk));
+    // The bulk protocol only: these channels move whole slots with a flag per message, and
+    // have no low-latency protocol (a flag per 8 bytes) to choose. Costed with both, the
+    // choice followed whichever protocol each algorithm would have taken at a size, and the
+    // tables switched between ring and trees several times (4x2: tree, ring, tree, ring).
+    return plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kBulk);
   };
   // 8 B .. 64 MiB: the model's terms are linear in the bytes beyond.
   for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {

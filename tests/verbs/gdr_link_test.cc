@@ -437,7 +437,9 @@ TEST(RdmaChannels, TheCostModelTakesTheTreesForSmallCallsAcrossManyNodes) {
 // With direct peers the hops inside a node are costed at the intra-node link and only the
 // bytes between nodes at the NIC: at 2 nodes x 2 the trees' busiest NIC sends S against the
 // ring's 1.5 S, in fewer hops, so the trees win at every size; through the NIC (not direct)
-// the ring's fewer bytes per rank win for large calls. The tables of a few shapes are printed.
+// the ring's fewer bytes per rank win for large calls. The tables of a few shapes are printed;
+// each is one switch at most (trees below a size, the ring above), since these channels have
+// the bulk protocol only.
 TEST(RdmaChannels, DirectHopsAreCostedAtTheLinkInsideTheNode) {
   auto shape = [](int nodes, int per, bool direct) {
     std::vector<int> members;
@@ -455,8 +457,14 @@ TEST(RdmaChannels, DirectHopsAreCostedAtTheLinkInsideTheNode) {
   EXPECT_EQ(rdma_auto_summary(direct), "tree at every size");
   EXPECT_EQ(rdma_auto_algo(nic, size_t(64) << 20), plan::Algo::kRing) << rdma_auto_summary(nic);
   for (const GdrPeer& p : direct.peers) EXPECT_EQ(p.direct, p.rank == 1) << "peer " << p.rank;
+  for (const RdmaChannels& ch : {shape(4, 2, true), shape(2, 4, false), shape(4, 8, false)}) {
+    size_t switches = 0;
+    for (size_t i = 1; i < ch.tree_faster.size(); ++i) switches += ch.tree_faster[i] != ch.tree_faster[i - 1];
+    EXPECT_LE(switches, 1u) << rdma_auto_summary(ch);
+  }
   for (const GdrPeer& p : nic.peers) EXPECT_FALSE(p.direct) << "peer " << p.rank;
-  for (auto [nodes, per] : {std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 4}, std::pair{4, 2}, std::pair{4, 8}}) {
+  for (auto [nodes, per] : {std::pair{2, 1}, std::pair{3, 1}, std::pair{4, 1}, std::pair{8, 1}, std::pair{16, 1},
+                            std::pair{2, 2}, std::pair{3, 2}, std::pair{2, 4}, std::pair{4, 2}, std::pair{4, 8}}) {
     std::printf("%dx%d: direct: %s; through the NIC: %s\n", nodes, per, rdma_auto_summary(shape(nodes, per, true)).c_str(),
                 rdma_auto_summary(shape(nodes, per, false)).c_str());
   }
