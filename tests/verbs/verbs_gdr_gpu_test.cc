@@ -4,9 +4,8 @@
 // moves every message from a send slot in one GPU's memory into a receive slot in the next
 // one's (a cudaMemcpyAsync: the copier below), while the reduction kernels consume the slots
 // on the caller's stream. The whole collectives matrix runs on device buffers that way.
-// Label gpu: skips itself without a CUDA device. The busbw table (GPUDirect beside the
-// host-staged path over verbs and over TCP channels) is a benchmark, run with
-// --gtest_also_run_disabled_tests.
+// Label gpu: skips itself without a CUDA device. The benchmarks of these paths are
+// verbs_gdr_gpu_bench.cc.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -22,6 +21,7 @@
 
 #include "../unit/collective_matrix.h"
 #include "daemon_cluster.h"
+#include "emulated_gpu_nic.h"
 #include "gpu_world.h"
 #include "kernels/cuda_reduce.cuh"
 #include "transport/verbs/emulated_fabric.h"
@@ -29,58 +29,15 @@
 namespace gradsync {
 namespace {
 
-// Every rank of these tests is a thread of this process: they share one CUDA context. With
-// CUDA's lazy loading, a kernel's first launch may wait for the kernels already running in
-// the context, and here those wait for ranks of this very process (a node kernel waiting for
-// its peer, a GPUDirect step waiting for a message): the first hierarchical allreduce hung
-// that way on the H200. Separate processes (one per GPU) do not share a context; the tests
-// load every kernel at start instead, before CUDA starts.
-// For the same reason the context gets CUDA's largest number of hardware queues: with the
-// default 8, the streams of 6 or 8 ranks share queues, and a kernel of one rank waits behind
-// another rank's kernel that is waiting for it (2x4 and 3x2 hung in their first call that way
-// on the H200 while 2x2 passed). One process per GPU has a context of its own.
-const bool kEagerLoading = [] {
-  return ::setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0 && ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
-}();
-
 using namespace std::chrono_literals;
 using testing::cuda_status;
 using testing::DaemonCluster;
 using testing::DaemonWorld;
+using testing::gpu_copier;
 using testing::gpu_count;
 using testing::GpuWorld;
+using testing::kEagerLoading;
 using testing::on_gpus;
-
-// The emulated NIC's copy. Host to host (the daemons' channels): memmove. GPU memory: a copy
-// kernel on a stream of its own that does not synchronize with other streams, and waited for:
-// the NIC has written the bytes when the completion appears. Not cudaMemcpy: a legacy-stream
-// copy waits for the ranks' streams, and a device-to-device copy may too (CUDA's implicit
-// synchronization), while their wait kernels wait for this very copy.
-void gpu_copier(void* dst, const void* src, size_t n) {
-  static cudaStream_t stream = [] {
-    cudaStream_t s = nullptr;
-    (void)cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
-    return s;
-  }();
-  auto on_gpu = [](const void* p) {
-    cudaPointerAttributes a{};
-    const bool ok = cudaPointerGetAttributes(&a, p) == cudaSuccess;
-    (void)cudaGetLastError();
-    return ok && a.type == cudaMemoryTypeDevice;
-  };
-  const bool d = on_gpu(dst), s = on_gpu(src);
-  if (!d && !s) {
-    std::memmove(dst, src, n);
-    return;
-  }
-  cudaError_t e = d && s ? kernels::launch_copy(dst, src, n, stream)
-                         : cudaMemcpyAsync(dst, src, n, cudaMemcpyDefault, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "emulated NIC: copy of %zu bytes failed: %s\n", n, cudaGetErrorString(e));
-    std::abort();
-  }
-}
 
 class Gdr : public ::testing::Test {
  protected:
@@ -616,103 +573,6 @@ TEST_F(Gdr, LinkDownMidCollectiveFailsEveryRankNamingThePeer) {
     std::printf("rank %d: %s\n", r, st[r].to_string().c_str());
   }
   EXPECT_LT(secs, 30.0);
-}
-
-// busbw of float32 sum allreduce on device buffers, 2 nodes x 1 GPU: GPUDirect RDMA beside
-// the host-staged path over the daemons' verbs channels and over TCP channels, in this
-// process. The emulated NIC is a cudaMemcpy under one lock: this compares the paths' own
-// costs, not a NIC.
-// Time per allreduce at 2 nodes x 2 and 2 x 4 (ranks as threads sharing GPU 0, each node a
-// daemon with its own emulated RDMA device): the flat channels with the hops inside a node by
-// CUDA IPC and through the NIC (GRADSYNC_GDR_DIRECT=0), ring and trees forced, and the
-// hierarchical path. Ranks sharing one GPU time-slice it, so the figures compare paths of one
-// run, not GPUs.
-TEST(GdrBench, DISABLED_FlatChannelsDirectBesideNic) {
-  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
-  verbs::EmulatedFabric::instance().set_copier(gpu_copier);
-  ::setenv("GRADSYNC_GDR_MIN_BYTES", "0", 1);
-  ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
-  struct Path {
-    const char* name;
-    const char* algo;  // GRADSYNC_ALGO
-    const char* direct;
-    const char* hierarchical;
-  };
-  const Path paths[] = {{"ring, CUDA IPC", "ring", "1", "0"}, {"ring, NIC", "ring", "0", "0"},
-                        {"tree, CUDA IPC", "tree", "1", "0"}, {"tree, NIC", "tree", "0", "0"},
-                        {"hierarchical", "auto", "1", "1"}};
-  const size_t sizes[] = {size_t(1) << 20, size_t(16) << 20, size_t(64) << 20};
-  std::printf("# GPU allreduce float32 sum, us per call; ranks as threads sharing GPU 0, emulated RDMA fabric\n");
-  std::printf("# %-6s %-16s %12s %12s %12s\n", "shape", "path", "1 MiB", "16 MiB", "64 MiB");
-  for (int per : {2, 4}) {
-    for (const Path& p : paths) {
-      ::setenv("GRADSYNC_ALGO", p.algo, 1);
-      ::setenv("GRADSYNC_GDR_DIRECT", p.direct, 1);
-      ::setenv("GRADSYNC_GPU_HIERARCHICAL", p.hierarchical, 1);
-      DaemonCluster cluster({.nodes = 2});
-      ASSERT_TRUE(cluster.ok()) << cluster.error();
-      DaemonWorld world(cluster, 2, per, "bench-flat-" + std::to_string(per) + "-" + p.algo + p.direct + p.hierarchical,
-                        60s, on_gpus);
-      ASSERT_EQ(world.join_error(), "");
-      double us[3];
-      for (int i = 0; i < 3; ++i) {
-        auto t = testing::device_allreduce_us(world, sizes[i], i == 0 ? 20 : 5);
-        ASSERT_TRUE(t.ok()) << p.name << ": " << t.status().to_string();
-        us[i] = *t;
-      }
-      std::printf("  2x%-4d %-16s %12.1f %12.1f %12.1f\n", per, p.name, us[0], us[1], us[2]);
-    }
-  }
-  for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_GDR_DIRECT", "GRADSYNC_GPU_HIERARCHICAL", "GRADSYNC_GDR_MIN_BYTES",
-                        "GRADSYNC_GPU_BLOCKS"}) {
-    ::unsetenv(v);
-  }
-  verbs::EmulatedFabric::instance().set_copier(nullptr);
-}
-
-TEST(GdrBench, DISABLED_BusbwGpuDirectBesideHostStaged) {
-  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
-  verbs::EmulatedFabric::instance().set_copier(gpu_copier);
-  ::unsetenv("GRADSYNC_GDR");
-  ::setenv("GRADSYNC_GDR_MIN_BYTES", "0", 1);
-  constexpr int kPaths = 4;
-  struct Row {
-    size_t bytes;
-    double us[kPaths];
-  };
-  std::vector<Row> rows;
-  for (size_t bytes = 64 << 10; bytes <= (size_t(256) << 20); bytes *= 4) rows.push_back({bytes, {}});
-  // The GPU ring with GPU slots, the same ring with pinned host slots, and the daemons'
-  // host-staged path over verbs and over TCP channels.
-  const char* names[kPaths] = {"gpudirect", "host-slots", "staged-verbs", "staged-tcp"};
-  for (int t = 0; t < kPaths; ++t) {
-    if (t == 1) ::setenv("GRADSYNC_GDR_HOST_SLOTS", "1", 1); else ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");
-    if (t < 2) ::unsetenv("GRADSYNC_GPU_STAGED"); else ::setenv("GRADSYNC_GPU_STAGED", "1", 1);
-    const std::string tr = t == 3 ? "tcp" : "verbs";
-    DaemonCluster cluster({.nodes = 2, .transport = {tr, tr}, .slots = 8, .slot_bytes = 1 << 20});
-    ASSERT_TRUE(cluster.ok()) << cluster.error();
-    DaemonWorld world(cluster, 2, 1, std::string("bench-") + names[t], 120s, on_gpus);
-    ASSERT_EQ(world.join_error(), "");
-    for (auto& row : rows) {
-      auto us = testing::device_allreduce_us(world, row.bytes, row.bytes >= (size_t(64) << 20) ? 5 : 20);
-      ASSERT_TRUE(us.ok()) << names[t] << ": " << us.status().to_string();
-      row.us[t] = *us;
-    }
-  }
-  ::unsetenv("GRADSYNC_GPU_STAGED");
-  ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");
-  ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
-  verbs::EmulatedFabric::instance().set_copier(nullptr);
-  // busbw = algbw * 2 (n - 1) / n, n = 2 ranks: algbw.
-  std::printf("# GPU allreduce float32 sum, 2 nodes x 1 GPU, emulated RDMA fabric; daemons in one process\n");
-  std::printf("# %11s %11s %11s %13s %11s %10s %10s\n", "bytes", "gdr GB/s", "host-slots", "staged-verbs",
-              "staged-tcp", "gdr/verbs", "gdr/tcp");
-  for (const auto& row : rows) {
-    double bw[kPaths];
-    for (int t = 0; t < kPaths; ++t) bw[t] = double(row.bytes) / row.us[t] / 1e3;
-    std::printf("  %11zu %11.2f %11.2f %13.2f %11.2f %9.2fx %9.2fx\n", row.bytes, bw[0], bw[1], bw[2], bw[3],
-                bw[0] / bw[2], bw[0] / bw[3]);
-  }
 }
 
 // A communicator's memory is stated (`gradsyncctl describe`) and its GPU memory stays within
