@@ -219,10 +219,9 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
   std::vector<IpcEntry> table(static_cast<size_t>(world));
   std::memset(table.data(), 0, table.size() * sizeof(IpcEntry));
   IpcEntry& mine = table[size_t(cfg_.rank)];
-  mine.pid = int32_t(::getpid());
-  mine.device = cfg_.device;
-  mine.addr = reinterpret_cast<uint64_t>(m.region);
-  GS_CUDA(cudaIpcGetMemHandle(&mine.handle, m.region), "cudaIpcGetMemHandle");
+  auto exported = ipc_export(m.region, cfg_.device);
+  if (!exported.ok()) return Status(exported.status().code(), who() + ": " + exported.status().message());
+  mine.ipc = *exported;
   (void)cudaDeviceGetPCIBusId(mine.bus_id, sizeof(mine.bus_id) - 1, cfg_.device);
   GS_RETURN_IF_ERROR(ops_.allreduce_now(table.data(), table.data(), table.size() * sizeof(IpcEntry),
                                         DataType::kUInt8, ReduceOp::kSum));
@@ -236,31 +235,15 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
       continue;
     }
     const IpcEntry& e = table[size_t(group[size_t(p)])];
-    if (e.pid == mine.pid) {
-      // A rank of this process (ranks as threads): its pointer is valid here; another GPU
-      // needs peer access.
-      if (e.device != cfg_.device) {
-        cudaError_t r = cudaDeviceEnablePeerAccess(e.device, 0);
-        if (r != cudaSuccess && r != cudaErrorPeerAccessAlreadyEnabled) {
-          why = "peer access to GPU " + std::to_string(e.device) + ": " + cudaGetErrorString(r);
-          (void)cudaGetLastError();
-          break;
-        }
-        (void)cudaGetLastError();
-      }
-      m.args.region[p] = reinterpret_cast<uint8_t*>(e.addr);
-      continue;
-    }
-    void* ptr = nullptr;
-    cudaError_t r = cudaIpcOpenMemHandle(&ptr, e.handle, cudaIpcMemLazyEnablePeerAccess);
-    if (r != cudaSuccess) {
-      why = "cudaIpcOpenMemHandle of rank " + std::to_string(group[size_t(p)]) + " (GPU " + e.bus_id + "): " +
-            cudaGetErrorString(r);
-      (void)cudaGetLastError();
+    bool opened = false;
+    auto ptr = ipc_open(e.ipc, cfg_.device, &opened);
+    if (!ptr.ok()) {
+      why = "the region of rank " + std::to_string(group[size_t(p)]) + " (GPU " + e.bus_id + "): " +
+            ptr.status().message();
       break;
     }
-    m.opened.push_back(ptr);
-    m.args.region[p] = static_cast<uint8_t*>(ptr);
+    if (opened) m.opened.push_back(*ptr);
+    m.args.region[p] = static_cast<uint8_t*>(*ptr);
   }
   int32_t ok = why.empty() ? 1 : 0;
   GS_RETURN_IF_ERROR(ops_.allreduce_now(&ok, &ok, 1, DataType::kInt32, ReduceOp::kMin));
@@ -283,7 +266,7 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
 
 void DeviceComm::release_ipc() {
   Impl& m = *impl_;
-  for (void* p : m.opened) (void)cudaIpcCloseMemHandle(p);
+  for (void* p : m.opened) ipc_close(p, cfg_.device);
   m.opened.clear();
   if (m.region) (void)cudaFree(m.region);
   if (m.progress) (void)cudaFree(m.progress);

@@ -20,6 +20,7 @@
 
 #include "common/env.h"
 #include "gpu/device_comm.h"
+#include "gpu/ipc_memory.h"
 #include "gpu/plan/cost_model.h"
 #include "kernels/cuda_node.cuh"
 #if GRADSYNC_HAVE_GDR
@@ -75,12 +76,7 @@ class DeviceScope {
 
 // One row of the set-up exchange: summed (uint8) over ranks, every other row is zero.
 struct IpcEntry {
-  int32_t pid;
-  int32_t device;
-  int32_t ok;
-  int32_t pad;
-  uint64_t addr;
-  cudaIpcMemHandle_t handle;
+  IpcHandle ipc;
   char bus_id[32];
 };
 

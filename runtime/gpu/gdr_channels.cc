@@ -6,15 +6,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <iterator>
 #include <optional>
-
-#include <unistd.h>
 
 #include "common/log.h"
 #include "gpu/gdr_link.h"
 #include "gpu/step_runner.h"
 #include "gpu/gpu_memory_registration.h"
+#include "gpu/ipc_memory.h"
 #include "kernels/cuda_reduce.cuh"
 #include "topology/gpudirect.h"
 #include "transport/verbs/emulated_fabric.h"
@@ -98,15 +96,8 @@ Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
   return region;
 }
 
-// The direct region (gpu/gdr_link.h) in GPU memory, and what a peer of this node needs to map
-// it: CUDA IPC, or the address itself for a rank of this process (ranks as threads).
-struct DirectHandle {
-  int32_t pid = 0;
-  int32_t device = 0;
-  uint64_t addr = 0;
-  cudaIpcMemHandle_t ipc;
-};
-static_assert(sizeof(DirectHandle) <= kGdrHandleBytes, "the direct region's handle does not fit");
+// The direct region (gpu/gdr_link.h) in GPU memory; its handle is gpu/ipc_memory.h's.
+static_assert(sizeof(IpcHandle) <= kGdrHandleBytes, "the direct region's handle does not fit");
 
 Result<GdrDirectRegion> direct_region(int device, size_t bytes) {
   GS_RETURN_IF_ERROR(cuda(cudaSetDevice(device), "cudaSetDevice"));
@@ -119,40 +110,22 @@ Result<GdrDirectRegion> direct_region(int device, size_t bytes) {
   });
   GS_RETURN_IF_ERROR(cuda(cudaMemset(p, 0, bytes), "cudaMemset"));
   GS_RETURN_IF_ERROR(cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"));
-  DirectHandle h{};
-  h.pid = int32_t(::getpid());
-  h.device = device;
-  h.addr = reinterpret_cast<uint64_t>(p);
-  GS_RETURN_IF_ERROR(cuda(cudaIpcGetMemHandle(&h.ipc, p), "cudaIpcGetMemHandle"));
+  auto h = ipc_export(p, device);
+  if (!h.ok()) return h.status();
   d.base = static_cast<uint8_t*>(p);
-  std::memcpy(d.handle, &h, sizeof(h));
+  std::memcpy(d.handle, &*h, sizeof(IpcHandle));
   return d;
 }
 
 Result<GdrDirectRegion> open_direct_region(int device, const uint8_t* handle) {
-  DirectHandle h{};
+  IpcHandle h{};
   std::memcpy(&h, handle, sizeof(h));
-  GS_RETURN_IF_ERROR(cuda(cudaSetDevice(device), "cudaSetDevice"));
+  bool opened = false;
+  auto p = ipc_open(h, device, &opened);
+  if (!p.ok()) return p.status();
   GdrDirectRegion d;
-  if (h.pid == int32_t(::getpid())) {
-    if (h.device != device) {
-      const cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
-      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) {
-        return cuda(e, "peer access to GPU " + std::to_string(h.device));
-      }
-      (void)cudaGetLastError();
-    }
-    d.base = reinterpret_cast<uint8_t*>(h.addr);
-    return d;
-  }
-  void* p = nullptr;
-  GS_RETURN_IF_ERROR(cuda(cudaIpcOpenMemHandle(&p, h.ipc, cudaIpcMemLazyEnablePeerAccess),
-                          "cudaIpcOpenMemHandle (GPU " + std::to_string(h.device) + " of pid " + std::to_string(h.pid) + ")"));
-  d.base = static_cast<uint8_t*>(p);
-  d.owner = std::shared_ptr<void>(p, [device](void* q) {
-    (void)cudaSetDevice(device);
-    (void)cudaIpcCloseMemHandle(q);
-  });
+  d.base = static_cast<uint8_t*>(*p);
+  if (opened) d.owner = std::shared_ptr<void>(*p, [device](void* q) { ipc_close(q, device); });
   return d;
 }
 
@@ -165,7 +138,6 @@ struct GdrChannels::Impl {
   std::unique_ptr<StepRunner> runner;
   std::string description;
   bool gpu_slots = true;           // false: the slots are in pinned host memory
-  uint64_t slot_region_bytes = 0;  // every peer's send and receive slots (GPU or pinned host memory)
   GdrWords* words = nullptr;       // one per peer, mapped pinned host memory: host view
   GdrWords* words_dev = nullptr;   // device view
   size_t nwords = 0;
@@ -416,9 +388,6 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   m.link = std::move(link).value();
   m.runner = std::make_unique<StepRunner>(m.link.get());
   m.gpu_slots = in_host->empty();
-  std::vector<GdrPeer> rdma_peers;  // the direct peers' receive slots are in the link's direct region
-  std::copy_if(lc.peers.begin(), lc.peers.end(), std::back_inserter(rdma_peers), [](const GdrPeer& p) { return !p.direct; });
-  m.slot_region_bytes = peer_slot_bytes(rdma_peers, lc);
   const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
                            (m.channels.shape.node_count() == 1 ? " node" : " nodes") +
                            "; allreduce by the cost model: " + rdma_auto_summary(m.channels);
@@ -432,7 +401,7 @@ bool GdrChannels::gpu_slots() const { return impl_->gpu_slots; }
 
 DeviceComm::MemoryUse GdrChannels::memory() const {
   DeviceComm::MemoryUse u;
-  (impl_->gpu_slots ? u.gpu_bytes : u.pinned_host_bytes) += impl_->slot_region_bytes;
+  (impl_->gpu_slots ? u.gpu_bytes : u.pinned_host_bytes) += impl_->link->region_bytes();
   u.gpu_bytes += impl_->link->direct_region_bytes();
   u.pinned_host_bytes += std::max<size_t>(1, impl_->channels.peers.size()) * sizeof(GdrWords);
   return u;

@@ -403,6 +403,7 @@ int GdrLink::peer_index(int rank) const {
   return -1;
 }
 uint8_t* GdrLink::slot(int index, bool receive, uint64_t msg) const { return impl_->slot(index, receive, msg); }
+size_t GdrLink::region_bytes() const { return impl_->region_bytes; }
 size_t GdrLink::direct_region_bytes() const { return impl_->direct_bytes; }
 
 GdrLink::StreamWords GdrLink::stream_words(int index) const {

@@ -149,7 +149,9 @@ class GdrLink {
     uint64_t* consumed;
   };
   StreamWords stream_words(int index) const;
-  // Bytes of this rank's direct region (words and receive slots; 0 without direct peers).
+  // Bytes of this rank's slot region (its RDMA peers' send and receive slots) and of its direct
+  // region (words and receive slots; 0 without direct peers).
+  size_t region_bytes() const;
   size_t direct_region_bytes() const;
   uint32_t slots() const;
   size_t slot_bytes() const;

@@ -758,7 +758,9 @@ TEST(GdrLink, ARankThatCannotMapItsPeerRefusesDirectOnEveryRank) {
       EXPECT_EQ(*made[size_t(r)] == nullptr, direct) << "rank " << r << " direct " << direct << ": " << why[size_t(r)];
       EXPECT_EQ(refused[size_t(r)], direct) << "rank " << r;
     }
-    if (direct) EXPECT_NE(why[1].find("mapping the memory of rank 0"), std::string::npos) << why[1];
+    if (direct) {
+      EXPECT_NE(why[1].find("mapping the memory of rank 0"), std::string::npos) << why[1];
+    }
   }
 }
 

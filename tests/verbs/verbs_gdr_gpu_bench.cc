@@ -103,11 +103,8 @@ TEST(GdrBench, DISABLED_BusbwGpuDirectBesideHostStaged) {
     ASSERT_TRUE(cluster.ok()) << cluster.error();
     DaemonWorld world(cluster, 2, 1, std::string("bench-") + names[t], 120s, on_gpus);
     ASSERT_EQ(world.join_error(), "");
-    for (auto& row : rows) {
-      auto us = testing::device_allreduce_us(world, row.bytes, row.bytes >= (size_t(64) << 20) ? 5 : 20);
-      ASSERT_TRUE(us.ok()) << names[t] << ": " << us.status().to_string();
-      row.us[t] = *us;
-    }
+    Status s = testing::device_allreduce_sweep(world, rows, t);
+    ASSERT_TRUE(s.ok()) << names[t] << ": " << s.to_string();
   }
   ::unsetenv("GRADSYNC_GPU_STAGED");
   ::unsetenv("GRADSYNC_GDR_HOST_SLOTS");

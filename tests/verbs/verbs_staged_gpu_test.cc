@@ -72,11 +72,8 @@ TEST(StagedRdmaBench, DISABLED_BusbwVerbsBesideTcp) {
     ASSERT_TRUE(cluster.ok()) << cluster.error();
     DaemonWorld world(cluster, 2, 1, std::string("bench-") + names[t], 120s, on_gpus);
     ASSERT_EQ(world.join_error(), "");
-    for (auto& row : rows) {
-      auto us = testing::device_allreduce_us(world, row.bytes, row.bytes >= (size_t(64) << 20) ? 5 : 20);
-      ASSERT_TRUE(us.ok()) << names[t] << ": " << us.status().to_string();
-      row.us[t] = *us;
-    }
+    Status s = testing::device_allreduce_sweep(world, rows, t);
+    ASSERT_TRUE(s.ok()) << names[t] << ": " << s.to_string();
   }
   // busbw = algbw * 2 (n - 1) / n, n = 2 ranks: algbw.
   std::printf("# GPU allreduce float32 sum, 2 nodes x 1 GPU, host-staged; daemons in one process\n");
