@@ -10,7 +10,8 @@
 # BENCH_RANGE (default "-b 1M -e 1G -f 2"), ROUNDS (default 2). Tables go to
 # $OUT/ab-{old,new}-N.txt; the last lines print algbw of both per size and round.
 # OLD_BIN: a folder with the old build's gradsyncrun and gradsyncd (and their daemon protocol),
-# where the old and new runtimes cannot talk to each other; default the bundle's.
+# where the old and new runtimes cannot talk to each other; default the bundle's. OLD_LIB: a
+# folder with the old build's libraries (its libgradsync.so), searched first by the old runs.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -22,10 +23,10 @@ export NCCL_NVLS_ENABLE=0
 range=${BENCH_RANGE:--b 1M -e 1G -f 2}
 for round in $(seq "${ROUNDS:-2}"); do
   for which in old new; do
-    exe=$old run=${OLD_BIN:-$bin}
-    [ "$which" = new ] && exe=$new run=$bin
+    exe=$old run=${OLD_BIN:-$bin} libs=${OLD_LIB:+$OLD_LIB:}$LD_LIBRARY_PATH
+    [ "$which" = new ] && exe=$new run=$bin libs=$LD_LIBRARY_PATH
     # shellcheck disable=SC2086
-    timeout 280 "$run/gradsyncrun" --standalone --no-prefix --timeout-s 270 -n "${NGPUS:-2}" \
+    LD_LIBRARY_PATH=$libs timeout 280 "$run/gradsyncrun" --standalone --no-prefix --timeout-s 270 -n "${NGPUS:-2}" \
       "$exe" --device cuda $range -w 3 -n 10 "$@" > "$OUT/ab-$which-$round.txt" 2> "$OUT/ab-$which-$round.err"
     echo "ab: $which round $round exit $?"
   done

@@ -88,6 +88,7 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
                    ? std::to_string(m.layout.two_shot_min_bytes) + " bytes"
                    : std::string("never (") + (m.layout.nranks < 3 ? "2 ranks" : "off") + ")");
       if (m.timeline_asked) GS_RETURN_IF_ERROR(d->setup_timeline());
+      GS_RETURN_IF_ERROR(d->setup_node_steps());
     } else {
       GS_RETURN_IF_ERROR(d->setup_staged());
       m.path = Impl::Path::kStaged;
@@ -522,8 +523,9 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
 
   Impl& m = *impl_;
   // CallOptions::algorithm, else GRADSYNC_ALGO (agreed at set-up), where the path has it:
-  // one node: oneshot and twoshot pick the kernels' protocol (ring and tree leave it to the
-  // size); several nodes: ring and tree (allreduce) on the GPUDirect RDMA channels, else the
+  // one node: oneshot and twoshot pick the kernels' protocol, ring and tree run the planner's
+  // steps over CUDA IPC (setup_node_steps; the kernels when those channels were left out);
+  // several nodes: ring and tree (allreduce) on the GPUDirect RDMA channels, else the
   // host-staged ring and tree; hierarchical (the default for allreduce where the path exists).
   const std::optional<plan::Algo> forced = plan::forced_algo(call.algorithm, m.env_algo);
   switch (m.path) {
@@ -536,6 +538,23 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       }
       return Status::Ok();
     case Impl::Path::kIpc: {
+#if GRADSYNC_HAVE_GDR
+      if (m.gdr && (forced == plan::Algo::kRing || forced == plan::Algo::kTree)) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        GS_CUDA(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+        if (capture != cudaStreamCaptureStatusNone) {
+          // Every rank must take the same path, so no quiet fall-back to the kernels here.
+          return refused({Code::kFailedPrecondition,
+                          std::string("the ") + plan::to_string(*forced) +
+                              " on one node runs the planner's steps, whose message numbers are counted when "
+                              "the call is made, so it cannot be captured in a CUDA graph (a replay would "
+                              "reuse them); captured calls take auto, oneshot or twoshot"});
+        }
+        c.algorithm = forced == plan::Algo::kTree ? Algorithm::kTree : Algorithm::kRing;
+        if (Status s = m.gdr->enqueue(c, stream); !s.ok()) return failed_to_queue(c, number, s);
+        return Status::Ok();
+      }
+#endif
       const kernels::NodeCall nc{node_kind(c.kind), c.type, c.op, c.root, c.send, c.recv, c.count};
       if (forced == plan::Algo::kOneShot || forced == plan::Algo::kTwoShot) {
         kernels::NodeLayout layout = m.layout;  // the same on every rank: the call's protocol
@@ -599,29 +618,22 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   const bool rdma = c.count * element_size(c.type) >= m.gdr_min_bytes;
   if (m.rail && rdma && c.kind == CollectiveKind::kAllreduce && forced != plan::Algo::kRing &&
       forced != plan::Algo::kTree) {
-    if (Status s = run_hierarchical(c, stream); !s.ok()) {
-      __atomic_store_n(&m.words->abort, 1u, __ATOMIC_RELEASE);
-      failed_ = {s.code(), who() + ": GPU " + describe_gpu(c, number) +
-                               " could not be queued completely: " + s.message()};
-      if (ops_.abort_job) ops_.abort_job(failed_.message());
-      return failed_;
-    }
+    if (Status s = run_hierarchical(c, stream); !s.ok()) return failed_to_queue(c, number, s);
     return Status::Ok();
   }
   if (m.gdr && rdma) {
-    if (Status s = m.gdr->enqueue(c, stream); !s.ok()) {
-      // Part of the call may be on the stream: its waits end through the abort word, and
-      // the communicator is failed from here on.
-      __atomic_store_n(&m.words->abort, 1u, __ATOMIC_RELEASE);
-      failed_ = {s.code(), who() + ": GPU " + describe_gpu(c, number) +
-                               " could not be queued completely: " + s.message()};
-      if (ops_.abort_job) ops_.abort_job(failed_.message());  // the peers wait for its messages
-      return failed_;
-    }
+    if (Status s = m.gdr->enqueue(c, stream); !s.ok()) return failed_to_queue(c, number, s);
     return Status::Ok();
   }
 #endif
   return run_staged(c, stream, number);
+}
+
+Status DeviceComm::failed_to_queue(const CollectiveCall& c, uint64_t number, const Status& s) {
+  __atomic_store_n(&impl_->words->abort, 1u, __ATOMIC_RELEASE);
+  failed_ = {s.code(), who() + ": GPU " + describe_gpu(c, number) + " could not be queued completely: " + s.message()};
+  if (ops_.abort_job) ops_.abort_job(failed_.message());
+  return failed_;
 }
 
 

@@ -158,6 +158,7 @@ class DeviceComm {
   void release_ipc();
   Status setup_staged();
   Status setup_gdr();
+  Status setup_node_steps();
   Status setup_hierarchical();
   Status agree_algorithm();
   GdrConfig gdr_config() const;  // gpu/gdr_channels.h, with GPUDirect RDMA only
@@ -168,6 +169,10 @@ class DeviceComm {
   Status check_call(const CollectiveCall& call) const;
   Status check_device_buffer(const char* name, const void* p) const;
   Status run_staged(const CollectiveCall& call, cudaStream_t stream, uint64_t number);
+  // A call that could not be queued whole on the step channels or the rails: part of it may be
+  // on the stream, so the abort word ends its waits and the job is aborted (the peers wait for
+  // its messages); the communicator is failed from here on.
+  Status failed_to_queue(const CollectiveCall& call, uint64_t number, const Status& s);
   Status fail_from_error_word();
   std::string who() const;
 

@@ -1,6 +1,7 @@
-// The GPUDirect RDMA half of the GPU communicator's set-up (gpu/device_comm.h): the flat ring
-// of every rank over the daemons' RDMA devices, and the threshold below which calls stay
-// host-staged, measured at set-up when GRADSYNC_GDR_MIN_BYTES does not give it.
+// The step channels of the GPU communicator's set-up (gpu/device_comm.h, gpu/gdr_channels.h):
+// across nodes the flat ring and trees of every rank over the daemons' RDMA devices, and the
+// threshold below which calls stay host-staged, measured at set-up when GRADSYNC_GDR_MIN_BYTES
+// does not give it; on one node the same channels with every hop by CUDA IPC.
 #include <algorithm>
 #include <cstring>
 
@@ -79,7 +80,7 @@ Status DeviceComm::setup_gdr() {
   if (off.empty()) off = slots_over_budget(g);
   // Still collective when this rank does not want it: the others may. It takes part and
   // fails locally, and then every rank keeps the host-staged path.
-  if (!off.empty()) g.link.verbs_device.clear();
+  if (!off.empty()) g.link.refuse = off;
   std::string why;
   auto ring = GdrChannels::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
@@ -96,6 +97,37 @@ Status DeviceComm::setup_gdr() {
   }
 #else
   (void)m;  // built without the verbs headers: host-staged only
+#endif
+  return Status::Ok();
+}
+
+// One node: the planner's ring and trees with every hop a direct peer (CUDA IPC, no NIC),
+// for the calls that ask for ring or tree (CallOptions::algorithm, GRADSYNC_ALGO); the
+// kernels' one-shot and two-shot stay the default. Collective: every rank of a one-node
+// communicator calls it after setup_ipc. Left out on every rank, with the reason in the path's
+// why, over GRADSYNC_GPU_MEMORY_MAX or where a rank cannot map its neighbours' memory; calls
+// that ask for ring or tree then take the kernels.
+Status DeviceComm::setup_node_steps() {
+  Impl& m = *impl_;
+#if GRADSYNC_HAVE_GDR
+  GdrConfig g = gdr_config();
+  if (g.link.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
+  g.link.verbs_device.clear();  // no hop leaves the node: without CUDA IPC there is no channel
+  std::string off = !g.direct ? "GRADSYNC_GDR_DIRECT=0 is set (one node's hops have no NIC to take)"
+                              : slots_over_budget(g);
+  if (!off.empty()) g.link.refuse = off;
+  std::string why;
+  auto ch = GdrChannels::create(g, ops_, &why);
+  if (!ch.ok()) return Status(ch.status().code(), who() + ": " + ch.status().message());
+  m.gdr = std::move(ch).value();
+  if (m.gdr) {
+    m.why += "; ring and tree when a call asks for them: " + m.gdr->describe();
+  } else {
+    m.why += "; ring and tree calls take the kernels (no step channels: " + (off.empty() ? why : off) + ")";
+    log::get("gpu")->info("{}: no ring and tree steps on this node: {}", who(), off.empty() ? why : off);
+  }
+#else
+  (void)m;  // built without the verbs headers: the kernels alone
 #endif
   return Status::Ok();
 }

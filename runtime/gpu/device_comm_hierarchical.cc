@@ -85,7 +85,7 @@ Status DeviceComm::setup_hierarchical() {
   for (const auto& n : nodes) g.members.push_back(n[local]);
   // Over GRADSYNC_GPU_MEMORY_MAX: the ring's set-up still runs (collective) and fails here.
   std::string why, over = slots_over_budget(g);
-  if (!over.empty()) g.link.verbs_device.clear();
+  if (!over.empty()) g.link.refuse = over;
   auto ring = GdrChannels::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
   if (!*ring) {

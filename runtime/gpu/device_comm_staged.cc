@@ -105,15 +105,21 @@ Status DeviceComm::run_staged(const CollectiveCall& c, cudaStream_t stream, uint
   // The ring entry of this call: the worker read the one of seq - kStampRing long ago.
   HostWords::Stamps* stamp_dev = &w->stamps[seq % HostWords::kStampRing];
   m.words->stamps[seq % HostWords::kStampRing].waited_ns = 0;
-  GS_CUDA(kernels::launch_signal_host(nullptr, 0, &stamp_dev->start_ns, stream), "signal kernel");
-  for (size_t i = 0; i < std::min(K, pieces); ++i) GS_RETURN_IF_ERROR(d2h(i));
-  for (size_t i = 0; i < pieces; ++i) {
-    GS_CUDA(kernels::launch_wait_host(&w->reduced, base + i + 1, &w->abort, &w->error, timeout_ns,
-                                      &stamp_dev->waited_ns, stream), "wait kernel");
-    GS_RETURN_IF_ERROR(h2d(i));
-    if (i + K < pieces) GS_RETURN_IF_ERROR(d2h(i + K));
-  }
-  GS_CUDA(kernels::launch_signal_host(&w->done, seq, &stamp_dev->done_ns, stream), "signal kernel");
+  auto queue_stream = [&]() -> Status {
+    GS_CUDA(kernels::launch_signal_host(nullptr, 0, &stamp_dev->start_ns, stream), "signal kernel");
+    for (size_t i = 0; i < std::min(K, pieces); ++i) GS_RETURN_IF_ERROR(d2h(i));
+    for (size_t i = 0; i < pieces; ++i) {
+      GS_CUDA(kernels::launch_wait_host(&w->reduced, base + i + 1, &w->abort, &w->error, timeout_ns,
+                                        &stamp_dev->waited_ns, stream), "wait kernel");
+      GS_RETURN_IF_ERROR(h2d(i));
+      if (i + K < pieces) GS_RETURN_IF_ERROR(d2h(i + K));
+    }
+    GS_CUDA(kernels::launch_signal_host(&w->done, seq, &stamp_dev->done_ns, stream), "signal kernel");
+    return Status::Ok();
+  };
+  // Wait kernels already queued would wait for pieces no worker task will reduce (and the
+  // pieces' numbers are taken): the abort word ends them and the job fails together.
+  if (Status s = queue_stream(); !s.ok()) return failed_to_queue(c, number, s);
 
   // One host collective per piece, numbered now (HostOps::enqueue).
   ops_.enqueue(pieces, [this, c, number, seq, base, pieces, per, rows, es, me](uint32_t first_seq) -> Status {

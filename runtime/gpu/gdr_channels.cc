@@ -341,7 +341,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
       }
     }
   }
-  if (!local_why.empty()) lc.verbs_device.clear();
+  if (!local_why.empty()) lc.refuse = local_why;
 
   const int device = cfg.device;
   // Non-empty once this rank's slots are in host memory: why.
@@ -388,6 +388,10 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   m.link = std::move(link).value();
   m.runner = std::make_unique<StepRunner>(m.link.get());
   m.gpu_slots = in_host->empty();
+  if (m.channels.shape.node_count() == 1) {  // no RDMA: every hop by CUDA IPC
+    m.description = "CUDA IPC steps (ring and double binary tree on this node) over " + m.link->describe();
+    return true;
+  }
   const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
                            (m.channels.shape.node_count() == 1 ? " node" : " nodes") +
                            "; allreduce by the cost model: " + rdma_auto_summary(m.channels);

@@ -138,6 +138,8 @@ struct GdrLink::Impl {
   }
 
   Status setup_local(const GdrRegionMaker& make_region);
+  Status open_nic();
+  Status setup_queue_pairs(size_t credit_bytes);
   void run();
   void fail(Status s);
   std::string stall(const PeerLink& l, uint64_t planned_sends, uint64_t planned_recvs) const;
@@ -147,22 +149,14 @@ struct GdrLink::Impl {
 
 // Everything this rank can do alone: device, region, credit words, CQ, QPs (to INIT).
 Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
-  if (cfg.verbs_device.empty()) {
+  if (!cfg.refuse.empty()) return {Code::kUnavailable, cfg.refuse};
+  // Peers all on this node (or none): their hops are the stream's stores into mapped memory,
+  // so no NIC, queue pair or worker is needed (one node's ring and trees).
+  const bool nic = std::any_of(peers.begin(), peers.end(), [](const PeerLink& l) { return !l.peer.direct; });
+  if (nic && cfg.verbs_device.empty()) {
     return {Code::kUnavailable, "this node's gradsyncd runs no verbs channels (its transport is tcp)"};
   }
-  const verbs::IbvApi* api = nullptr;
-  if (cfg.verbs_api == verbs::emulated_ibv()->name) {
-    api = verbs::emulated_ibv();
-  } else {
-    auto loaded = verbs::load_libibverbs();
-    if (!loaded.ok()) return loaded.status();
-    api = *loaded;
-  }
-  auto opened = VerbsNode::open(api, cfg.verbs_device, uint8_t(cfg.verbs_port), cfg.gid_index);
-  if (!opened.ok()) {
-    return {opened.status().code(), "the RDMA device " + cfg.verbs_device + ": " + opened.status().message()};
-  }
-  node = std::move(opened).value();
+  if (nic) GS_RETURN_IF_ERROR(open_nic());
   // The region: per RDMA peer, its send slots then its receive slots (only the directions
   // used). The direct region: the words, then each direct peer's receive slots.
   const size_t block = size_t(cfg.slots) * cfg.slot_bytes;
@@ -190,12 +184,35 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
     if (!d.ok()) return {d.status().code(), "the direct region for this node's peers: " + d.status().message()};
     direct = std::move(d).value();
   }
-
   const size_t credit_bytes = std::max<size_t>(1, peers.size()) * sizeof(CreditWords);
   void* c = nullptr;
   if (::posix_memalign(&c, 4096, (credit_bytes + 4095) / 4096 * 4096) != 0) return {Code::kInternal, "posix_memalign"};
   std::memset(c, 0, credit_bytes);
   credits = static_cast<CreditWords*>(c);
+  for (size_t i = 0; i < peers.size(); ++i) peers[i].credit = &credits[i];
+  return nic ? setup_queue_pairs(credit_bytes) : Status::Ok();
+}
+
+// The RDMA device (the daemon's, or the rank's rail).
+Status GdrLink::Impl::open_nic() {
+  const verbs::IbvApi* api = nullptr;
+  if (cfg.verbs_api == verbs::emulated_ibv()->name) {
+    api = verbs::emulated_ibv();
+  } else {
+    auto loaded = verbs::load_libibverbs();
+    if (!loaded.ok()) return loaded.status();
+    api = *loaded;
+  }
+  auto opened = VerbsNode::open(api, cfg.verbs_device, uint8_t(cfg.verbs_port), cfg.gid_index);
+  if (!opened.ok()) {
+    return {opened.status().code(), "the RDMA device " + cfg.verbs_device + ": " + opened.status().message()};
+  }
+  node = std::move(opened).value();
+  return Status::Ok();
+}
+
+// The credit words' registration, the CQ and a queue pair (to INIT) per RDMA peer.
+Status GdrLink::Impl::setup_queue_pairs(size_t credit_bytes) {
   auto cmr = verbs::MemoryRegion::create(node->pd(), credits, credit_bytes,
                                          IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
   if (!cmr.ok()) return cmr.status();
@@ -210,9 +227,7 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
   caps.max_send_wr = cfg.slots + 2;  // data writes and credit writes, + slack
   caps.max_recv_wr = cfg.slots;      // one per receive slot
   const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
-  for (size_t i = 0; i < peers.size(); ++i) {
-    PeerLink& l = peers[i];
-    l.credit = &credits[i];
+  for (PeerLink& l : peers) {
     if (l.peer.direct) continue;
     auto a = verbs::QueuePair::create_rc(node->pd(), cq, cq, caps, peer_name(l.peer.rank));
     if (!a.ok()) return a.status();
@@ -297,12 +312,14 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   std::vector<GdrBlob> table(n);  // value-initialized: zero rows
   GdrBlob& mine = table[me];
   mine.psn = std::random_device{}() & 0xffffff;
-  mine.lid = m.node->port_info().lid;
-  mine.mtu = uint32_t(m.node->port_info().active_mtu);
-  mine.slot_rkey = m.region.mr ? m.region.mr->rkey() : 0;
-  mine.credit_rkey = m.credit_mr.rkey();
+  if (m.node) {
+    mine.lid = m.node->port_info().lid;
+    mine.mtu = uint32_t(m.node->port_info().active_mtu);
+    mine.slot_rkey = m.region.mr ? m.region.mr->rkey() : 0;
+    mine.credit_rkey = m.credit_mr.rkey();
+    std::memcpy(mine.gid, m.node->gid().raw, sizeof(mine.gid));
+  }
   mine.npeers = uint32_t(m.peers.size());
-  std::memcpy(mine.gid, m.node->gid().raw, sizeof(mine.gid));
   std::memcpy(mine.direct_handle, m.direct.handle, sizeof(mine.direct_handle));
   for (size_t i = 0; i < m.peers.size(); ++i) {
     const PeerLink& l = m.peers[i];
@@ -321,8 +338,9 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   }
   GS_RETURN_IF_ERROR(ops.allreduce_now(table.data(), table.data(), n * sizeof(GdrBlob),
                                        DataType::kUInt8, ReduceOp::kSum));
-  const ibv_mtu mtu = m.node->port_info().active_mtu;
-  const int sgid = m.node->sgid_index();
+  // Only a rank with RDMA peers has a NIC (setup_local).
+  const ibv_mtu mtu = m.node ? m.node->port_info().active_mtu : IBV_MTU_1024;
+  const int sgid = m.node ? m.node->sgid_index() : 0;
   Status conn = Status::Ok();
   bool direct_failed = false;
   for (size_t i = 0; conn.ok() && i < m.peers.size(); ++i) {
@@ -384,12 +402,14 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
     return std::unique_ptr<GdrLink>();
   }
 
-  m.description = m.node->describe() + ", " + (m.region.method.empty() ? "no slots" : m.region.method) + ", " +
-                  std::to_string(cfg.slots) + " x " + std::to_string(cfg.slot_bytes) + "-byte slots, " +
-                  std::to_string(m.peers.size()) + (m.peers.size() == 1 ? " peer" : " peers");
   const auto direct = std::count_if(m.peers.begin(), m.peers.end(), [](const PeerLink& l) { return l.peer.direct; });
+  m.description = (m.node ? m.node->describe() + ", " + (m.region.method.empty() ? "no slots" : m.region.method)
+                          : std::string("no NIC (every peer on this node)")) +
+                  ", " + std::to_string(cfg.slots) + " x " + std::to_string(cfg.slot_bytes) + "-byte slots, " +
+                  std::to_string(m.peers.size()) + (m.peers.size() == 1 ? " peer" : " peers");
   if (direct > 0) m.description += " (" + std::to_string(direct) + " of them on this node, by CUDA IPC)";
-  m.worker = std::thread([&m] { m.run(); });
+  // The worker moves RDMA messages only: a rank whose peers are all direct needs none.
+  if (m.node) m.worker = std::thread([&m] { m.run(); });
   return link;
 }
 

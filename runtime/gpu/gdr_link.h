@@ -40,6 +40,8 @@
 //   arrived, send_free   <- our own words[p] in our region, which p stores into
 // stream_words() gives the stream those addresses; for RDMA peers they are the `words` given to
 // create. The stream's waits keep their own deadline (the worker never sees direct messages).
+// A rank whose peers are all direct (one node's ring and trees) opens no RDMA device and runs
+// no worker.
 #pragma once
 
 #include <chrono>
@@ -80,7 +82,11 @@ struct GdrLinkConfig {
   // peers it has, so the rings of every rail (hierarchical) are built together.
   std::vector<GdrPeer> peers;
   std::vector<std::string> hosts;  // every rank's host, for errors naming a peer
-  std::string verbs_device;        // the daemon's RDMA device; empty: the node has none
+  std::string verbs_device;        // the daemon's RDMA device; empty: the node has none (a rank
+                                   // whose peers are all direct needs none)
+  // Non-empty: this rank takes part in the collective set-up but refuses the link (why), so
+  // that every rank learns it and none gets one.
+  std::string refuse;
   int verbs_port = 1;
   int gid_index = -1;
   std::string verbs_api;  // "emulated" (the in-process test fabric) or the libibverbs soname

@@ -178,8 +178,9 @@ class Ring {
   // hosts "n0", "n1", ... node-major). `rails` > 1: rank r's members are the ranks q with
   // q % rails == r % rails (the hierarchical path's rails: one ring per local index).
   // `direct`: a node's ranks reach each other through mapped memory (GdrPeer::direct).
+  // `nic` false: no rank is given an RDMA device (a gradsyncd that runs no verbs).
   Ring(int n, uint32_t slots, size_t slot_bytes, int per_node = 1, std::chrono::milliseconds timeout = 10s,
-       int rails = 1, bool direct = false)
+       int rails = 1, bool direct = false, bool nic = true)
       : n_(n), slot_bytes_(slot_bytes), ar_(n), words_(n), links_(n), runners_(n), channels_(n) {
     const int job = ++g_job;
     std::vector<std::string> hosts;
@@ -210,7 +211,7 @@ class Ring {
         c.world_size = n;
         c.peers = channels_[r].peers;
         c.hosts = hosts;
-        c.verbs_device = devices_[r];
+        if (nic) c.verbs_device = devices_[r];
         c.verbs_api = verbs::emulated_ibv()->name;
         c.slot_bytes = slot_bytes;
         c.slots = slots;
@@ -629,6 +630,74 @@ TEST(GdrLink, DirectPeersKeepTheHopsInsideANodeOffTheNic) {
   EXPECT_EQ(nic_total, uint64_t(nodes) * 2 * (n - 1) * count * 8 / n);
   EXPECT_EQ(direct_total, uint64_t(n - nodes) * 2 * (n - 1) * count * 8 / n);
   EXPECT_NE(ring.link(0).describe().find("on this node, by CUDA IPC"), std::string::npos) << ring.link(0).describe();
+}
+
+// One node whose ranks are all direct peers needs no RDMA device: the planner's ring and trees
+// run over mapped memory alone (the GPU communicator's ring and tree on one node, by CUDA
+// IPC). Every collective exact at odd counts; the ring's allreduce sends 2 (n-1)/n S per rank,
+// the trees' 2 S at most (a chain: up and down, half the data per tree).
+TEST(GdrLink, OneNodeOfDirectPeersNeedsNoNic) {
+  for (int n : {2, 3, 8}) {
+    Ring ring(n, 2, 256, /*per_node=*/n, 10s, 1, /*direct=*/true, /*nic=*/false);
+    ASSERT_EQ(ring.error(), "") << n << " ranks";
+    EXPECT_NE(ring.link(0).describe().find("no NIC"), std::string::npos) << ring.link(0).describe();
+    EXPECT_EQ(ring.link(0).region_bytes(), 0u);
+    for (plan::Algo algo : {plan::Algo::kRing, plan::Algo::kTree}) {
+      std::vector<uint64_t> before(size_t(n), 0);
+      for (int r = 0; r < n; ++r)
+        for (int p = 0; p < ring.link(r).peer_count(); ++p) before[size_t(r)] += ring.link(r).bytes_sent(p);
+      const size_t count = 1000 * size_t(n);  // int64: S = 8000 n bytes, a multiple of n
+      auto send = inputs(n, count);
+      std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+      auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv, algo);
+      for (int r = 0; r < n; ++r) {
+        ASSERT_TRUE(st[r].ok()) << n << " ranks, " << plan::to_string(algo) << ": " << st[r].to_string();
+        for (size_t i = 0; i < count; ++i) {
+          int64_t want = 0;
+          for (int q = 0; q < n; ++q) want += send[q][i];
+          ASSERT_EQ(recv[r][i], want) << n << " ranks, " << plan::to_string(algo) << " rank " << r;
+        }
+        uint64_t sent = 0;
+        for (int p = 0; p < ring.link(r).peer_count(); ++p) sent += ring.link(r).bytes_sent(p);
+        sent -= before[size_t(r)];
+        if (algo == plan::Algo::kRing) EXPECT_EQ(sent, 2 * uint64_t(n - 1) * count * 8 / n) << "rank " << r;
+        else EXPECT_LE(sent, 2 * uint64_t(count) * 8) << "rank " << r;
+      }
+    }
+    expect_reduce_scatter(ring, n, 333, plan::Algo::kRing);
+    auto send = inputs(n, 77);
+    std::vector<std::vector<int64_t>> gathered(n, std::vector<int64_t>(77 * size_t(n), -1));
+    auto st = ring.collective(CollectiveKind::kAllGather, {77}, 0, send, gathered, plan::Algo::kRing);
+    for (int r = 0; r < n; ++r) {
+      ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+      for (int q = 0; q < n; ++q)
+        for (size_t i = 0; i < 77; ++i) ASSERT_EQ(gathered[r][size_t(q) * 77 + i], send[q][i]) << "all_gather rank " << r;
+    }
+    auto recv = inputs(n, 1001);
+    const auto root_data = recv[size_t(n - 1)];
+    st = ring.collective(CollectiveKind::kBroadcast, {1001}, n - 1, send, recv, plan::Algo::kRing);
+    for (int r = 0; r < n; ++r) {
+      ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+      ASSERT_EQ(recv[r], root_data) << "broadcast rank " << r;
+    }
+  }
+}
+
+// Without an RDMA device, a rank with a peer on another node cannot set up, and every rank
+// learns it (those whose peers are all on their node too).
+TEST(GdrLink, APeerOnAnotherNodeNeedsTheNic) {
+  // 2 x 4: ranks 2 and 3 (6 and 7) have only peers on their node; 0 and 1 (4 and 5) leave it
+  // (the ring's exit, and the two trees' heads).
+  Ring ring(8, 2, 256, /*per_node=*/4, 10s, 1, /*direct=*/true, /*nic=*/false);
+  EXPECT_NE(ring.error().find("rank 0: UNAVAILABLE: GPUDirect RDMA: this node's gradsyncd runs no verbs channels"),
+            std::string::npos)
+      << ring.error();
+  EXPECT_NE(ring.error().find("rank 2: UNAVAILABLE: GPUDirect RDMA is not possible on rank 0 (host n0)"),
+            std::string::npos)
+      << ring.error();
+  for (int r = 0; r < 8; ++r) {
+    EXPECT_NE(ring.error().find("rank " + std::to_string(r) + ":"), std::string::npos) << ring.error();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Rings, GdrLinkWorlds,

@@ -1,7 +1,8 @@
 // One node, several ranks as threads of this process on GPU 0 (one CUDA context: the ranks'
 // kernels run side by side, as on GPUs of their own): the one-node protocols — low-latency,
-// one-shot and two-shot (kernels/cuda_node_two_shot.cuh) — on the collectives matrix, and the
-// bytes each rank stores into its peers' memory, read from the kernels' counter.
+// one-shot and two-shot (kernels/cuda_node_two_shot.cuh) — and the planner's ring and trees
+// over CUDA IPC (the step channels, gpu/gdr_channels.h) on the collectives matrix, and the
+// bytes each rank stores into its peers' memory, read from the counters.
 // Label gpu; skips itself without a CUDA device.
 #include <gtest/gtest.h>
 
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "../unit/collective_matrix.h"
+#include "emulated_gpu_nic.h"  // kEagerLoading: the step channels' kernels wait on each other
 #include "gpu_world.h"
 
 namespace gradsync {
@@ -67,7 +69,8 @@ struct Measured {
   std::vector<uint64_t> sent;
   double us = 0;
 };
-Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters) {
+Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorithm algo) {
+  const CallOptions opts{algo};
   const int n = world.size();
   Measured m;
   m.sent.assign(size_t(n), 0);
@@ -84,14 +87,14 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters) {
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     cudaMemcpyAsync(in, host.data(), count * 4, cudaMemcpyHostToDevice, stream);
     cudaStreamSynchronize(stream);
-    Status s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream);  // warm-up
+    Status s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream, opts);  // warm-up
     cudaStreamSynchronize(stream);
     if (s.ok()) s = comm.barrier();
     auto before = comm.gpu_bytes_sent();
     if (!before.ok()) s = before.status();
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < iters && s.ok(); ++i)
-      s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream);
+      s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream, opts);
     cudaStreamSynchronize(stream);
     us[r] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
     if (s.ok()) s = comm.async_error();
@@ -120,6 +123,39 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters) {
   return m;
 }
 
+// The planner's ring and trees on one node (GRADSYNC_ALGO or CallOptions::algorithm): every
+// hop by CUDA IPC through the step channels, no NIC; every type, op and odd count exact, in
+// and out of place, and the other collectives on the ring.
+class OneNodeSteps : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_P(OneNodeSteps, RingAndTreeMatrixOverCudaIpc) {
+  const int n = GetParam();
+  DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 1, n, "node-steps", 60s, on_gpu0);
+  ASSERT_EQ(world.join_error(), "");
+  for (int r = 0; r < n; ++r) ASSERT_EQ(world.comm(r).gpu_path(), "cuda-ipc") << "rank " << r;
+  {
+    GpuWorld gpus(world);
+    testing::allreduce_matrix(gpus, Algorithm::kRing);
+    testing::allreduce_matrix(gpus, Algorithm::kTree);
+    testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
+  }
+  // The steps ran, not the kernels: a ring allreduce sends 2 (n-1)/n S per rank (the kernels'
+  // low-latency lines at this size would store 2 (n-1) S).
+  const size_t count = 4096 * size_t(n);
+  const std::vector<uint64_t> sent = allreduce_on_gpus(world, count, 2, Algorithm::kRing).sent;
+  for (int r = 0; r < n; ++r) EXPECT_EQ(sent[r], 2 * uint64_t(n - 1) * count * 4 / n) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, OneNodeSteps, ::testing::Values(2, 4, 8),
+                         [](const auto& info) { return "x" + std::to_string(info.param); });
+
 // The bytes argument of the one-node paths at 8 ranks: one-shot stores (n-1) S per rank,
 // two-shot 2 (n-1) ceil256(S / n): 4x fewer, to within the segments' rounding.
 TEST(OneNodeBytes, TwoShotSendsAQuarterOfOneShotAtEightRanks) {
@@ -134,7 +170,7 @@ TEST(OneNodeBytes, TwoShotSendsAQuarterOfOneShotAtEightRanks) {
     ASSERT_TRUE(cluster.ok()) << cluster.error();
     DaemonWorld world(cluster, 1, n, std::string("node-bytes-") + min, 60s, on_gpu0);
     ASSERT_EQ(world.join_error(), "");
-    (std::string(min) == "0" ? one : two) = allreduce_on_gpus(world, count, 3).sent;
+    (std::string(min) == "0" ? one : two) = allreduce_on_gpus(world, count, 3, Algorithm::kAuto).sent;
   }
   ::unsetenv("GRADSYNC_GPU_TWOSHOT_MIN");
   const uint64_t seg = ((bytes + n - 1) / n + 255) / 256 * 256;  // two_shot_segment_bytes
@@ -152,9 +188,35 @@ TEST(OneNodeBytes, TwoShotSendsAQuarterOfOneShotAtEightRanks) {
               static_cast<unsigned long long>(two[0]), double(one[0]) / double(two[0]));
 }
 
-// Time per call of both protocols, 8 ranks as threads sharing GPU 0 (one context: their
-// kernels run side by side; every "peer" store lands in the same HBM, so the time follows
-// the bytes moved). A measurement, not a test: --gtest_also_run_disabled_tests.
+// The ring on one node sends what two-shot sends, 2 (n-1)/n S per rank, a quarter of one-shot's
+// (n-1) S at 8 ranks; here counted by the step channels (each message's bytes as planned).
+TEST(OneNodeBytes, RingStepsSendTwoNMinusOneOverNAtEightRanks) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const int n = 8;
+  const size_t count = (size_t(4) << 20) / 4 + 3;  // 4 MiB + 12 bytes, odd
+  const uint64_t bytes = count * 4;
+  DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 1, n, "node-ring-bytes", 60s, on_gpu0);
+  ASSERT_EQ(world.join_error(), "");
+  const std::vector<uint64_t> ring = allreduce_on_gpus(world, count, 3, Algorithm::kRing).sent;
+  const double ideal = 2.0 * (n - 1) / n * double(bytes);
+  for (int r = 0; r < n; ++r) {
+    // Within 5% of 2 (n-1)/n S (the chunks of an odd count are not all equal), and 4x fewer
+    // bytes than one-shot's (n-1) S.
+    EXPECT_LE(double(ring[r]), ideal * 1.05) << "rank " << r;
+    EXPECT_GE(double(ring[r]), ideal * 0.95) << "rank " << r;
+    EXPECT_GE(double(uint64_t(n - 1) * bytes) / double(ring[r]), 3.8) << "rank " << r;
+  }
+  std::printf("bytes sent per rank and call, 8 ranks, %llu-byte float32 allreduce: ring steps %llu (rank 0), "
+              "one-shot would send %llu, ratio %.3f\n",
+              static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(ring[0]),
+              static_cast<unsigned long long>(uint64_t(n - 1) * bytes), double(uint64_t(n - 1) * bytes) / double(ring[0]));
+}
+
+// Time per call of one-shot, two-shot and the ring steps, 8 ranks as threads sharing GPU 0
+// (one context: their kernels run side by side; every "peer" store lands in the same HBM, so
+// the time follows the bytes moved). A measurement, not a test: --gtest_also_run_disabled_tests.
 TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
   const char* env = std::getenv("NODE_BENCH_RANKS");
@@ -162,24 +224,33 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
   const std::vector<size_t> sizes = {size_t(64) << 10, size_t(256) << 10, size_t(1) << 20,
                                      size_t(4) << 20, size_t(16) << 20, size_t(64) << 20,
                                      size_t(256) << 20};
-  std::vector<std::vector<Measured>> res(2);
-  for (int proto = 0; proto < 2; ++proto) {
-    ::setenv("GRADSYNC_GPU_TWOSHOT_MIN", proto == 0 ? "0" : "1", 1);
+  struct Proto {
+    const char* name;
+    const char* two_shot_min;
+    Algorithm algo;
+  };
+  const Proto protos[] = {{"1-shot", "0", Algorithm::kAuto}, {"2-shot", "1", Algorithm::kAuto},
+                          {"ring", "0", Algorithm::kRing}};
+  std::vector<std::vector<Measured>> res(3);
+  for (int p = 0; p < 3; ++p) {
+    ::setenv("GRADSYNC_GPU_TWOSHOT_MIN", protos[p].two_shot_min, 1);
     DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
     ASSERT_TRUE(cluster.ok()) << cluster.error();
-    DaemonWorld world(cluster, 1, n, "node-bench-" + std::to_string(proto), 120s, on_gpu0);
+    DaemonWorld world(cluster, 1, n, "node-bench-" + std::to_string(p), 120s, on_gpu0);
     ASSERT_EQ(world.join_error(), "");
-    for (size_t b : sizes) res[proto].push_back(allreduce_on_gpus(world, b / 4, b >= (64u << 20) ? 5 : 20));
+    for (size_t b : sizes) res[p].push_back(allreduce_on_gpus(world, b / 4, b >= (64u << 20) ? 5 : 20, protos[p].algo));
   }
   ::unsetenv("GRADSYNC_GPU_TWOSHOT_MIN");
   std::printf("# float32 sum allreduce, 1 node x %d ranks as threads on GPU 0, out of place\n", n);
-  std::printf("# %10s %14s %14s %12s %12s %8s\n", "bytes", "sent 1-shot", "sent 2-shot", "us 1-shot",
-              "us 2-shot", "speedup");
+  std::printf("# %10s", "bytes");
+  for (const Proto& p : protos) std::printf(" %14s", (std::string("sent ") + p.name).c_str());
+  for (const Proto& p : protos) std::printf(" %10s", (std::string("us ") + p.name).c_str());
+  std::printf("\n");
   for (size_t i = 0; i < sizes.size(); ++i) {
-    std::printf("  %10zu %14llu %14llu %12.1f %12.1f %8.2f\n", sizes[i],
-                static_cast<unsigned long long>(res[0][i].sent[0]),
-                static_cast<unsigned long long>(res[1][i].sent[0]), res[0][i].us, res[1][i].us,
-                res[0][i].us / res[1][i].us);
+    std::printf("  %10zu", sizes[i]);
+    for (int p = 0; p < 3; ++p) std::printf(" %14llu", static_cast<unsigned long long>(res[p][i].sent[0]));
+    for (int p = 0; p < 3; ++p) std::printf(" %10.1f", res[p][i].us);
+    std::printf("\n");
   }
 }
 
