@@ -369,7 +369,7 @@ Result<Communicator::GpuBytesSent> DeviceComm::bytes_sent() {
   if (e == cudaSuccess) e = cudaStreamSynchronize(s);
   (void)cudaStreamDestroy(s);
   GS_CUDA(e, "reading the bytes-sent counter");
-  b.cuda_ipc = v;
+  b.cuda_ipc += v;  // beside the one-node step channels' own (added above)
   return b;
 }
 
@@ -422,8 +422,10 @@ Status DeviceComm::fail_from_error_word() {
   } else if (e.what == 3 || e.what == 4) {
     const std::string peer = "rank " + std::to_string(e.peer) +
                              (size_t(e.peer) < cfg_.hosts.size() ? " (host " + cfg_.hosts[e.peer] + ")" : "");
-    what = e.what == 3 ? "the stream waited for a GPUDirect RDMA message from " + peer
-                       : "the stream waited for a free GPUDirect RDMA send slot (" + peer +
+    // The step channels: the GPUDirect RDMA channels across nodes, CUDA IPC alone on one.
+    const char* channel = m.path == Impl::Path::kIpc ? "CUDA IPC step" : "GPUDirect RDMA";
+    what = e.what == 3 ? std::string("the stream waited for a ") + channel + " message from " + peer
+                       : std::string("the stream waited for a free ") + channel + " send slot (" + peer +
                              " frees them)";
   } else {
     // The node kernels name a peer by its place among the node's ranks.

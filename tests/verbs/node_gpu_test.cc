@@ -87,7 +87,11 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorith
     cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     cudaMemcpyAsync(in, host.data(), count * 4, cudaMemcpyHostToDevice, stream);
     cudaStreamSynchronize(stream);
-    Status s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream, opts);  // warm-up
+    // Allocation and release between barriers (gpu_world.h says why): a rank's cudaMalloc or
+    // cudaFree may wait for every kernel of the shared context, among them a peer's waits for
+    // this very rank's next call.
+    Status s = comm.barrier();
+    if (s.ok()) s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream, opts);  // warm-up
     cudaStreamSynchronize(stream);
     if (s.ok()) s = comm.barrier();
     auto before = comm.gpu_bytes_sent();
@@ -116,6 +120,7 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorith
     cudaStreamDestroy(stream);
     cudaFree(in);
     cudaFree(out);
+    if (Status b = comm.barrier(); s.ok()) s = b;
     return s;
   });
   for (int r = 0; r < n; ++r) EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
