@@ -14,7 +14,10 @@
 #           NCCL_SOCKET_IFNAME=lo). Ranks that share a GPU get an NCCL_HOSTID per node so that
 #           NCCL too sees separate hosts (it refuses two ranks on one GPU of one host).
 #           Shapes for the machines of 2, 4 and 8 GPUs: NODES=2 PER_NODE=1|2|4, NODES=4 PER_NODE=2.
-# Environment for staged: GRADSYNC_* (rings, slots, ...) reach every daemon and rank.
+# Environment for staged: GRADSYNC_* (rings, slots, ...) reach every daemon and rank. For ipc,
+# GRADSYNC_ALGO picks the one-node protocol of every call: unset, the kernels by size (low-latency
+# lines, one-shot, two-shot from 3 ranks and 1 MiB); oneshot or twoshot, that kernel; ring or
+# tree, the planner's ring or trees through the step runner over CUDA IPC (docs/architecture.md).
 # Tables go to $OUT/bench-gpu-*.txt and are printed at the end. NCCL_NVLS_ENABLE=0 always.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
