@@ -94,7 +94,10 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
       m.path = Impl::Path::kStaged;
       m.why = cfg.local_world_size != cfg.world_size ? "ranks on several nodes"
               : std::getenv("GRADSYNC_GPU_STAGED") != nullptr ? "GRADSYNC_GPU_STAGED is set"
-                                                               : "CUDA IPC between this node's GPUs is not possible";
+              : cfg.world_size > kernels::kMaxNodeRanks
+                  ? "more ranks on this node than the one-node kernels take (" +
+                        std::to_string(kernels::kMaxNodeRanks) + ")"
+                  : "CUDA IPC between this node's GPUs is not possible";
       GS_RETURN_IF_ERROR(d->setup_gdr());
       GS_RETURN_IF_ERROR(d->setup_hierarchical());
     }
@@ -379,6 +382,8 @@ const char* DeviceComm::path() const {
     case Impl::Path::kIpc: return "cuda-ipc";
     case Impl::Path::kStaged:
 #if GRADSYNC_HAVE_GDR
+      // One node of more ranks than the kernels take: the step channels over CUDA IPC alone.
+      if (impl_->gdr && impl_->gdr->one_node()) return "cuda-ipc-steps";
       if (impl_->gdr) return impl_->gdr->gpu_slots() ? "gpudirect-rdma" : "rdma-host-memory";
 #endif
       return "host-staged";

@@ -402,6 +402,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
 }
 
 bool GdrChannels::gpu_slots() const { return impl_->gpu_slots; }
+bool GdrChannels::one_node() const { return impl_->channels.shape.node_count() == 1; }
 
 DeviceComm::MemoryUse GdrChannels::memory() const {
   DeviceComm::MemoryUse u;

@@ -89,6 +89,8 @@ class GdrChannels {
   // memory it cannot register, or GRADSYNC_GDR_HOST_SLOTS). The kernels and the protocol are
   // the same; each rank decides for itself, so one ring may mix both.
   bool gpu_slots() const;
+  // Every member on this node: no RDMA, every hop by CUDA IPC.
+  bool one_node() const;
   // Adds the payload bytes this rank wrote over its queue pairs so far to `b`: to peers on
   // its own node (GdrConfig::nodes) and to peers on other nodes.
   void add_bytes_sent(Communicator::GpuBytesSent& b) const;

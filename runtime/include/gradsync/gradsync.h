@@ -162,7 +162,9 @@ class Communicator {
   int device() const;
   // How the GPU collectives move data on this communicator, for logs: "cuda-ipc" (every rank
   // on one node: kernels write into peers' GPU memory), "gpudirect-rdma" and "hierarchical"
-  // (RDMA queue pairs between nodes), "host-staged" (through pinned host memory and the
+  // (RDMA queue pairs between nodes), "cuda-ipc-steps" (one node of more ranks than the
+  // one-node kernels take, kernels::kMaxNodeRanks: the planner's ring and trees over CUDA IPC
+  // for calls from the measured size), "host-staged" (through pinned host memory and the
   // daemons), "single-rank", or "none" on a host-only communicator.
   std::string gpu_path() const;
   // Payload bytes this rank's GPU collectives sent to other GPUs so far, by link: the counters
