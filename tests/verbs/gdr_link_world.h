@@ -1,0 +1,329 @@
+// Ranks as threads over the RDMA link (gpu/gdr_link.h) and the step runner (gpu/step_runner.h)
+// on the CPU, for the gdr_link tests (gdr_link_test.cc, gdr_link_nodes_test.cc): a host
+// allreduce among threads for the set-up, slots in host memory registered with the emulated
+// fabric, direct regions in plain memory, and a host "stream" that does what the GPU stream
+// does in the GPU communicator (gpu/gdr_channels.cc), with the host reduction loops in place of
+// the kernels.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu/gdr_link.h"
+#include "gpu/step_runner.h"
+#include "kernels/host_reduce.h"
+#include "transport/verbs/emulated_fabric.h"
+
+namespace gradsync::gdr_link_world {
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+inline std::atomic<int> g_job{0};
+
+// A host allreduce among n threads (the set-up exchange needs int32 sum and uint8 sum).
+class ThreadAllreduce {
+ public:
+  explicit ThreadAllreduce(int n) : n_(n) {}
+  Status run(const void* send, void* recv, size_t count, DataType type, ReduceOp op) {
+    const size_t es = element_size(type);
+    if (op != ReduceOp::kSum || (type != DataType::kInt32 && type != DataType::kUInt8)) {
+      return {Code::kInvalidArgument, "ThreadAllreduce: int32 or uint8 sum only"};
+    }
+    std::unique_lock lock(mu_);
+    const uint64_t gen = gen_;
+    if (arrived_ == 0) acc_.assign(count * es, 0);
+    for (size_t i = 0; i < count; ++i) {
+      if (type == DataType::kInt32) {
+        int32_t a, b;
+        std::memcpy(&a, acc_.data() + i * 4, 4);
+        std::memcpy(&b, static_cast<const uint8_t*>(send) + i * 4, 4);
+        a += b;
+        std::memcpy(acc_.data() + i * 4, &a, 4);
+      } else {
+        acc_[i] = uint8_t(acc_[i] + static_cast<const uint8_t*>(send)[i]);
+      }
+    }
+    if (++arrived_ == n_) {
+      result_ = acc_;
+      arrived_ = 0;
+      ++gen_;
+      cv_.notify_all();
+    } else if (!cv_.wait_for(lock, 20s, [&] { return gen_ != gen; })) {
+      return {Code::kDeadlineExceeded, "ThreadAllreduce: a rank did not come"};
+    }
+    std::memcpy(recv, result_.data(), count * es);
+    return Status::Ok();
+  }
+
+ private:
+  int n_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t gen_ = 0;
+  std::vector<uint8_t> acc_, result_;
+};
+
+// Host slots registered with ibv_reg_mr.
+struct HostSlots {
+  void* ptr = nullptr;
+  verbs::MemoryRegion mr;
+  ~HostSlots() {
+    mr = {};
+    std::free(ptr);
+  }
+};
+inline Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
+  auto slots = std::make_shared<HostSlots>();
+  if (::posix_memalign(&slots->ptr, 4096, bytes) != 0) return Status(Code::kInternal, "posix_memalign");
+  std::memset(slots->ptr, 0, bytes);
+  auto mr = verbs::MemoryRegion::create(pd, slots->ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+  if (!mr.ok()) return mr.status();
+  slots->mr = std::move(mr).value();
+  GdrRegion region;
+  region.base = static_cast<uint8_t*>(slots->ptr);
+  region.mr = &slots->mr;
+  region.method = "host memory";
+  region.owner = slots;
+  return region;
+}
+
+// A direct region for ranks as threads: plain memory, its address as the handle.
+inline Result<GdrDirectRegion> thread_direct_region(size_t bytes) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, 4096, bytes) != 0) return Status(Code::kInternal, "posix_memalign");
+  std::memset(p, 0, bytes);
+  GdrDirectRegion d;
+  d.base = static_cast<uint8_t*>(p);
+  std::memcpy(d.handle, &p, sizeof(p));
+  d.owner = std::shared_ptr<void>(p, std::free);
+  return d;
+}
+inline Result<GdrDirectRegion> open_thread_region(const uint8_t* handle, int) {
+  GdrDirectRegion d;
+  std::memcpy(&d.base, handle, sizeof(d.base));
+  return d;
+}
+
+inline uint64_t load(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+inline void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+// The host stream of one rank: waits spin on the words (bounded, abortable), copies and
+// reductions run at once with the host loops (int64 or any type the call names).
+class HostStream final : public StepStream {
+ public:
+  HostStream(const GdrLink& link, std::function<Status()> stop, DataType type, ReduceOp op, int world)
+      : link_(link), stop_(std::move(stop)), type_(type), op_(op), world_(world) {}
+  Status wait_arrived(int p, uint64_t v) override { return wait(link_.stream_words(p).arrived, v, "an arrival"); }
+  Status wait_send_free(int p, uint64_t v) override {
+    return wait(link_.stream_words(p).send_free, v, "a send slot");
+  }
+  Status signal_ready(int p, uint64_t v) override {
+    store(link_.stream_words(p).ready, v);
+    return Status::Ok();
+  }
+  Status signal_consumed(int p, uint64_t v) override {
+    store(link_.stream_words(p).consumed, v);
+    return Status::Ok();
+  }
+  Status copy(void* dst, const void* src, size_t bytes) override {
+    if (dst != src) std::memcpy(dst, src, bytes);
+    return Status::Ok();
+  }
+  Status reduce(void* dst, const void* a, const void* b, size_t count) override {
+    kernels::reduce(type_, op_, dst, a, b, count);
+    return Status::Ok();
+  }
+  Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) override {
+    kernels::reduce_final(type_, op_, dst, dst2, a, b, count, world_);
+    return Status::Ok();
+  }
+
+ private:
+  Status wait(const uint64_t* word, uint64_t value, const char* what) {
+    const auto deadline = Clock::now() + 10s;
+    while (load(word) < value) {
+      if (Status s = stop_(); !s.ok()) return s;
+      if (Clock::now() > deadline) return {Code::kDeadlineExceeded, std::string("stream waited for ") + what};
+      std::this_thread::yield();
+    }
+    return Status::Ok();
+  }
+  const GdrLink& link_;
+  std::function<Status()> stop_;
+  DataType type_;
+  ReduceOp op_;
+  int world_;
+};
+
+// n ranks, each with its link and its channels; the job's abort is one shared flag.
+class Ring {
+ public:
+  // `per_node` ranks share each node and its emulated device (a node's ranks use its one NIC;
+  // hosts "n0", "n1", ... node-major). `rails` > 1: rank r's members are the ranks q with
+  // q % rails == r % rails (the hierarchical path's rails: one ring per local index).
+  // `direct`: a node's ranks reach each other through mapped memory (GdrPeer::direct).
+  // `nic` false: no rank is given an RDMA device (a gradsyncd that runs no verbs).
+  Ring(int n, uint32_t slots, size_t slot_bytes, int per_node = 1, std::chrono::milliseconds timeout = 10s,
+       int rails = 1, bool direct = false, bool nic = true)
+      : n_(n), slot_bytes_(slot_bytes), ar_(n), words_(n), links_(n), runners_(n), channels_(n) {
+    const int job = ++g_job;
+    std::vector<std::string> hosts;
+    for (int r = 0; r < n; ++r) {
+      if (r % per_node == 0) {
+        const std::string dev = "gdrlink" + std::to_string(job) + "d" + std::to_string(r / per_node);
+        verbs::EmulatedFabric::instance().add_device(dev, 1, verbs::LinkLayer::kEthernet);
+      }
+      devices_.push_back("gdrlink" + std::to_string(job) + "d" + std::to_string(r / per_node));
+      hosts.push_back("n" + std::to_string(r / per_node));
+    }
+    std::vector<std::thread> threads;
+    std::vector<Status> st(n);
+    std::vector<std::string> why(n);
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        std::vector<int> members;
+        for (int q = r % rails; q < n; q += rails) members.push_back(q);
+        auto ch = rdma_channels(members, hosts, r, direct);
+        if (!ch.ok()) {
+          st[r] = ch.status();
+          return;
+        }
+        channels_[r] = std::move(ch).value();
+        GdrLinkConfig c;
+        c.who = "rank " + std::to_string(r);
+        c.rank = r;
+        c.world_size = n;
+        c.peers = channels_[r].peers;
+        c.hosts = hosts;
+        if (nic) c.verbs_device = devices_[r];
+        c.verbs_api = verbs::emulated_ibv()->name;
+        c.slot_bytes = slot_bytes;
+        c.slots = slots;
+        c.op_timeout = timeout;
+        c.log_name = "test";
+        GdrLinkOps ops;
+        ops.allreduce_now = [this](const void* s, void* d, size_t k, DataType t, ReduceOp o) { return ar_.run(s, d, k, t, o); };
+        ops.abort_reason = [this] { return abort_reason(); };
+        ops.abort_job = [this](const std::string& why) {
+          std::lock_guard lock(mu_);
+          if (abort_.empty()) abort_ = why;
+        };
+        ops.direct_make = thread_direct_region;
+        ops.direct_open = open_thread_region;
+        words_[r].resize(std::max<size_t>(1, c.peers.size()));
+        auto link = GdrLink::create(c, ops, host_region, words_[r].data(), nullptr, &why[r]);
+        if (!link.ok()) st[r] = link.status();
+        else if (!*link) st[r] = Status(Code::kUnavailable, why[r]);
+        else links_[r] = std::move(link).value();
+        if (links_[r]) runners_[r] = std::make_unique<StepRunner>(links_[r].get());
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < n; ++r) {
+      if (!st[r].ok()) error_ += "rank " + std::to_string(r) + ": " + st[r].to_string() + "\n";
+    }
+  }
+  ~Ring() {
+    runners_.clear();
+    links_.clear();
+    // The devices stay in the fabric (other tests' names never collide).
+  }
+
+  const std::string& error() const { return error_; }
+  GdrLink& link(int r) { return *links_[r]; }
+  const RdmaChannels& channels(int r) const { return channels_[r]; }
+  // Messages rank r's stream read, from all its peers.
+  uint64_t consumed(int r) const {
+    uint64_t sum = 0;
+    for (const GdrWords& w : words_[r]) sum += load(&w.consumed);
+    return sum;
+  }
+  const std::string& device(int r) const { return devices_[r]; }
+  std::string abort_reason() {
+    std::lock_guard lock(mu_);
+    return abort_;
+  }
+
+  // One collective: every rank's stream runs its steps for `algo` (kTree: allreduce on the
+  // trees). `counts`: one per rank, or one for all. int64 buffers; `type` reinterprets them
+  // (its elements must fill the same bytes).
+  std::vector<Status> collective(CollectiveKind kind, std::vector<size_t> counts, int root,
+                                 std::vector<std::vector<int64_t>>& send, std::vector<std::vector<int64_t>>& recv,
+                                 plan::Algo algo = plan::Algo::kRing, ReduceOp op = ReduceOp::kSum,
+                                 DataType type = DataType::kInt64) {
+    counts.resize(size_t(n_), counts.front());
+    std::vector<Status> st(n_);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < n_; ++r) {
+      threads.emplace_back([&, r] {
+        const size_t per = 8 / element_size(type);
+        auto steps = rdma_steps(channels_[r], kind, algo, counts[r] * per, element_size(type), root, slot_bytes_);
+        if (!steps.ok()) {
+          st[r] = steps.status();
+          return;
+        }
+        HostStream hs(*links_[r], [this, r]() -> Status {
+          if (std::string a = abort_reason(); !a.empty()) return {Code::kAborted, "rank " + std::to_string(r) + " stopped: " + a};
+          return links_[r]->error();
+        }, type, op, int(channels_[r].members.size()));
+        const void* input = kind == CollectiveKind::kBroadcast ? recv[r].data() : send[r].data();
+        st[r] = runners_[r]->run(*steps, channels_[r].members, input, recv[r].data(), element_size(type), hs);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return st;
+  }
+
+ private:
+  int n_;
+  size_t slot_bytes_;
+  ThreadAllreduce ar_;
+  std::vector<std::vector<GdrWords>> words_;
+  std::vector<std::unique_ptr<GdrLink>> links_;
+  std::vector<std::unique_ptr<StepRunner>> runners_;
+  std::vector<RdmaChannels> channels_;
+  std::vector<std::string> devices_;
+  std::mutex mu_;
+  std::string abort_;
+  std::string error_;
+};
+
+inline std::vector<std::vector<int64_t>> inputs(int n, size_t len) {
+  std::vector<std::vector<int64_t>> v(n, std::vector<int64_t>(len));
+  for (int r = 0; r < n; ++r)
+    for (size_t i = 0; i < len; ++i) v[r][i] = int64_t(r + 1) * 100003 + int64_t(i);
+  return v;
+}
+
+// reduce_scatter of `count` int64 per rank: rank r gets the sum of every rank's block r.
+inline void expect_reduce_scatter(Ring& ring, int n, size_t count, plan::Algo algo) {
+  auto send = inputs(n, count * n);
+  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+  auto st = ring.collective(CollectiveKind::kReduceScatter, {count}, 0, send, recv, algo);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (size_t i = 0; i < count; ++i) {
+      int64_t want = 0;
+      for (int q = 0; q < n; ++q) want += send[q][size_t(r) * count + i];
+      ASSERT_EQ(recv[r][i], want) << "reduce_scatter rank " << r;
+    }
+  }
+}
+
+}  // namespace gradsync::gdr_link_world
