@@ -16,6 +16,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "common/tcp_socket.h"
+
 namespace gradsync {
 namespace {
 
@@ -152,6 +154,9 @@ void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer, int pee
   if (ports_.size() >= kMaxPorts) throw std::length_error("SocketDriver: too many channel ends");
   int flags = ::fcntl(sock.get(), F_GETFL);
   if (flags >= 0) ::fcntl(sock.get(), F_SETFL, flags | O_NONBLOCK);
+  // gradsyncd set it when it connected the socket; set here too, so that a peer host gone
+  // silent fails this connection in seconds however the socket was made.
+  set_data_keepalive(sock.get());
   Port p;
   p.ch = ch;
   p.ch.set_driver(nullptr, false);  // the driver's own view: plain counters
@@ -172,10 +177,18 @@ void SocketDriver::add_receiver(Channel ch, Fd sock, std::string peer, int peer_
 }
 
 Status SocketDriver::broken(const Port& p, const std::string& what) const {
+  const std::string conn = who_ + ": the TCP connection " + (p.send ? "to " : "from ") + p.peer + " " + what;
+  if (is_silence_error(what)) {
+    // The keepalive gave up: that host is silent, which a cut of the network between the two
+    // nodes looks like from either side. Neither rank failed, so none is recorded as the
+    // culprit (not even by a socket that breaks later); the message names the peer across.
+    int none = -1;
+    broken_peer_.compare_exchange_strong(none, kCulpritNotKnown, std::memory_order_acq_rel);
+    return {Code::kUnavailable, conn + ": " + silence_cause()};
+  }
   int none = -1;
   broken_peer_.compare_exchange_strong(none, p.peer_rank, std::memory_order_acq_rel);
-  return {Code::kUnavailable, who_ + ": the TCP connection " + (p.send ? "to " : "from ") + p.peer + " " + what +
-                                  ": that rank's process exited, or its node or the network failed"};
+  return {Code::kUnavailable, conn + ": that rank's process exited, or its node or the network failed"};
 }
 
 Status SocketDriver::pump_send(Port& p, bool* moved) {

@@ -16,6 +16,7 @@
 // moves the sockets of its own rings, in parallel; a thread flushes its lane before it leaves.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <mutex>
@@ -48,7 +49,7 @@ class SocketDriver : public ChannelDriver {
   const uint8_t* landed_at(uint32_t channel, uint32_t seq) override;
   void abandon(const Status& why) override;
   Status flush(const WaitContext& ctx) override;
-  int failed_peer() const override { return broken_peer_.load(std::memory_order_acquire); }
+  int failed_peer() const override { return std::max(-1, broken_peer_.load(std::memory_order_acquire)); }
   void goodbye(Deadline deadline) override;
   void tell_abort(const std::string& reason, int culprit, Deadline deadline) override;
   ToldAbort told_abort() const override;
@@ -113,7 +114,9 @@ class SocketDriver : public ChannelDriver {
   std::atomic<bool> has_failed_{false};
   mutable std::mutex failed_mu_;
   Status failed_;  // the first broken socket: every later wait reports it
-  mutable std::atomic<int> broken_peer_{-1};  // the rank of the first socket found broken
+  // The rank of the first socket found broken; kCulpritNotKnown when that one went silent.
+  static constexpr int kCulpritNotKnown = -2;
+  mutable std::atomic<int> broken_peer_{-1};
   ToldAbort told_;  // under failed_mu_: the first abort a peer told (tell_abort)
   Fd wake_;         // an eventfd, readable once interrupt() was called (it stays so)
   // When poke() next looks for frames coming back on send sockets (Clock ticks).
