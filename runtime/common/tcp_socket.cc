@@ -34,13 +34,14 @@ std::string silence_cause() {
          "firewall), or that host is down; which side is at fault is not known here";
 }
 
-Dialed tcp_dial(const addrinfo& addr, Deadline deadline) {
+Dialed tcp_dial(const addrinfo& addr, Deadline deadline, void (*prepare)(int fd)) {
   Dialed out;
   out.fd.reset(::socket(addr.ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!out.fd.valid()) {
     out.err = errno;
     return out;
   }
+  if (prepare) prepare(out.fd.get());
   if (::connect(out.fd.get(), addr.ai_addr, addr.ai_addrlen) != 0) {
     out.err = errno;
     if (out.err == EINPROGRESS) {

@@ -44,10 +44,12 @@ std::string silence_cause();
 // A TCP socket connected to `addr`, or the errno of the failure: ETIMEDOUT when nothing
 // answered by `deadline` (a firewall drops the connection, or the host is down),
 // ECONNREFUSED when nothing listens there. The socket is close-on-exec and blocking.
+// `prepare` (optional) sets options that must precede the connect (buffer sizes, which the
+// window scale offered in the SYN follows).
 struct Dialed {
   Fd fd;
   int err = 0;
 };
-Dialed tcp_dial(const addrinfo& addr, Deadline deadline);
+Dialed tcp_dial(const addrinfo& addr, Deadline deadline, void (*prepare)(int fd) = nullptr);
 
 }  // namespace gradsync

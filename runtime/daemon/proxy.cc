@@ -190,9 +190,8 @@ Result<Fd> proxy_dial(const std::string& endpoint, Deadline deadline) {
   auto resolved = resolve_endpoint(endpoint, 0, Code::kUnavailable);
   if (!resolved.ok()) return resolved.status();
   const auto began = Clock::now();
-  Dialed dialed = tcp_dial(*resolved->get(), deadline);
+  Dialed dialed = tcp_dial(*resolved->get(), deadline, tune);
   if (dialed.err != 0) return dial_failure(endpoint, dialed.err, Clock::now() - began);
-  tune(dialed.fd.get());
   return std::move(dialed.fd);
 }
 
