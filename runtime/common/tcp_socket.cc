@@ -23,6 +23,14 @@ void set_data_keepalive(int fd) {
   (void)::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
 }
 
+bool unanswered_sends(int fd) {
+  tcp_info info{};
+  socklen_t len = sizeof(info);
+  if (::getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return false;
+  const bool waiting = info.tcpi_unacked > 0 || info.tcpi_probes > 1;
+  return waiting && std::chrono::milliseconds(info.tcpi_last_ack_recv) >= kDataSilenceLimit;
+}
+
 bool is_silence_error(const std::string& message) {
   // errno_string() writes strerror(errno): the one text ETIMEDOUT has.
   return message.find(std::strerror(ETIMEDOUT)) != std::string::npos;
@@ -30,7 +38,7 @@ bool is_silence_error(const std::string& message) {
 
 std::string silence_cause() {
   return "its host answered nothing for " + std::to_string(kDataSilenceLimit.count()) +
-         " s (TCP keepalive): the network between the two nodes drops their traffic (a cut or a "
+         " s: the network between the two nodes drops their traffic (a cut or a "
          "firewall), or that host is down; which side is at fault is not known here";
 }
 

@@ -33,6 +33,13 @@ constexpr std::chrono::seconds kDataSilenceLimit = kDataIdleBeforeProbe + kDataP
 // Sets the keepalive above on a connected (or about to connect) TCP socket; a no-op on others.
 void set_data_keepalive(int fd);
 
+// Whether the sending end `fd` has had data in flight (or window probes out) that its peer's
+// host has not answered for kDataSilenceLimit: the keepalive does not probe while data is
+// queued, so a sender blocked on a silent peer checks this itself. A receiver that only
+// stopped reading acknowledges what it got and answers window probes, so it never counts.
+// False for a socket that is not TCP.
+bool unanswered_sends(int fd);
+
 // Whether a data connection's error is the kernel's ETIMEDOUT (keepalive or retransmissions
 // unanswered), from the errno text that the framing and driver errors carry.
 bool is_silence_error(const std::string& message);

@@ -226,5 +226,61 @@ TEST(DataKeepalive, SilentPeerFailsARankSocketWithinSeconds) {
   EXPECT_LT(took, kDataSilenceLimit + 4s);
 }
 
+TEST(DataKeepalive, SilentPeerFailsASenderWithDataInFlight) {
+  // The keepalive does not probe while data is queued: a rank whose sends its silent peer
+  // never acknowledges must find that itself (check_silent_sends), or it waits for the
+  // kernel's retransmissions (minutes) while its sends block it.
+  if (std::system("command -v nft >/dev/null 2>&1") != 0) GTEST_SKIP() << "no nft (nftables) here";
+  Status s;
+  Clock::duration took{};
+  std::string nft_failed;
+  std::string why = in_own_netns([&] {
+    ShmLayout layout;
+    layout.num_channels = 1;
+    layout.slots = 2;
+    layout.slot_bytes = 4096;
+    auto m = SharedMemory::create("silent-sends", layout.total_bytes());
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    init_job_control(m->data(), layout);
+    Channel send(m->data(), layout, 0);
+    auto [to, from] = tcp_pair();
+    SocketDriver sender("job=j rank 0 (host a)");
+    sender.add_sender(send, std::move(to), "rank 1 (host b)", 1);
+    send.set_driver(&sender, true);
+    if (std::system("nft 'add table inet gstest; add chain inet gstest out { type filter hook output priority 0; }; "
+                    "add rule inet gstest out oifname lo drop'") != 0) {
+      nft_failed = "nft could not add the drop rule";
+      return;
+    }
+    WaitContext wait;
+    wait.control = static_cast<const JobControl*>(m->data());
+    wait.deadline = deadline_after(30s);
+    const auto began = Clock::now();
+    auto slot = send.acquire_send(wait);
+    ASSERT_TRUE(slot.ok()) << slot.status().to_string();
+    send.publish(SlotMeta{4096, 0, 0, 0, 0});
+    s = sender.flush(wait);  // the slot is in the kernel at once: the flush ends
+    for (int i = 1; s.ok() && i < 1000; ++i) {
+      auto next = send.acquire_send(wait);  // credits come back; the kernel holds what never leaves
+      if (!next.ok()) {
+        s = next.status();
+        break;
+      }
+      send.publish(SlotMeta{4096, 0, 0, 0, uint32_t(i)});
+      s = sender.flush(wait);
+    }
+    took = Clock::now() - began;
+    (void)from;
+  });
+  if (!why.empty()) GTEST_SKIP() << why;
+  ASSERT_TRUE(nft_failed.empty()) << nft_failed;
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), Code::kUnavailable) << s.to_string();
+  EXPECT_TRUE(has(s, "the TCP connection to rank 1 (host b) at 127.0.0.1:")) << s.to_string();
+  EXPECT_TRUE(has(s, "answered nothing for 5 s")) << s.to_string();
+  EXPECT_TRUE(has(s, "which side is at fault is not known")) << s.to_string();
+  EXPECT_LT(took, kDataSilenceLimit + 4s);
+}
+
 }  // namespace
 }  // namespace gradsync

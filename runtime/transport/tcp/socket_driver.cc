@@ -38,6 +38,9 @@ constexpr uint32_t kAbortBytes = 0xFFFFFFFEu;
 constexpr std::chrono::milliseconds kToldReadTimeout{200};
 // poke() (a rank waiting on shared memory) looks for abort frames on send sockets this often.
 constexpr std::chrono::milliseconds kLookBackEvery{1};
+// A waiting rank looks this often for send sockets whose peer host went silent with data
+// in flight (check_silent_sends): a tenth of the limit it enforces (about 5 s).
+constexpr std::chrono::milliseconds kSilenceCheckEvery{500};
 constexpr size_t kMetaBytes = sizeof(SlotMeta);
 // Channel ends one rank can own: rings x 2 plus 2 trees x 6 is far below.
 constexpr size_t kMaxPorts = 256;
@@ -98,6 +101,8 @@ std::string peer_address(int fd) {
 // The lane of the calling thread in the driver whose lanes it entered.
 thread_local const void* t_lanes_of = nullptr;
 thread_local int t_lane = 0;
+// When the calling thread next looks for silent send sockets (Clock ticks).
+thread_local int64_t t_next_silence_check = 0;
 
 }  // namespace
 
@@ -304,6 +309,7 @@ Status SocketDriver::poke(const WaitContext& ctx) {
                           std::memory_order_relaxed);
     s = wait_sockets(0, true);
   }
+  if (s.ok()) s = check_silent_sends();
   return after_break(std::move(s), ctx);
 }
 
@@ -387,6 +393,18 @@ Status SocketDriver::wait_sockets(int timeout_ms, bool send_only) {
     } else if (r > 0) {
       return fail(read_back(*of[i]));  // only an abort comes back
     }
+  }
+  return Status::Ok();
+}
+
+Status SocketDriver::check_silent_sends() {
+  const int64_t now = Clock::now().time_since_epoch().count();
+  if (now < t_next_silence_check) return Status::Ok();
+  t_next_silence_check = now + std::chrono::duration_cast<Clock::duration>(kSilenceCheckEvery).count();
+  for (Port& p : ports_) {
+    if (!p.send || p.closed || !mine(p) || !unanswered_sends(p.sock.get())) continue;
+    // Worded as the kernel's own timeout, which is what it stands in for.
+    return fail(broken(p, std::string("failed (send: ") + std::strerror(ETIMEDOUT) + ")"));
   }
   return Status::Ok();
 }
@@ -524,6 +542,7 @@ Status SocketDriver::progress(const std::function<bool()>& ready, const WaitCont
     }
     int timeout = poll_timeout_ms(ctx.deadline, kSliceMs);
     if (timeout == 0 && Clock::now() >= ctx.deadline) return {Code::kDeadlineExceeded, "deadline passed"};
+    GS_RETURN_IF_ERROR(check_silent_sends());
     GS_RETURN_IF_ERROR(wait_sockets(timeout));
     full = true;
   }

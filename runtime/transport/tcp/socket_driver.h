@@ -98,6 +98,10 @@ class SocketDriver : public ChannelDriver {
   // Reads the reason of an abort frame whose meta is `meta` from `p` (the frame's meta already
   // read) and records it: the failure every wait reports from now on.
   Status read_told(Port& p, const SlotMeta& meta);
+  // Every kSilenceCheckEvery (per thread: each lane checks its own sockets): fails the first
+  // send socket whose peer host has answered nothing for the data connections' limit while
+  // data waits (common/tcp_socket.h).
+  Status check_silent_sends();
   // Reads what came back on send socket `p` (only ever an abort frame).
   Status read_back(Port& p);
   // Writes `n` bytes to `p`'s socket until `deadline`; false when it could not.
