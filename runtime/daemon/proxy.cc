@@ -5,6 +5,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -78,6 +79,41 @@ bool split_endpoint(const std::string& ep, std::string* host, std::string* port)
 // What a pump's error adds when its connection timed out (the peer host went silent).
 std::string lost_because(const Status& s) {
   return is_silence_error(s.message()) ? ": " + silence_cause() : "";
+}
+
+// Writes `head` then `body` to a sending pump's socket. While the kernel takes nothing (the
+// peer's window or our buffer full), it looks every kPumpPollMs at the stop flag and at
+// whether the peer host still answers: a silent peer is not found by the keepalive while
+// data is queued (common/tcp_socket.h), and a blocking write would wait for minutes.
+Status pump_write(int fd, const void* head, size_t head_len, const void* body, size_t body_len,
+                  const std::atomic<bool>* stop) {
+  const size_t total = head_len + body_len;
+  size_t done = 0;
+  while (done < total) {
+    iovec iov[2];
+    int n = 0;
+    if (done < head_len) iov[n++] = {static_cast<char*>(const_cast<void*>(head)) + done, head_len - done};
+    const size_t body_done = done > head_len ? done - head_len : 0;
+    if (body_len > body_done) iov[n++] = {static_cast<char*>(const_cast<void*>(body)) + body_done, body_len - body_done};
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = size_t(n);
+    ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      done += size_t(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (stop && stop->load(std::memory_order_acquire)) return {Code::kAborted, "stopped"};
+      if (unanswered_sends(fd)) return {Code::kUnavailable, std::string("sendmsg: ") + std::strerror(ETIMEDOUT)};
+      pollfd p{fd, POLLOUT, 0};
+      (void)::poll(&p, 1, kPumpPollMs);
+      continue;
+    }
+    return {Code::kUnavailable, errno_string("sendmsg")};
+  }
+  return Status::Ok();
 }
 
 // Waits until the socket is readable or the pump must stop.
@@ -365,7 +401,7 @@ void Pump::send_loop(PumpFailure on_failure) {
     if (ctx_.drain->load(std::memory_order_acquire) && ch.in_flight() == 0) {
       SlotMeta bye{};
       bye.bytes = kByeBytes;
-      (void)write_all(sock_.get(), &bye, sizeof(bye));
+      (void)pump_write(sock_.get(), &bye, sizeof(bye), nullptr, 0, ctx_.stop);
       log->debug("{} sender drained, closing", ctx_.ids);
       return;
     }
@@ -382,7 +418,7 @@ void Pump::send_loop(PumpFailure on_failure) {
       if (!ctx_.stop->load()) on_failure(ctx_.local_rank, oversized_slot(ctx_, meta.bytes));
       return;
     }
-    Status s = write_two(sock_.get(), &meta, sizeof(meta), *slot, meta.bytes);
+    Status s = pump_write(sock_.get(), &meta, sizeof(meta), *slot, meta.bytes, ctx_.stop);
     if (!s.ok()) {
       if (!ctx_.stop->load()) on_failure(-1, "lost connection to " + ctx_.peer + ": " + s.message() + lost_because(s));
       return;

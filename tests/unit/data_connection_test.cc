@@ -175,111 +175,111 @@ std::string in_own_netns(const std::function<void()>& body) {
   return why;
 }
 
-TEST(DataKeepalive, SilentPeerFailsARankSocketWithinSeconds) {
-  if (std::system("command -v nft >/dev/null 2>&1") != 0) GTEST_SKIP() << "no nft (nftables) here";
-  Status s;
+// One channel end in a region of its own, its rank's driver, and a loopback pair (made in
+// the calling thread's namespace) whose far end the test keeps.
+struct SilencedEnd {
+  explicit SilencedEnd(bool send) : driver(send ? "job=j rank 0 (host a)" : "job=j rank 1 (host b)") {
+    auto m = SharedMemory::create("silenced-end", layout.total_bytes());
+    if (!m.ok()) throw std::runtime_error(m.status().to_string());
+    shm = std::make_shared<SharedMemory>(std::move(m).value());
+    init_job_control(shm->data(), layout);
+    ch = Channel(shm->data(), layout, 0);
+    auto [to, from] = tcp_pair();
+    if (send) {
+      driver.add_sender(ch, std::move(to), "rank 1 (host b)", 1);
+      far = std::move(from);
+    } else {
+      driver.add_receiver(ch, std::move(from), "rank 0 (host a)", 0);
+      far = std::move(to);
+    }
+    ch.set_driver(&driver, true);
+    wait.control = static_cast<const JobControl*>(shm->data());
+    wait.deadline = deadline_after(30s);  // far past the data connections' limit
+  }
+  ShmLayout layout{.num_channels = 1, .slots = 2, .slot_bytes = 4096};
+  std::shared_ptr<SharedMemory> shm;
+  Channel ch;
+  SocketDriver driver;
+  Fd far;
+  WaitContext wait;
+};
+
+// From here the calling thread's namespace drops every loopback packet: the peer's host is
+// silent, both ways (a cut of the data network as either node sees it). The system() child
+// runs in the calling thread's namespace.
+bool silence_loopback() {
+  return std::system("nft 'add table inet gstest; add chain inet gstest out { type filter hook output priority 0; }; "
+                     "add rule inet gstest out oifname lo drop'") == 0;
+}
+
+// What a rank saw once its peer went silent, run in a namespace of its own.
+struct Silenced {
+  std::string skip;  // why it could not run
+  Status status;
   Clock::duration took{};
   int culprit = 0;
-  std::string nft_failed;
-  std::string why = in_own_netns([&] {
-    ShmLayout layout;
-    layout.num_channels = 1;
-    layout.slots = 2;
-    layout.slot_bytes = 4096;
-    auto m = SharedMemory::create("silent-peer", layout.total_bytes());
-    ASSERT_TRUE(m.ok()) << m.status().to_string();
-    init_job_control(m->data(), layout);
-    Channel recv(m->data(), layout, 0);
-    auto [to, from] = tcp_pair();
-    SocketDriver receiver("job=j rank 1 (host b)");
-    receiver.add_receiver(recv, std::move(from), "rank 0 (host a)", 0);
-    recv.set_driver(&receiver, true);
-    // From here the namespace's loopback drops everything: the peer's host is silent, both ways
-    // (a cut of the data network as either node sees it). The system() child runs in this
-    // thread's namespace.
-    if (std::system("nft 'add table inet gstest; add chain inet gstest out { type filter hook output priority 0; }; "
-                    "add rule inet gstest out oifname lo drop'") != 0) {
-      nft_failed = "nft could not add the drop rule";
+};
+
+Silenced run_silenced(bool send) {
+  Silenced out;
+  if (std::system("command -v nft >/dev/null 2>&1") != 0) {
+    out.skip = "no nft (nftables) here";
+    return out;
+  }
+  out.skip = in_own_netns([&] {
+    SilencedEnd end(send);
+    if (!silence_loopback()) {
+      out.skip = "nft could not add the drop rule";
       return;
     }
-    WaitContext wait;
-    wait.control = static_cast<const JobControl*>(m->data());
-    wait.deadline = deadline_after(30s);  // far past the keepalive's limit
     const auto began = Clock::now();
-    auto slot = recv.acquire_recv(wait, nullptr);
-    took = Clock::now() - began;
-    s = slot.status();
-    culprit = receiver.failed_peer();
-    (void)to;
+    if (!send) {
+      out.status = end.ch.acquire_recv(end.wait, nullptr).status();
+    } else {
+      // The slots go into the kernel at once and their credits come back; what the kernel
+      // holds never leaves, so the sends block the rank soon.
+      for (uint32_t i = 0; out.status.ok() && i < 1000; ++i) {
+        auto slot = end.ch.acquire_send(end.wait);
+        if (!slot.ok()) {
+          out.status = slot.status();
+          break;
+        }
+        end.ch.publish(SlotMeta{4096, 0, 0, 0, i});
+        out.status = end.driver.flush(end.wait);
+      }
+    }
+    out.took = Clock::now() - began;
+    out.culprit = end.driver.failed_peer();
   });
-  if (!why.empty()) GTEST_SKIP() << why;
-  ASSERT_TRUE(nft_failed.empty()) << nft_failed;
-  ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.code(), Code::kUnavailable) << s.to_string();
-  EXPECT_TRUE(has(s, "job=j rank 1 (host b): the TCP connection from rank 0 (host a) at 127.0.0.1:")) << s.to_string();
-  EXPECT_TRUE(has(s, "answered nothing for 5 s")) << s.to_string();
-  EXPECT_TRUE(has(s, "which side is at fault is not known")) << s.to_string();
+  return out;
+}
+
+void expect_silence_named(const Silenced& r, const std::string& connection) {
+  ASSERT_FALSE(r.status.ok());
+  EXPECT_EQ(r.status.code(), Code::kUnavailable) << r.status.to_string();
+  EXPECT_TRUE(has(r.status, connection)) << r.status.to_string();
+  EXPECT_TRUE(has(r.status, "answered nothing for 5 s")) << r.status.to_string();
+  EXPECT_TRUE(has(r.status, "which side is at fault is not known")) << r.status.to_string();
   // Neither rank is blamed: the network between them (or a host) is.
-  EXPECT_EQ(culprit, -1);
-  // The keepalive's limit (about 5 s) plus the 500 ms this rank waits for a job's abort.
-  EXPECT_GT(took, kDataSilenceLimit - 1s);
-  EXPECT_LT(took, kDataSilenceLimit + 4s);
+  EXPECT_EQ(r.culprit, -1);
+  // The limit (about 5 s) plus the 500 ms a rank waits for a job's abort.
+  EXPECT_LT(r.took, kDataSilenceLimit + 4s);
+}
+
+TEST(DataKeepalive, SilentPeerFailsARankSocketWithinSeconds) {
+  Silenced r = run_silenced(false);
+  if (!r.skip.empty()) GTEST_SKIP() << r.skip;
+  expect_silence_named(r, "job=j rank 1 (host b): the TCP connection from rank 0 (host a) at 127.0.0.1:");
+  EXPECT_GT(r.took, kDataSilenceLimit - 1s);
 }
 
 TEST(DataKeepalive, SilentPeerFailsASenderWithDataInFlight) {
   // The keepalive does not probe while data is queued: a rank whose sends its silent peer
   // never acknowledges must find that itself (check_silent_sends), or it waits for the
   // kernel's retransmissions (minutes) while its sends block it.
-  if (std::system("command -v nft >/dev/null 2>&1") != 0) GTEST_SKIP() << "no nft (nftables) here";
-  Status s;
-  Clock::duration took{};
-  std::string nft_failed;
-  std::string why = in_own_netns([&] {
-    ShmLayout layout;
-    layout.num_channels = 1;
-    layout.slots = 2;
-    layout.slot_bytes = 4096;
-    auto m = SharedMemory::create("silent-sends", layout.total_bytes());
-    ASSERT_TRUE(m.ok()) << m.status().to_string();
-    init_job_control(m->data(), layout);
-    Channel send(m->data(), layout, 0);
-    auto [to, from] = tcp_pair();
-    SocketDriver sender("job=j rank 0 (host a)");
-    sender.add_sender(send, std::move(to), "rank 1 (host b)", 1);
-    send.set_driver(&sender, true);
-    if (std::system("nft 'add table inet gstest; add chain inet gstest out { type filter hook output priority 0; }; "
-                    "add rule inet gstest out oifname lo drop'") != 0) {
-      nft_failed = "nft could not add the drop rule";
-      return;
-    }
-    WaitContext wait;
-    wait.control = static_cast<const JobControl*>(m->data());
-    wait.deadline = deadline_after(30s);
-    const auto began = Clock::now();
-    auto slot = send.acquire_send(wait);
-    ASSERT_TRUE(slot.ok()) << slot.status().to_string();
-    send.publish(SlotMeta{4096, 0, 0, 0, 0});
-    s = sender.flush(wait);  // the slot is in the kernel at once: the flush ends
-    for (int i = 1; s.ok() && i < 1000; ++i) {
-      auto next = send.acquire_send(wait);  // credits come back; the kernel holds what never leaves
-      if (!next.ok()) {
-        s = next.status();
-        break;
-      }
-      send.publish(SlotMeta{4096, 0, 0, 0, uint32_t(i)});
-      s = sender.flush(wait);
-    }
-    took = Clock::now() - began;
-    (void)from;
-  });
-  if (!why.empty()) GTEST_SKIP() << why;
-  ASSERT_TRUE(nft_failed.empty()) << nft_failed;
-  ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.code(), Code::kUnavailable) << s.to_string();
-  EXPECT_TRUE(has(s, "the TCP connection to rank 1 (host b) at 127.0.0.1:")) << s.to_string();
-  EXPECT_TRUE(has(s, "answered nothing for 5 s")) << s.to_string();
-  EXPECT_TRUE(has(s, "which side is at fault is not known")) << s.to_string();
-  EXPECT_LT(took, kDataSilenceLimit + 4s);
+  Silenced r = run_silenced(true);
+  if (!r.skip.empty()) GTEST_SKIP() << r.skip;
+  expect_silence_named(r, "job=j rank 0 (host a): the TCP connection to rank 1 (host b) at 127.0.0.1:");
 }
 
 }  // namespace
