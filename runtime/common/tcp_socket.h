@@ -1,6 +1,6 @@
 // TCP helpers of the data path between nodes (gradsyncd's channel connections, which are also
 // the rank sockets once handed to the ranks): a connect bounded by a deadline, and the
-// keepalive that fails a connection whose peer host stopped answering.
+// keepalive and send check that fail a connection whose peer host stopped answering.
 #pragma once
 
 #include <netdb.h>
