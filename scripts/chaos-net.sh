@@ -8,7 +8,8 @@
 #     nodes and, while impaired (SIGUSR1; SIGUSR2 clears), delays every packet by
 #     $net_delay_ms and drops $net_loss_percent of them. `tc netem` would do this, but the
 #     kernel here has no netem (nor fq, nor gact); nftables could drop but not delay.
-# A partition cuts a node's two links (`ip link set down`) and heals them later.
+# A partition cuts a node's two links (`ip link set down`) and heals them later; a data cut
+# (net_datacut, needs nft) drops the node's data link alone.
 
 net_prefix="gsc$$"
 net_delay_ms=${net_delay_ms:-50}
@@ -75,6 +76,19 @@ net_down() {
 # link carried the coordinator's verdict on the node to its ranks from the other nodes.
 net_cut() { ip -n "$(net_ns "$1")" link set "${net_prefix}t$1" down; ip -n "$(net_ns "$1")" link set c0 down; }
 net_heal() { ip -n "$(net_ns "$1")" link set c0 up; ip -n "$(net_ns "$1")" link set "${net_prefix}t$1" up; }
+
+# Cuts node i's data path alone, or heals it: nftables in its namespace drops every packet in
+# and out of its TUN device (the data link), while the control link to the coordinator stays
+# up. The nodes still reach the coordinator; their data connections are black-holed (no reset,
+# no ICMP), as a firewall that starts dropping or a dead switch port between them would.
+net_datacut() {
+  ip netns exec "$(net_ns "$1")" nft "add table inet gsdatacut; \
+    add chain inet gsdatacut in { type filter hook input priority 0; }; \
+    add chain inet gsdatacut out { type filter hook output priority 0; }; \
+    add rule inet gsdatacut in iifname ${net_prefix}t$1 drop; \
+    add rule inet gsdatacut out oifname ${net_prefix}t$1 drop"
+}
+net_dataheal() { ip netns exec "$(net_ns "$1")" nft delete table inet gsdatacut 2>/dev/null; }
 
 # Loss and delay on every data packet between nodes: on / off.
 net_impair() { kill -USR1 "$net_relay_pid"; }

@@ -28,6 +28,11 @@
 #                rank has ended, for the next job): every rank ends within the lease + 2 s of
 #                the cut, the other nodes' naming the cut node or one of its ranks, the cut
 #                node's own saying their gradsyncd is cut off
+#   datacut      (namespaces, nft) the data path of a node alone is black-holed (nftables drops
+#                every packet on its data link; the coordinator stays reachable), never healed
+#                while the job runs: every rank ends within 8 s of the cut (a data connection's
+#                keepalive gives up after about 5 s, common/tcp_socket.h), with an error naming
+#                a connection across the cut and saying which side is at fault is not known
 #   lossy        (namespaces) 5% loss and 50 ms delay on every data packet between nodes: the
 #                job (--lossy-iters allreduces, every result checked) passes
 #                (partition and lossy trials take their sizes from --net-sizes: the relay is slow)
@@ -37,7 +42,7 @@
 # no more threads than after the trial before (4 of slack).
 #
 #   scripts/chaos.sh [--trials N] [--build DIR] [--proxy-tcp] [--placements "2x1 2x2 3x2"]
-#                    [--kinds "trainer daemon stop coordinator pause brief partition cut lossy"]
+#                    [--kinds "trainer daemon stop coordinator pause brief partition cut datacut lossy"]
 #                    [--sizes "2 262144 4194304"] [--store etcd] [--lease-ms 2000]
 #                    [--pause-s 20] [--partition-s 5] [--lossy-iters 10] [--net-sizes "2 1024 65536"]
 #                    [--netns]
@@ -92,16 +97,18 @@ read -r -a net_size_list <<<"$net_sizes"
 for k in "${kind_list[@]}"; do
   case $k in
     trainer|daemon|stop|coordinator|pause|brief) ;;
-    partition|lossy|cut) use_netns=1 ;;
+    partition|lossy|cut|datacut) use_netns=1 ;;
     *) echo "chaos: unknown kind $k" >&2; exit 2 ;;
   esac
 done
 if ((use_netns)); then
   why=$(net_unavailable)
+  [ -z "$why" ] && [[ " ${kind_list[*]} " == *" datacut "* ]] && ! command -v nft >/dev/null &&
+    why="no nft (nftables: scripts/setup.sh installs it)"
   if [ -n "$why" ]; then
-    echo "chaos: SKIPPED network namespaces: $why; the trials of kinds partition, cut and lossy are not run"
+    echo "chaos: SKIPPED network namespaces: $why; the trials of kinds partition, cut, datacut and lossy are not run"
     kept=()
-    for k in "${kind_list[@]}"; do [ "$k" = partition ] || [ "$k" = lossy ] || [ "$k" = cut ] || kept+=("$k"); done
+    for k in "${kind_list[@]}"; do case $k in partition|lossy|cut|datacut) ;; *) kept+=("$k") ;; esac; done
     ((${#kept[@]})) || { rm -rf "$dir"; exit 0; }
     kind_list=("${kept[@]}")
     use_netns=0
@@ -331,6 +338,23 @@ named_pattern() {
   esac
 }
 
+# Whether error line $1 of a data cut names a silent connection across the cut and says that
+# which side is at fault is not known. Over rank sockets the line names both ends ("rank X
+# (host h): the TCP connection to|from rank Y"): one on the cut node, one elsewhere. Through
+# the proxy it names the peer rank the reporting daemon lost ("connection from|to rank Y"),
+# and the reporting node is not in the text (every host here is this machine).
+across_the_cut() {
+  grep -q "answered nothing for" <<<"$1" && grep -q "which side is at fault is not known" <<<"$1" || return 1
+  local pair x y
+  pair=$(sed -nE 's/.*rank ([0-9]+) \(host [^)]*\): the TCP connection (to|from) rank ([0-9]+) .*/\1 \3/p' <<<"$1" | head -1)
+  if [ -n "$pair" ]; then
+    read -r x y <<<"$pair"
+    (( x / per != y / per && (x / per == victim_node || y / per == victim_node) ))
+    return
+  fi
+  grep -qE "connection (to|from) rank [0-9]+ " <<<"$1"
+}
+
 trials_run=0
 current=""
 for ((t = 0; t < trials; t++)); do
@@ -356,7 +380,7 @@ for ((t = 0; t < trials; t++)); do
   op_timeout_ms=60000
   [ "$kind" = stop ] && op_timeout_ms=3000
   iters=1000000
-  [ "$kind" = lossy ] || [ "$kind" = partition ] || [ "$kind" = cut ] && size=${net_size_list[$((RANDOM % ${#net_size_list[@]}))]}
+  case $kind in lossy|partition|cut|datacut) size=${net_size_list[$((RANDOM % ${#net_size_list[@]}))]} ;; esac
   if [ "$kind" = lossy ]; then
     iters=$lossy_iters
     net_impair
@@ -475,6 +499,13 @@ for ((t = 0; t < trials; t++)); do
         cut_node
         detail="node $victim_node cut off$cut_took"
         limit_ms=$((lease_ms + 2000)) ;;
+      datacut)
+        # Only the victim node's data link drops; heartbeats and events still flow. The ranks
+        # at the two ends of a connection across the cut find it silent (keepalive, about 5 s),
+        # the first to fail ends the job through its daemon and the coordinator.
+        net_datacut "$victim_node" || log_fail "$t" "nft could not cut node $victim_node's data link"
+        detail="node $victim_node's data path cut"
+        limit_ms=8000 ;;
       brief)
         # A trainer or a daemon stopped well within the lease: nothing may notice.
         declare -a before=()
@@ -514,6 +545,7 @@ for ((t = 0; t < trials; t++)); do
     done
     [ "$kind" = stop ] && kill -9 "${rpids[$victim]}" 2>/dev/null
     [ "$kind" = cut ] && net_heal "$victim_node"  # for the next job
+    [ "$kind" = datacut ] && net_dataheal "$victim_node"
     if [ "$kind" = coordinator ] && [ "$store" = memory ]; then
       # The next job once every daemon is registered again: a daemon whose gRPC channel is still
       # in its reconnect backoff (up to 250 ms after the coordinator is back) fails a join at once
@@ -542,6 +574,10 @@ for ((t = 0; t < trials; t++)); do
         log_fail "$t" "$placement $kind victim $victim: rank $r ended without an error ($(tail -1 "$dir/r$r.log"))"; continue
       fi
       (( ms > $(limit_of "$r") )) && log_fail "$t" "$placement $kind: rank $r took $ms ms: $line"
+      if [ "$kind" = datacut ]; then
+        across_the_cut "$line" || log_fail "$t" "$placement datacut node $victim_node: rank $r does not name a connection across the cut: $line"
+        continue
+      fi
       grep -qE "$(named_pattern "$r")" <<<"$(reason_of "$line")" || log_fail "$t" "$placement $kind victim $victim (node $victim_node): rank $r names another culprit: $line"
     done
   fi

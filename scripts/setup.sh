@@ -23,8 +23,9 @@ packages=(build-essential cmake pkg-config libgrpc++-dev protobuf-compiler-grpc 
           # coordinator_takeover_test start their own on free ports)
           etcd-server
           # `ip netns` for the network faults of scripts/chaos.sh (CTest chaos_network_short,
-          # which also needs root and skips without)
-          iproute2)
+          # which also needs root and skips without); nft for its data cut (kind datacut) and
+          # data_connection_test's silent peer
+          iproute2 nftables)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -52,18 +52,18 @@ PumpFailure Daemon::pump_failure(const std::shared_ptr<LocalJob>& job, const std
       // tell: the job ends at once. It is probed again through the grace: the connection may
       // close a moment before the dying process's listening socket does.
       const Deadline grace_end = deadline_after(kPeerAbortGrace);
+      Status alive;
       for (;;) {
-        Status alive = probe_daemon(peer_daemon, std::min(grace_end, deadline_after(kPeerProbeTimeout)));
-        if (alive.code() == Code::kUnavailable) {
-          reason += "; " + alive.message();
-          break;
-        }
+        alive = probe_daemon(peer_daemon, std::min(grace_end, deadline_after(kPeerProbeTimeout)));
+        if (alive.code() == Code::kUnavailable) break;
         std::unique_lock lock(mu_);
         if (cv_.wait_until(lock, std::min(grace_end, deadline_after(kPeerProbeEvery)), [&] { return j->aborted; })) {
           return;
         }
         if (Clock::now() >= grace_end) break;
       }
+      // A daemon gone, or (a cut of the data network) one that does not answer either.
+      if (!alive.ok()) reason += "; " + alive.message();
     }
     abort(j, rank, reason, true);
   };

@@ -240,6 +240,9 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
 
   // One outgoing connection per channel whose destination lives on another node; over verbs
   // when both nodes have it (the peer's choice came with its endpoint), else TCP.
+  // One deadline for all of them (the connect, then the handshake): a peer host that drops
+  // connections costs the join that long once, not once per channel.
+  const Deadline connect_by = deadline_after(kPeerAcceptTimeout);
   std::set<std::string> logged;
   for (const auto& [key, index] : job->staging) {
     auto [tag, src, dst] = key;
@@ -257,7 +260,7 @@ Status Daemon::connect_job(const std::shared_ptr<LocalJob>& job, std::chrono::mi
                                                     : no_rdma + "; that node's proxy pumps them");
     }
     ProxyHello hello{job->id, via, job->generation, tag, src, dst};
-    auto sock = proxy_connect(job->endpoints[dst].proxy(), hello, job->token, deadline_after(kPeerAcceptTimeout));
+    auto sock = proxy_connect(job->endpoints[dst].proxy(), hello, job->token, connect_by);
     if (!sock.ok()) {
       return {sock.status().code(), job->ids() + " rank " + std::to_string(src) + " -> " +
                                         job->peer_name(dst) + ": " + sock.status().message()};

@@ -5,12 +5,16 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "common/framing.h"
 #include "common/limits.h"
 #include "common/log.h"
+#include "common/tcp_socket.h"
 
 namespace gradsync {
 namespace {
@@ -56,6 +60,9 @@ void tune(int fd) {
   int buf = kSocketBufferBytes;
   setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buf, sizeof(buf));
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buf, sizeof(buf));
+  // A peer host gone silent fails the connection in seconds (common/tcp_socket.h); the rank
+  // sockets are these connections too, handed over after the handshake.
+  set_data_keepalive(fd);
 }
 
 bool split_endpoint(const std::string& ep, std::string* host, std::string* port) {
@@ -67,6 +74,46 @@ bool split_endpoint(const std::string& ep, std::string* host, std::string* port)
     *host = host->substr(1, host->size() - 2);
   }
   return true;
+}
+
+// What a pump's error adds when its connection timed out (the peer host went silent).
+std::string lost_because(const Status& s) {
+  return is_silence_error(s.message()) ? ": " + silence_cause() : "";
+}
+
+// Writes `head` then `body` to a sending pump's socket. While the kernel takes nothing (the
+// peer's window or our buffer full), it looks every kPumpPollMs at the stop flag and at
+// whether the peer host still answers: a silent peer is not found by the keepalive while
+// data is queued (common/tcp_socket.h), and a blocking write would wait for minutes.
+Status pump_write(int fd, const void* head, size_t head_len, const void* body, size_t body_len,
+                  const std::atomic<bool>* stop) {
+  const size_t total = head_len + body_len;
+  size_t done = 0;
+  while (done < total) {
+    iovec iov[2];
+    int n = 0;
+    if (done < head_len) iov[n++] = {static_cast<char*>(const_cast<void*>(head)) + done, head_len - done};
+    const size_t body_done = done > head_len ? done - head_len : 0;
+    if (body_len > body_done) iov[n++] = {static_cast<char*>(const_cast<void*>(body)) + body_done, body_len - body_done};
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = size_t(n);
+    ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w > 0) {
+      done += size_t(w);
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (stop && stop->load(std::memory_order_acquire)) return {Code::kAborted, "stopped"};
+      if (unanswered_sends(fd)) return {Code::kUnavailable, std::string("sendmsg: ") + std::strerror(ETIMEDOUT)};
+      pollfd p{fd, POLLOUT, 0};
+      (void)::poll(&p, 1, kPumpPollMs);
+      continue;
+    }
+    return {Code::kUnavailable, errno_string("sendmsg")};
+  }
+  return Status::Ok();
 }
 
 // Waits until the socket is readable or the pump must stop.
@@ -150,45 +197,49 @@ Result<AddrInfo> resolve_endpoint(const std::string& endpoint, int flags, Code u
 
 }  // namespace
 
-Result<Fd> proxy_dial(const std::string& endpoint) {
+namespace {
+
+// "2.0 s": a span for errors.
+std::string seconds_text(Clock::duration span) {
+  const long long tenths = std::max<long long>(0, std::chrono::duration_cast<std::chrono::milliseconds>(span).count() / 100);
+  return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
+}
+
+// Why a connection to gradsyncd at `endpoint` failed with `err` after trying for `span`:
+// kUnavailable when refused (nothing listens there) or unreachable, kDeadlineExceeded when
+// nothing answered in time.
+Status dial_failure(const std::string& endpoint, int err, Clock::duration span) {
+  if (err == ETIMEDOUT) {
+    return Status(Code::kDeadlineExceeded, "gradsyncd at " + endpoint + " did not answer a connection within " +
+                                               seconds_text(span) + ": a firewall drops it, or its host is down");
+  }
+  if (err == ECONNREFUSED) {
+    return Status(Code::kUnavailable, "gradsyncd at " + endpoint + " refuses connections: its process is gone (killed or crashed)");
+  }
+  return Status(Code::kUnavailable, "cannot connect to gradsyncd at " + endpoint + ": connect: " + std::strerror(err) +
+                                        " (its host or the network down?)");
+}
+
+}  // namespace
+
+Result<Fd> proxy_dial(const std::string& endpoint, Deadline deadline) {
   auto resolved = resolve_endpoint(endpoint, 0, Code::kUnavailable);
   if (!resolved.ok()) return resolved.status();
-  const addrinfo* res = resolved->get();
-  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!fd.valid()) return Status(Code::kInternal, errno_string("socket"));
-  tune(fd.get());
-  if (::connect(fd.get(), res->ai_addr, res->ai_addrlen) != 0) {
-    return Status(Code::kUnavailable, "cannot connect to gradsyncd at " + endpoint + ": " +
-                                          errno_string("connect") + " (peer daemon down?)");
-  }
-  return fd;
+  const auto began = Clock::now();
+  Dialed dialed = tcp_dial(*resolved->get(), deadline, tune);
+  if (dialed.err != 0) return dial_failure(endpoint, dialed.err, Clock::now() - began);
+  return std::move(dialed.fd);
 }
 
 Status probe_daemon(const std::string& endpoint, Deadline deadline) {
   auto resolved = resolve_endpoint(endpoint, AI_NUMERICSERV, Code::kDeadlineExceeded);
   if (!resolved.ok()) return resolved.status();
-  const addrinfo* res = resolved->get();
-  Fd fd(::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (!fd.valid()) return Status(Code::kInternal, errno_string("socket"));
-  int err = 0;
-  if (::connect(fd.get(), res->ai_addr, res->ai_addrlen) != 0) {
-    err = errno;
-    if (err == EINPROGRESS) {
-      pollfd pfd{fd.get(), POLLOUT, 0};
-      int rc;
-      do {
-        rc = ::poll(&pfd, 1, poll_timeout_ms(deadline, 1000));
-      } while ((rc < 0 && errno == EINTR) || (rc == 0 && Clock::now() < deadline));
-      if (rc <= 0) return Status(Code::kDeadlineExceeded, "gradsyncd at " + endpoint + " did not answer a connection in time");
-      socklen_t len = sizeof(err);
-      if (::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
-    }
-  }
+  const auto began = Clock::now();
+  const int err = tcp_dial(*resolved->get(), deadline).err;
   if (err == 0) return Status::Ok();
-  if (err == ECONNREFUSED) {
-    return Status(Code::kUnavailable, "gradsyncd at " + endpoint + " refuses connections: its process is gone (killed or crashed)");
-  }
-  return Status(Code::kDeadlineExceeded, "gradsyncd at " + endpoint + ": connect: " + std::strerror(err));
+  // Only a refusal proves the daemon gone; anything else may be its host or the network.
+  Status s = dial_failure(endpoint, err, Clock::now() - began);
+  return err == ECONNREFUSED ? s : Status(Code::kDeadlineExceeded, s.message());
 }
 
 Status hello_send(int sock, const ProxyHello& hello, uint32_t version) {
@@ -207,7 +258,7 @@ Result<HelloNonce> hello_read_challenge(int sock, Deadline deadline) {
 Status hello_send_proof(int sock, const Mac& proof) { return write_all(sock, proof.data(), proof.size()); }
 
 Result<Fd> proxy_connect(const std::string& endpoint, ProxyHello hello, const std::string& token, Deadline deadline) {
-  auto fd = proxy_dial(endpoint);
+  auto fd = proxy_dial(endpoint, deadline);
   if (!fd.ok()) return fd.status();
   auto peer = [&](const Status& s) { return Status(s.code(), "gradsyncd at " + endpoint + ": " + s.message()); };
   GS_RETURN_IF_ERROR(random_bytes(hello.nonce.data(), hello.nonce.size()));
@@ -350,7 +401,7 @@ void Pump::send_loop(PumpFailure on_failure) {
     if (ctx_.drain->load(std::memory_order_acquire) && ch.in_flight() == 0) {
       SlotMeta bye{};
       bye.bytes = kByeBytes;
-      (void)write_all(sock_.get(), &bye, sizeof(bye));
+      (void)pump_write(sock_.get(), &bye, sizeof(bye), nullptr, 0, ctx_.stop);
       log->debug("{} sender drained, closing", ctx_.ids);
       return;
     }
@@ -367,9 +418,9 @@ void Pump::send_loop(PumpFailure on_failure) {
       if (!ctx_.stop->load()) on_failure(ctx_.local_rank, oversized_slot(ctx_, meta.bytes));
       return;
     }
-    Status s = write_two(sock_.get(), &meta, sizeof(meta), *slot, meta.bytes);
+    Status s = pump_write(sock_.get(), &meta, sizeof(meta), *slot, meta.bytes, ctx_.stop);
     if (!s.ok()) {
-      if (!ctx_.stop->load()) on_failure(-1, "lost connection to " + ctx_.peer + ": " + s.message());
+      if (!ctx_.stop->load()) on_failure(-1, "lost connection to " + ctx_.peer + ": " + s.message() + lost_because(s));
       return;
     }
     if (ctx_.pumped) ctx_.pumped->fetch_add(meta.bytes, std::memory_order_relaxed);
@@ -391,15 +442,15 @@ void Pump::recv_loop(PumpFailure on_failure) {
     if (!wait_readable_or_stop(sock_.get(), ctx_.stop).ok()) return;
     Status s = read_all(sock_.get(), &meta, sizeof(meta), Deadline::max());
     if (!s.ok()) {
-      return fail("connection from " + ctx_.peer + " closed mid-job (" + s.message() +
-                  "): its gradsyncd died or the network failed");
+      return fail("connection from " + ctx_.peer + " closed mid-job (" + s.message() + ")" +
+                  (is_silence_error(s.message()) ? lost_because(s) : ": its gradsyncd died or the network failed"));
     }
     if (meta.bytes == kByeBytes) return;
     if (meta.bytes > ch.slot_bytes()) return fail("protocol error: oversized slot from " + ctx_.peer);
     auto slot = ch.acquire_send(wait);
     if (!slot.ok()) return;  // aborted
     s = read_all(sock_.get(), *slot, meta.bytes, Deadline::max());
-    if (!s.ok()) return fail("connection from " + ctx_.peer + " closed mid-slot (" + s.message() + ")");
+    if (!s.ok()) return fail("connection from " + ctx_.peer + " closed mid-slot (" + s.message() + ")" + lost_because(s));
     if (ctx_.pumped) ctx_.pumped->fetch_add(meta.bytes, std::memory_order_relaxed);
     ch.publish(meta);
   }

@@ -121,8 +121,10 @@ std::string oversized_slot(const PumpContext& ctx, uint32_t bytes);
 // acceptor cannot prove the token.
 Result<Fd> proxy_connect(const std::string& endpoint, ProxyHello hello, const std::string& token, Deadline deadline);
 // The client's steps one by one, for tests that play a hostile peer: a connected socket, the
-// Hello as given (nonce included), the acceptor's nonce, a proof.
-Result<Fd> proxy_dial(const std::string& endpoint);
+// Hello as given (nonce included), the acceptor's nonce, a proof. The connection is made by
+// `deadline`: kDeadlineExceeded naming the endpoint when nothing answered by then (a firewall
+// drops it, or its host is down), kUnavailable when it is refused or unreachable.
+Result<Fd> proxy_dial(const std::string& endpoint, Deadline deadline);
 // Whether gradsyncd at `endpoint` still accepts connections (the connection is closed at
 // once, before any byte): OK when it does; kUnavailable when the host refuses it (nothing
 // listens there: that daemon is gone); kDeadlineExceeded when nothing answered by `deadline`

@@ -58,7 +58,7 @@ class DataPortAttack : public ::testing::Test {
   Status attempt(const ProxyHello& hello, ProofOf proof) {
     // The daemon logs one rejection a second: space the attempts so that each is logged.
     std::this_thread::sleep_for(1100ms);
-    auto fd = proxy_dial(endpoint_);
+    auto fd = proxy_dial(endpoint_, deadline_after(10s));
     if (!fd.ok()) return fd.status();
     GS_RETURN_IF_ERROR(hello_send(fd->get(), hello));
     auto challenge = hello_read_challenge(fd->get(), deadline_after(10s));
@@ -83,7 +83,7 @@ class DataPortAttack : public ::testing::Test {
 
 TEST_F(DataPortAttack, HelloWithoutProofIsRefused) {
   std::this_thread::sleep_for(1100ms);
-  auto fd = proxy_dial(endpoint_);
+  auto fd = proxy_dial(endpoint_, deadline_after(10s));
   ASSERT_TRUE(fd.ok()) << fd.status().to_string();
   ASSERT_TRUE(hello_send(fd->get(), hello_, /*version=*/3).ok());
   // No challenge, no reply: the connection is closed.
@@ -139,7 +139,7 @@ TEST_F(DataPortAttack, DataPortIsLoopbackOnlyOnOneMachine) {
   ::freeifaddrs(all);
   if (outside.empty()) GTEST_SKIP() << "no non-loopback IPv4 address on this machine";
   const std::string port = endpoint_.substr(endpoint_.rfind(':') + 1);
-  auto fd = proxy_dial(outside + ":" + port);
+  auto fd = proxy_dial(outside + ":" + port, deadline_after(10s));
   EXPECT_FALSE(fd.ok()) << "the data port answers on " << outside;
   EXPECT_TRUE(c_.daemon(1).output().find("data port on loopback only") != std::string::npos) << c_.report();
 }

@@ -16,6 +16,8 @@
 #include <stdexcept>
 #include <thread>
 
+#include "common/tcp_socket.h"
+
 namespace gradsync {
 namespace {
 
@@ -36,6 +38,9 @@ constexpr uint32_t kAbortBytes = 0xFFFFFFFEu;
 constexpr std::chrono::milliseconds kToldReadTimeout{200};
 // poke() (a rank waiting on shared memory) looks for abort frames on send sockets this often.
 constexpr std::chrono::milliseconds kLookBackEvery{1};
+// A waiting rank looks this often for send sockets whose peer host went silent with data
+// in flight (check_silent_sends): a tenth of the limit it enforces (about 5 s).
+constexpr std::chrono::milliseconds kSilenceCheckEvery{500};
 constexpr size_t kMetaBytes = sizeof(SlotMeta);
 // Channel ends one rank can own: rings x 2 plus 2 trees x 6 is far below.
 constexpr size_t kMaxPorts = 256;
@@ -96,6 +101,8 @@ std::string peer_address(int fd) {
 // The lane of the calling thread in the driver whose lanes it entered.
 thread_local const void* t_lanes_of = nullptr;
 thread_local int t_lane = 0;
+// When the calling thread next looks for silent send sockets (Clock ticks).
+thread_local int64_t t_next_silence_check = 0;
 
 }  // namespace
 
@@ -152,6 +159,9 @@ void SocketDriver::add(Channel ch, Fd sock, bool send, std::string peer, int pee
   if (ports_.size() >= kMaxPorts) throw std::length_error("SocketDriver: too many channel ends");
   int flags = ::fcntl(sock.get(), F_GETFL);
   if (flags >= 0) ::fcntl(sock.get(), F_SETFL, flags | O_NONBLOCK);
+  // gradsyncd set it when it connected the socket; set here too, so that a peer host gone
+  // silent fails this connection in seconds however the socket was made.
+  set_data_keepalive(sock.get());
   Port p;
   p.ch = ch;
   p.ch.set_driver(nullptr, false);  // the driver's own view: plain counters
@@ -172,10 +182,18 @@ void SocketDriver::add_receiver(Channel ch, Fd sock, std::string peer, int peer_
 }
 
 Status SocketDriver::broken(const Port& p, const std::string& what) const {
+  const std::string conn = who_ + ": the TCP connection " + (p.send ? "to " : "from ") + p.peer + " " + what;
+  if (is_silence_error(what)) {
+    // The keepalive gave up: that host is silent, which a cut of the network between the two
+    // nodes looks like from either side. Neither rank failed, so none is recorded as the
+    // culprit (not even by a socket that breaks later); the message names the peer across.
+    int none = -1;
+    broken_peer_.compare_exchange_strong(none, kCulpritNotKnown, std::memory_order_acq_rel);
+    return {Code::kUnavailable, conn + ": " + silence_cause()};
+  }
   int none = -1;
   broken_peer_.compare_exchange_strong(none, p.peer_rank, std::memory_order_acq_rel);
-  return {Code::kUnavailable, who_ + ": the TCP connection " + (p.send ? "to " : "from ") + p.peer + " " + what +
-                                  ": that rank's process exited, or its node or the network failed"};
+  return {Code::kUnavailable, conn + ": that rank's process exited, or its node or the network failed"};
 }
 
 Status SocketDriver::pump_send(Port& p, bool* moved) {
@@ -291,6 +309,7 @@ Status SocketDriver::poke(const WaitContext& ctx) {
                           std::memory_order_relaxed);
     s = wait_sockets(0, true);
   }
+  if (s.ok()) s = check_silent_sends();
   return after_break(std::move(s), ctx);
 }
 
@@ -374,6 +393,18 @@ Status SocketDriver::wait_sockets(int timeout_ms, bool send_only) {
     } else if (r > 0) {
       return fail(read_back(*of[i]));  // only an abort comes back
     }
+  }
+  return Status::Ok();
+}
+
+Status SocketDriver::check_silent_sends() {
+  const int64_t now = Clock::now().time_since_epoch().count();
+  if (now < t_next_silence_check) return Status::Ok();
+  t_next_silence_check = now + std::chrono::duration_cast<Clock::duration>(kSilenceCheckEvery).count();
+  for (Port& p : ports_) {
+    if (!p.send || p.closed || !mine(p) || !unanswered_sends(p.sock.get())) continue;
+    // Worded as the kernel's own timeout, which is what it stands in for.
+    return fail(broken(p, std::string("failed (send: ") + std::strerror(ETIMEDOUT) + ")"));
   }
   return Status::Ok();
 }
@@ -511,6 +542,7 @@ Status SocketDriver::progress(const std::function<bool()>& ready, const WaitCont
     }
     int timeout = poll_timeout_ms(ctx.deadline, kSliceMs);
     if (timeout == 0 && Clock::now() >= ctx.deadline) return {Code::kDeadlineExceeded, "deadline passed"};
+    GS_RETURN_IF_ERROR(check_silent_sends());
     GS_RETURN_IF_ERROR(wait_sockets(timeout));
     full = true;
   }

@@ -16,6 +16,7 @@
 // moves the sockets of its own rings, in parallel; a thread flushes its lane before it leaves.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <mutex>
@@ -48,7 +49,7 @@ class SocketDriver : public ChannelDriver {
   const uint8_t* landed_at(uint32_t channel, uint32_t seq) override;
   void abandon(const Status& why) override;
   Status flush(const WaitContext& ctx) override;
-  int failed_peer() const override { return broken_peer_.load(std::memory_order_acquire); }
+  int failed_peer() const override { return std::max(-1, broken_peer_.load(std::memory_order_acquire)); }
   void goodbye(Deadline deadline) override;
   void tell_abort(const std::string& reason, int culprit, Deadline deadline) override;
   ToldAbort told_abort() const override;
@@ -97,6 +98,10 @@ class SocketDriver : public ChannelDriver {
   // Reads the reason of an abort frame whose meta is `meta` from `p` (the frame's meta already
   // read) and records it: the failure every wait reports from now on.
   Status read_told(Port& p, const SlotMeta& meta);
+  // Every kSilenceCheckEvery (per thread: each lane checks its own sockets): fails the first
+  // send socket whose peer host has answered nothing for the data connections' limit while
+  // data waits (common/tcp_socket.h).
+  Status check_silent_sends();
   // Reads what came back on send socket `p` (only ever an abort frame).
   Status read_back(Port& p);
   // Writes `n` bytes to `p`'s socket until `deadline`; false when it could not.
@@ -113,7 +118,9 @@ class SocketDriver : public ChannelDriver {
   std::atomic<bool> has_failed_{false};
   mutable std::mutex failed_mu_;
   Status failed_;  // the first broken socket: every later wait reports it
-  mutable std::atomic<int> broken_peer_{-1};  // the rank of the first socket found broken
+  // The rank of the first socket found broken; kCulpritNotKnown when that one went silent.
+  static constexpr int kCulpritNotKnown = -2;
+  mutable std::atomic<int> broken_peer_{-1};
   ToldAbort told_;  // under failed_mu_: the first abort a peer told (tell_abort)
   Fd wake_;         // an eventfd, readable once interrupt() was called (it stays so)
   // When poke() next looks for frames coming back on send sockets (Clock ticks).
