@@ -1,5 +1,5 @@
 // The emulated NIC of the GPU tests whose ranks are threads of one process (verbs_gdr_gpu_test,
-// verbs_gdr_gpu_bench), and the CUDA settings such a process needs.
+// verbs_gdr_gpu_bench), and the CUDA settings such a process needs (gpu_world.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,23 +8,13 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "gpu_world.h"
 #include "kernels/cuda_reduce.cuh"
 
 namespace gradsync::testing {
 
-// Every rank of these tests is a thread of this process: they share one CUDA context. With
-// CUDA's lazy loading, a kernel's first launch may wait for the kernels already running in
-// the context, and here those wait for ranks of this very process (a node kernel waiting for
-// its peer, a GPUDirect step waiting for a message): the first hierarchical allreduce hung
-// that way on the H200. Separate processes (one per GPU) do not share a context; the tests
-// load every kernel at start instead, before CUDA starts.
-// For the same reason the context gets CUDA's largest number of hardware queues: with the
-// default 8, the streams of 6 or 8 ranks share queues, and a kernel of one rank waits behind
-// another rank's kernel that is waiting for it (2x4 and 3x2 hung in their first call that way
-// on the H200 while 2x2 passed). One process per GPU has a context of its own.
-inline const bool kEagerLoading = [] {
-  return ::setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0 && ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
-}();
+// Set before CUDA starts in this process (gpu_world.h says why).
+inline const bool kEagerLoading = share_one_context();
 
 // The emulated NIC's copy. Host to host (the daemons' channels): memmove. GPU memory: a copy
 // kernel on a stream of its own that does not synchronize with other streams, and waited for:

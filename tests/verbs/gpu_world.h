@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -14,7 +15,24 @@
 
 namespace gradsync::testing {
 
+// Ranks as threads of one process share one CUDA context, which one process per GPU (the
+// real layout) never does. With CUDA's lazy loading, a kernel's first launch may wait for the
+// kernels already running in the context, and here those wait for ranks of this very process
+// (a node kernel waiting for its peer, a step waiting for a message): the first hierarchical
+// allreduce hung that way on the H200. With CUDA's default of 8 hardware queues
+// (CUDA_DEVICE_MAX_CONNECTIONS), the streams of 6 or 8 ranks share queues, and a kernel of one
+// rank waits behind another rank's kernel that is waiting for it: 2x4 and 3x2 hung so in their
+// first call. So every kernel loads at start and the context gets CUDA's 32 queues. Set before
+// CUDA starts: gpu_count(), which every GPU test calls first, does it (a variable set by the
+// environment is left as it is).
+inline bool share_one_context() {
+  static const bool done = ::setenv("CUDA_MODULE_LOADING", "EAGER", 0) == 0 &&
+                           ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
+  return done;
+}
+
 inline int gpu_count() {
+  share_one_context();
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }

@@ -13,7 +13,6 @@
 #include <vector>
 
 #include "../unit/collective_matrix.h"
-#include "emulated_gpu_nic.h"  // kEagerLoading: the step channels' kernels wait on each other
 #include "gpu_world.h"
 
 namespace gradsync {
