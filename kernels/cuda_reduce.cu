@@ -1,9 +1,6 @@
 // CUDA reduction and copy kernels (cuda_reduce.cuh). The numeric rules mirror
 // host_reduce_loops.h operation for operation; see the header for what is guaranteed.
-//
-// Shape of every kernel: elements [0, head) scalar, then nvec packs of 16 bytes (uint4
-// loads/stores), then a scalar tail; each part a grid-stride loop over the same thread index.
-// head == n (nvec == 0) is the all-scalar path for pointers whose offsets modulo 16 differ.
+// Each kernel runs one loop of cuda_reduce_body.cuh over its grid.
 #include "kernels/cuda_reduce.cuh"
 
 #include <cuda_runtime.h>
@@ -13,6 +10,7 @@
 #include <type_traits>
 
 #include "kernels/cuda_ops.cuh"
+#include "kernels/cuda_reduce_body.cuh"
 
 namespace gradsync::kernels {
 namespace {
@@ -24,115 +22,13 @@ namespace {
 constexpr int kThreads = 512;
 constexpr size_t kMaxBlocks = 1024;
 
-using namespace ops;  // NOLINT: the traits and ops are this file's vocabulary
+using namespace ops;   // NOLINT: the traits and ops are this file's vocabulary
+using namespace body;  // NOLINT: and the loops
 
 __device__ inline size_t thread_index() {
   return size_t(blockIdx.x) * blockDim.x + threadIdx.x;
 }
 __device__ inline size_t grid_threads() { return size_t(gridDim.x) * blockDim.x; }
-
-// The kernels' bodies are functions of (thread index, thread count) so that a host build can
-// run them thread by thread (kernel wrappers below).
-
-// out1[i] (and out2[i] when out2 != nullptr) = op(a[i], b[i]). Every element is loaded
-// before it is stored by the same thread, so out1 may be a or b.
-template <class S, class Op>
-HD void reduce_body(size_t tid, size_t stride, S* out1, S* out2, const S* a, const S* b,
-                    size_t head, size_t nvec, size_t n, Op op) {
-  using P = Pack<S>;
-  const bool two = out2 != nullptr;
-  for (size_t i = tid; i < head; i += stride) {
-    const S v = op(a[i], b[i]);
-    out1[i] = v;
-    if (two) out2[i] = v;
-  }
-  const uint4* va = reinterpret_cast<const uint4*>(a + head);
-  const uint4* vb = reinterpret_cast<const uint4*>(b + head);
-  uint4* vo1 = reinterpret_cast<uint4*>(out1 + head);
-  uint4* vo2 = two ? reinterpret_cast<uint4*>(out2 + head) : nullptr;
-  // Two packs a thread per iteration: all four loads are issued before any store (the
-  // compiler may not reorder them itself: the pointers may alias).
-  size_t i = tid;
-  for (; i + stride < nvec; i += 2 * stride) {
-    P x0, y0, x1, y1;
-    x0.v = va[i];
-    y0.v = vb[i];
-    x1.v = va[i + stride];
-    y1.v = vb[i + stride];
-    UNROLL
-    for (int k = 0; k < P::kN; ++k) {
-      x0.e[k] = op(x0.e[k], y0.e[k]);
-      x1.e[k] = op(x1.e[k], y1.e[k]);
-    }
-    vo1[i] = x0.v;
-    vo1[i + stride] = x1.v;
-    if (two) {
-      vo2[i] = x0.v;
-      vo2[i + stride] = x1.v;
-    }
-  }
-  if (i < nvec) {
-    P x, y;
-    x.v = va[i];
-    y.v = vb[i];
-    UNROLL
-    for (int k = 0; k < P::kN; ++k) x.e[k] = op(x.e[k], y.e[k]);
-    vo1[i] = x.v;
-    if (two) vo2[i] = x.v;
-  }
-  for (size_t j = head + nvec * P::kN + tid; j < n; j += stride) {
-    const S v = op(a[j], b[j]);
-    out1[j] = v;
-    if (two) out2[j] = v;
-  }
-}
-
-// buf[i] = op(buf[i]).
-template <class S, class Op>
-HD void map1_body(size_t tid, size_t stride, S* buf, size_t head, size_t nvec, size_t n, Op op) {
-  using P = Pack<S>;
-  for (size_t i = tid; i < head; i += stride) buf[i] = op(buf[i]);
-  uint4* vb = reinterpret_cast<uint4*>(buf + head);
-  size_t i = tid;
-  for (; i + stride < nvec; i += 2 * stride) {
-    P x0, x1;
-    x0.v = vb[i];
-    x1.v = vb[i + stride];
-    UNROLL
-    for (int k = 0; k < P::kN; ++k) {
-      x0.e[k] = op(x0.e[k]);
-      x1.e[k] = op(x1.e[k]);
-    }
-    vb[i] = x0.v;
-    vb[i + stride] = x1.v;
-  }
-  if (i < nvec) {
-    P x;
-    x.v = vb[i];
-    UNROLL
-    for (int k = 0; k < P::kN; ++k) x.e[k] = op(x.e[k]);
-    vb[i] = x.v;
-  }
-  for (size_t j = head + nvec * P::kN + tid; j < n; j += stride) buf[j] = op(buf[j]);
-}
-
-// dst = src in words of W bytes after a byte-wise head that aligns both, byte-wise tail.
-template <class W>
-HD void copy_body(size_t tid, size_t stride, uint8_t* dst, const uint8_t* src, size_t head,
-                  size_t nvec, size_t bytes) {
-  for (size_t i = tid; i < head; i += stride) dst[i] = src[i];
-  const W* s = reinterpret_cast<const W*>(src + head);
-  W* d = reinterpret_cast<W*>(dst + head);
-  size_t i = tid;
-  for (; i + stride < nvec; i += 2 * stride) {
-    const W x0 = s[i];
-    const W x1 = s[i + stride];
-    d[i] = x0;
-    d[i + stride] = x1;
-  }
-  if (i < nvec) d[i] = s[i];
-  for (size_t j = head + nvec * sizeof(W) + tid; j < bytes; j += stride) dst[j] = src[j];
-}
 
 template <class S, class Op>
 __global__ void __launch_bounds__(kThreads)
@@ -152,18 +48,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- launch helpers ---------------------------------------------------------------------
-
-// The split of n elements of `es` bytes at offset `mis` (address modulo 16): scalar head
-// up to the next 16-byte boundary, packs, scalar tail.
-struct Split {
-  size_t head;
-  size_t nvec;
-};
-Split split(size_t n, size_t es, unsigned mis, bool vectorise) {
-  if (!vectorise) return {n, 0};
-  const size_t head = std::min(n, size_t((16u - mis) & 15u) / es);
-  return {head, (n - head) * es / 16};
-}
 
 unsigned blocks_for(size_t work) {
   const size_t b = (work + kThreads - 1) / kThreads;
@@ -278,13 +162,8 @@ cudaError_t launch_finish_avg(DataType type, void* buf, size_t n, int world,
 cudaError_t launch_copy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return cudaSuccess;
   if (dst == nullptr || src == nullptr) return cudaErrorInvalidValue;
-  // The widest word (up to 16 bytes) for which dst and src can both be aligned: the lowest
-  // set bit of their difference.
-  const uintptr_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
-  const uintptr_t diff = (d ^ s) | 16u;
-  const size_t w = size_t(diff & (~diff + 1));
-  const size_t head = std::min(bytes, size_t((w - (d & (w - 1))) & (w - 1)));
-  const size_t nvec = (bytes - head) / w;
+  const CopySplit sp = copy_split(dst, src, bytes);
+  const size_t w = sp.width, head = sp.head, nvec = sp.nvec;
   const size_t work = std::max({head, bytes - head - nvec * w, (nvec + 1) / 2});
   auto* o = static_cast<uint8_t*>(dst);
   const auto* i = static_cast<const uint8_t*>(src);

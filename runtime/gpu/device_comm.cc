@@ -5,6 +5,7 @@
 #include "common/log.h"
 #include "gpu/device_comm_impl.h"
 #include "kernels/cuda_reduce.cuh"
+#include "kernels/cuda_step.cuh"
 
 namespace gradsync {
 
@@ -63,6 +64,9 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
   } else {
     // Before any wait kernel of this rank exists (kernels/cuda_reduce.cuh says why).
     if (cudaError_t e = kernels::load_host_sync_kernels(); e != cudaSuccess) {
+      return Status(Code::kInternal, d->who() + ": loading the GPU kernels: " + cudaGetErrorString(e));
+    }
+    if (cudaError_t e = kernels::load_step_kernels(); e != cudaSuccess) {
       return Status(Code::kInternal, d->who() + ": loading the GPU kernels: " + cudaGetErrorString(e));
     }
     if (cudaError_t e = kernels::load_reduce_kernels(); e != cudaSuccess) {

@@ -198,6 +198,7 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     for (int j = 0; j < st.nrecv; ++j) planned.push_back({rp[j], false, uint32_t(bytes)});
     link_.plan(planned);
     planned.clear();
+    s = stream.begin_step();
     // Waits: a message from each peer received from, a free slot at each peer sent to.
     for (int j = 0; j < st.nrecv && s.ok(); ++j) s = stream.wait_arrived(rp[j], received_[size_t(rp[j])] + 1);
     for (int j = 0; j < st.nsend && s.ok(); ++j) {
@@ -270,6 +271,7 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     // Signals: the messages written and the slots read.
     for (int j = 0; j < st.nsend && s.ok(); ++j) s = stream.signal_ready(sp[j], ++sent_[size_t(sp[j])]);
     for (int j = 0; j < st.nrecv && s.ok(); ++j) s = stream.signal_consumed(rp[j], ++received_[size_t(rp[j])]);
+    if (s.ok()) s = stream.end_step();
   }
   return s;
 }

@@ -84,6 +84,10 @@ class StepStream {
   virtual Status copy(void* dst, const void* src, size_t bytes) = 0;
   virtual Status reduce(void* dst, const void* a, const void* b, size_t count) = 0;
   virtual Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) = 0;
+  // Around each step's calls above: a stream may collect a step's waits, operations and
+  // signals and queue them as one (the GPU's fused step kernel, kernels/cuda_step.cuh).
+  virtual Status begin_step() { return Status::Ok(); }
+  virtual Status end_step() { return Status::Ok(); }
 };
 
 class StepRunner {

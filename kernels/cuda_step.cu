@@ -1,0 +1,174 @@
+// The fused step kernel (cuda_step.cuh).
+#include "kernels/cuda_step.cuh"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "kernels/cuda_node_device.cuh"
+#include "kernels/cuda_reduce_body.cuh"
+
+namespace gradsync::kernels {
+namespace {
+
+using namespace ops;   // NOLINT: the traits and ops are this file's vocabulary
+using namespace body;  // NOLINT: and the loops
+using node::fail;
+using node::host_word;
+using node::load_acquire;
+using node::now_ns;
+using node::store_release;
+
+constexpr int kThreads = 512;
+constexpr size_t kBytesPerBlock = size_t(64) << 10;
+
+__device__ inline unsigned mis16(const void* p) { return unsigned(reinterpret_cast<uintptr_t>(p) & 15u); }
+
+// Thread 0 of a block: every wait of the step. False when one failed or an earlier wait of
+// the stream had (its error recorded: the rest of the queue drains at once).
+__device__ bool wait_all(const StepLaunch& s) {
+  const uint64_t start = now_ns();
+  for (int w = 0; w < s.nwaits; ++w) {
+    const StepWait& x = s.waits[w];
+    while (load_acquire(x.word) < x.value) {
+      if (host_word(&s.error->code) != 0) return false;
+      if (host_word(s.abort) != 0) return fail(s.error, 2, x.peer, x.what), false;
+      if (now_ns() - start > s.timeout_ns) return fail(s.error, 1, x.peer, x.what), false;
+      __nanosleep(64);
+    }
+  }
+  return host_word(&s.error->code) == 0;
+}
+
+__device__ void copy_range(uint8_t* dst, const uint8_t* src, size_t bytes) {
+  const CopySplit c = copy_split(dst, src, bytes);
+  const size_t t = threadIdx.x, n = blockDim.x;
+  switch (c.width) {
+    case 16: return copy_body<uint4>(t, n, dst, src, c.head, c.nvec, bytes);
+    case 8: return copy_body<uint2>(t, n, dst, src, c.head, c.nvec, bytes);
+    case 4: return copy_body<uint32_t>(t, n, dst, src, c.head, c.nvec, bytes);
+    case 2: return copy_body<uint16_t>(t, n, dst, src, c.head, c.nvec, bytes);
+    default: return copy_body<uint8_t>(t, n, dst, src, c.head, c.nvec, bytes);
+  }
+}
+
+template <class S, class Op>
+__device__ void reduce_range(S* out1, S* out2, const S* a, const S* b, size_t n, Op op) {
+  const unsigned m = mis16(out1);
+  const bool vec = mis16(a) == m && mis16(b) == m && (out2 == nullptr || mis16(out2) == m);
+  const Split sp = split(n, sizeof(S), m, vec);
+  reduce_body(threadIdx.x, blockDim.x, out1, out2, a, b, sp.head, sp.nvec, n, op);
+}
+
+// Op: the reductions before the last; OpF: the last (kAvg divides there).
+template <class Tr, class Op, class OpF>
+__global__ void __launch_bounds__(kThreads) step_kernel(const StepLaunch s, Op op, OpF op_final) {
+  using S = typename Tr::S;
+  __shared__ int go;
+  if (threadIdx.x == 0) go = wait_all(s) ? 1 : 0;
+  __syncthreads();
+  // This block's elements: a multiple of 16 of them from the start, so every pointer keeps its
+  // offset modulo 16 and the block's loops vectorise as a whole-step kernel's would.
+  const size_t per = ((s.count + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
+  const size_t lo = size_t(blockIdx.x) * per;
+  const size_t n = lo < s.count ? (s.count - lo < per ? s.count - lo : per) : 0;
+  if (go && n > 0) {
+    for (int i = 0; i < s.nops; ++i) {
+      const StepOp& o = s.ops[i];
+      if (o.kind == StepOpKind::kCopy) {
+        copy_range(static_cast<uint8_t*>(o.dst) + lo * sizeof(S), static_cast<const uint8_t*>(o.a) + lo * sizeof(S),
+                   n * sizeof(S));
+      } else {
+        S* d2 = o.dst2 ? static_cast<S*>(o.dst2) + lo : nullptr;
+        S* d = static_cast<S*>(o.dst) + lo;
+        const S* a = static_cast<const S*>(o.a) + lo;
+        const S* b = static_cast<const S*>(o.b) + lo;
+        if (o.kind == StepOpKind::kReduce) {
+          reduce_range<S>(d, nullptr, a, b, n, op);
+        } else {
+          reduce_range<S>(d, d2, a, b, n, op_final);
+        }
+      }
+      __syncthreads();  // the next operation may read what this one wrote
+    }
+  }
+  // The signals, once every block's stores are visible to the peers and the host. Signals go
+  // out after a failed wait too: the error is recorded and the job fails, and a peer's wait
+  // then ends at once instead of spending its own timeout.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    if (atomicAdd(s.finished, 1u) == gridDim.x - 1) {
+      *s.finished = 0;  // for the stream's next step (launches on one stream do not overlap)
+      __threadfence_system();
+      for (int i = 0; i < s.nsignals; ++i) store_release(s.signals[i].word, s.signals[i].value);
+    }
+  }
+}
+
+template <class Tr, class Op, class OpF>
+cudaError_t launch_as(const StepLaunch& s, Op op, OpF op_final, cudaStream_t stream) {
+  const size_t bytes = s.count * sizeof(typename Tr::S);
+  const unsigned blocks = unsigned(std::clamp<size_t>((bytes + kBytesPerBlock - 1) / kBytesPerBlock, 1, kStepMaxBlocks));
+  step_kernel<Tr, Op, OpF><<<blocks, kThreads, 0, stream>>>(s, op, op_final);
+  return cudaGetLastError();
+}
+
+// Calls f.template operator()<Tr, Op, OpF>(op, op_final) for (type, op); `divisor` for kAvg.
+template <class Tr, class F>
+cudaError_t with_ops(ReduceOp op, int divisor, F&& f) {
+  switch (op) {
+    case ReduceOp::kSum: return f.template operator()<Tr>(OpSum<Tr>{}, OpSum<Tr>{});
+    case ReduceOp::kProd: return f.template operator()<Tr>(OpProd<Tr>{}, OpProd<Tr>{});
+    case ReduceOp::kMin: return f.template operator()<Tr>(OpMinMax<Tr, false>{}, OpMinMax<Tr, false>{});
+    case ReduceOp::kMax: return f.template operator()<Tr>(OpMinMax<Tr, true>{}, OpMinMax<Tr, true>{});
+    case ReduceOp::kAvg: return f.template operator()<Tr>(OpSum<Tr>{}, OpSumDivide<Tr>{divisor});
+  }
+  return cudaErrorInvalidValue;
+}
+
+bool aligned(const void* p, size_t a) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+cudaError_t launch_step(const StepLaunch& s, DataType type, ReduceOp op, cudaStream_t stream) {
+  const size_t es = esize(type);
+  if (es == 0 || unsigned(op) >= unsigned(kNumReduceOps) || s.divisor < 1) return cudaErrorInvalidValue;
+  if (s.nwaits < 0 || s.nwaits > kStepMaxWaits || s.nops < 0 || s.nops > kStepMaxOps || s.nsignals < 0 ||
+      s.nsignals > kStepMaxSignals)
+    return cudaErrorInvalidValue;
+  if (s.finished == nullptr || s.error == nullptr || s.abort == nullptr) return cudaErrorInvalidValue;
+  for (int i = 0; i < s.nwaits; ++i)
+    if (s.waits[i].word == nullptr) return cudaErrorInvalidValue;
+  for (int i = 0; i < s.nsignals; ++i)
+    if (s.signals[i].word == nullptr) return cudaErrorInvalidValue;
+  for (int i = 0; i < s.nops; ++i) {
+    const StepOp& o = s.ops[i];
+    const bool binary = o.kind != StepOpKind::kCopy;
+    if (o.dst == nullptr || o.a == nullptr || (binary && o.b == nullptr)) return cudaErrorInvalidValue;
+    if (!aligned(o.dst, es) || !aligned(o.dst2, es) || !aligned(o.a, es) || !aligned(o.b, es))
+      return cudaErrorInvalidValue;
+  }
+  return with_traits(type, [&]<class Tr>() {
+    return with_ops<Tr>(op, s.divisor, [&]<class T, class Op, class OpF>(Op o, OpF f) {
+      return launch_as<T>(s, o, f, stream);
+    });
+  });
+}
+
+cudaError_t load_step_kernels() {
+  cudaError_t e = cudaSuccess;
+  for (int t = 0; t < kNumDataTypes && e == cudaSuccess; ++t) {
+    for (int o = 0; o < kNumReduceOps && e == cudaSuccess; ++o) {
+      e = with_traits(DataType(t), [&]<class Tr>() {
+        return with_ops<Tr>(ReduceOp(o), 2, [&]<class T, class Op, class OpF>(Op, OpF) {
+          cudaFuncAttributes attr{};
+          return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(step_kernel<T, Op, OpF>));
+        });
+      });
+    }
+  }
+  return e;
+}
+
+}  // namespace gradsync::kernels
