@@ -96,8 +96,12 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorith
     auto before = comm.gpu_bytes_sent();
     if (!before.ok()) s = before.status();
     const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters && s.ok(); ++i)
+    // NODE_BENCH_SYNC=1: wait for each call before the next (back to back otherwise).
+    static const bool sync_each = std::getenv("NODE_BENCH_SYNC") != nullptr;
+    for (int i = 0; i < iters && s.ok(); ++i) {
       s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream, opts);
+      if (sync_each) cudaStreamSynchronize(stream);
+    }
     cudaStreamSynchronize(stream);
     us[r] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
     if (s.ok()) s = comm.async_error();
@@ -235,8 +239,15 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
   };
   const Proto protos[] = {{"1-shot", "0", Algorithm::kAuto}, {"2-shot", "1", Algorithm::kAuto},
                           {"ring", "0", Algorithm::kRing}};
+  // NODE_BENCH_PROTOS: the columns to run, e.g. "ring" or "1-shot,ring" (default all three).
+  const char* only = std::getenv("NODE_BENCH_PROTOS");
+  auto wanted = [&](const char* name) { return only == nullptr || std::string(only).find(name) != std::string::npos; };
   std::vector<std::vector<Measured>> res(3);
   for (int p = 0; p < 3; ++p) {
+    if (!wanted(protos[p].name)) {
+      res[p].assign(sizes.size(), Measured{std::vector<uint64_t>(size_t(n), 0), 0});
+      continue;
+    }
     ::setenv("GRADSYNC_GPU_TWOSHOT_MIN", protos[p].two_shot_min, 1);
     DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
     ASSERT_TRUE(cluster.ok()) << cluster.error();
