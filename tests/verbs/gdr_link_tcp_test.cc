@@ -195,6 +195,11 @@ TEST(GdrLinkTcp, APeerThatDiesMidCallFailsEveryRankNamingIt) {
       EXPECT_FALSE(st[r].ok()) << plan::to_string(algo) << " rank " << r;
       EXPECT_NE(st[r].message().find("rank 2 (host n2)"), std::string::npos) << st[r].to_string();
     }
+    // The failing link sets its error, then aborts the job: a stream may see the first.
+    for (auto until = Clock::now() + 2s; ring.abort_reason().empty() && Clock::now() < until;) {
+      std::this_thread::sleep_for(1ms);
+    }
+    EXPECT_NE(ring.abort_reason().find("rank 2 (host n2)"), std::string::npos) << ring.abort_reason();
     EXPECT_NE(ring.abort_reason().find("closed"), std::string::npos) << ring.abort_reason();
   }
 }
