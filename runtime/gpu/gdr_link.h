@@ -49,7 +49,7 @@
 // (GdrLinkOps::tcp_region), the words mean what they mean for a queue pair, and each message
 // travels as a frame (header: message number and length, checked on arrival) straight from the
 // send slot into the peer's receive slot for it; credits travel back as frames too. The
-// connections are made at set-up and authenticated (gdr_link_tcp.h).
+// connections are made at set-up and authenticated (gdr_link_tcp.cc says how).
 #pragma once
 
 #include <chrono>
@@ -192,6 +192,7 @@ class GdrLink {
   void plan(const std::vector<Message>& messages);
   Status error() const;
   // Payload bytes written to peer `index` so far (RDMA writes posted, the credit words not
+  // counted; a TCP peer's: message payloads handed to its socket, headers and credits not
   // counted; a direct peer's: the messages planned).
   uint64_t bytes_sent(int index) const;
   // Lets the last credits go out and stops the worker; the stream must be idle.
