@@ -49,6 +49,8 @@ Status CommunicatorImpl::attach_device() {
   cfg.hosts = links_.hosts;
   // The node of every rank, as the coordinator numbered the job's nodes (a grouping key).
   for (uint32_t node : join_.rank_node) cfg.rank_nodes.push_back("node " + std::to_string(node));
+  cfg.data_address = join_.data_host;
+  cfg.token = opts_.token;
   if (join_.verbs) {
     // The GPU's own NIC where gradsyncd found it usable in place of its device, else the
     // daemon's device (topology/rail_devices.h says why every rank still reaches every other).

@@ -230,6 +230,7 @@ Result<DaemonMessage> decode(std::string_view bytes) {
   StringList rail_devices{{&error, "join.verbs.rail_devices", topology::kMaxRailDeviceName},
                           topology::kMaxRailDevices, &verbs.rail_devices};
   Sink<std::vector<uint32_t>> rank_node{{&error, "join.rank_node", kMaxWorldSize}, &join.rank_node};
+  Sink<std::string> data_host{{&error, "join.data_host", kMaxNameBytes}, &join.data_host};
   Sink<std::string> message{{&error, "error.message", kMaxErrorBytes}, &err.message};
   Sink<std::vector<int32_t>> old_ranks{{&error, "regroup.old_ranks", kMaxWorldSize}, &regroup.old_ranks};
 
@@ -243,6 +244,7 @@ Result<DaemonMessage> decode(std::string_view bytes) {
   m.join.verbs.api = in(api);
   m.join.verbs.rail_devices = in(rail_devices);
   m.join.rank_node = in(rank_node, read_scalar_list<uint32_t>);
+  m.join.data_host = in(data_host);
   m.error.message = in(message);
   m.regroup.old_ranks = in(old_ranks, read_scalar_list<int32_t>);
   pb_istream_t s = input(bytes);

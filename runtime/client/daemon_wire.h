@@ -95,6 +95,7 @@ struct JoinResponse {
   ChannelSetup setup;
   std::optional<VerbsDevice> verbs;
   std::vector<uint32_t> rank_node;
+  std::string data_host;  // this node's gradsyncd's advertised data address
 };
 struct LeaveResponse {};
 struct ErrorResponse {

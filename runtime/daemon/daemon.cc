@@ -154,6 +154,7 @@ Status Daemon::start() {
   std::string why;
   auto host = choose_data_host(topo, &why);
   if (!host.ok()) return host.status();
+  data_host_ = *host;
   endpoint_ = (host->find(':') != std::string::npos ? "[" + *host + "]" : *host) + ":" + std::to_string(port);
   log->info("proxy endpoint {} ({})", endpoint_, why);
 
@@ -398,6 +399,7 @@ void Daemon::serve_trainer(Fd sock) {
         jr->mutable_ring()->Add(job->ring.begin(), job->ring.end());
         for (uint32_t r = 0; r < job->world_size; ++r) jr->add_rank_hosts(job->host_of(r));
         jr->mutable_rank_node()->Add(job->rank_node.begin(), job->rank_node.end());
+        jr->set_data_host(data_host_);
         jr->mutable_node_shape()->Add(job->node_shape.begin(), job->node_shape.end());
         for (const auto& shape : job->shapes) *jr->add_shapes() = shape;
         *jr->mutable_setup() = job->setup_for(rank);

@@ -130,6 +130,7 @@ class Daemon {
   DaemonConfig cfg_;
   std::string hostname_;
   std::string endpoint_;  // data_host:port
+  std::string data_host_;  // the host part of endpoint_ (for the ranks' own listeners)
   std::string transport_ = "tcp";
   std::string transport_why_;
   bool rings_chosen_ = false;  // cfg_.rings came from default_ring_count

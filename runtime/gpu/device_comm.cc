@@ -388,6 +388,7 @@ const char* DeviceComm::path() const {
 #if GRADSYNC_HAVE_GDR
       // One node of more ranks than the kernels take: the step channels over CUDA IPC alone.
       if (impl_->gdr && impl_->gdr->one_node()) return "cuda-ipc-steps";
+      if (impl_->gdr && impl_->gdr->tcp()) return "tcp-steps";
       if (impl_->gdr) return impl_->gdr->gpu_slots() ? "gpudirect-rdma" : "rdma-host-memory";
 #endif
       return "host-staged";

@@ -94,6 +94,10 @@ struct DeviceCommConfig {
   int verbs_port = 1;
   int gid_index = -1;
   std::string verbs_api;
+  // The step channels over TCP (GRADSYNC_GPU_STAGED=steps): this node's data address (its
+  // gradsyncd's), where the rank listens, and the job token that keys the connections.
+  std::string data_address;
+  std::string token;
 };
 
 class DeviceComm {

@@ -76,24 +76,34 @@ Result<GdrRegion> gpu_region(int device, const verbs::ProtectionDomain& pd, size
   return region;
 }
 
-Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
+// Pinned, mapped host memory (the slots of TCP peers, which the worker's sockets read and
+// write, and the kernels through the same address).
+Result<GdrRegion> pinned_region(size_t bytes) {
   auto slots = std::make_shared<HostSlots>();
   GS_RETURN_IF_ERROR(cuda(cudaHostAlloc(&slots->ptr, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
-                          "cudaHostAlloc of the RDMA slots (" + std::to_string(bytes) + " bytes)"));
+                          "cudaHostAlloc of the step slots (" + std::to_string(bytes) + " bytes)"));
   std::memset(slots->ptr, 0, bytes);
   void* dev = nullptr;
   GS_RETURN_IF_ERROR(cuda(cudaHostGetDevicePointer(&dev, slots->ptr, 0), "cudaHostGetDevicePointer"));
   if (dev != slots->ptr) {
     return Status(Code::kUnimplemented, "pinned host slots need unified addressing (the GPU sees them elsewhere)");
   }
+  GdrRegion region;
+  region.base = static_cast<uint8_t*>(slots->ptr);
+  region.method = "pinned host memory";
+  region.owner = slots;
+  return region;
+}
+
+// The same, registered with the NIC (the RDMA slots of a rank whose GPU memory it cannot reach).
+Result<GdrRegion> host_region(const verbs::ProtectionDomain& pd, size_t bytes) {
+  auto region = pinned_region(bytes);
+  if (!region.ok()) return region;
+  auto* slots = static_cast<HostSlots*>(region->owner.get());
   auto mr = verbs::MemoryRegion::create(pd, slots->ptr, bytes, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
   if (!mr.ok()) return mr.status();
   slots->mr.emplace(std::move(mr).value());
-  GdrRegion region;
-  region.base = static_cast<uint8_t*>(slots->ptr);
-  region.mr = &*slots->mr;
-  region.method = "pinned host memory";
-  region.owner = slots;
+  region->mr = &*slots->mr;
   return region;
 }
 
@@ -283,7 +293,10 @@ Result<RdmaChannels> channels_of(const GdrConfig& cfg, bool direct) {
 // receive slots only; we write into its own).
 uint64_t peer_slot_bytes(const std::vector<GdrPeer>& peers, const GdrLinkConfig& link) {
   uint64_t directions = 0;
-  for (const GdrPeer& p : peers) directions += uint64_t(p.send && !p.direct) + uint64_t(p.recv);
+  for (const GdrPeer& p : peers) {
+    if (link.tcp && !p.direct) continue;  // TCP peers' slots are in pinned host memory
+    directions += uint64_t(p.send && !p.direct) + uint64_t(p.recv);
+  }
   return directions * link.slots * link.slot_bytes;
 }
 
@@ -449,6 +462,8 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   lo.on_failure = [abort_host] { __atomic_store_n(abort_host, 1u, __ATOMIC_RELEASE); };
   lo.direct_make = [device](size_t bytes) { return direct_region(device, bytes); };
   lo.direct_open = [device](const uint8_t* handle, int) { return open_direct_region(device, handle); };
+  lc.tcp = cfg.tcp;
+  if (cfg.tcp) lo.tcp_region = [](size_t bytes) { return pinned_region(bytes); };
   std::vector<GdrWords> dummy(nwords);
   bool direct_refused = false;
   auto link = GdrLink::create(lc, lo, make_region, m.words ? m.words : dummy.data(), std::move(flush), why_not,
@@ -464,7 +479,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   }
   m.link = std::move(link).value();
   m.runner = std::make_unique<StepRunner>(m.link.get());
-  m.gpu_slots = in_host->empty();
+  m.gpu_slots = in_host->empty() && !cfg.tcp;
   if (m.channels.shape.node_count() == 1) {  // no RDMA: every hop by CUDA IPC
     m.description = "CUDA IPC steps (ring and double binary tree on this node) over " + m.link->describe();
     return true;
@@ -472,6 +487,10 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
                            (m.channels.shape.node_count() == 1 ? " node" : " nodes") +
                            "; allreduce by the cost model: " + rdma_auto_summary(m.channels);
+  if (cfg.tcp) {
+    m.description = "TCP steps (" + what + ") over " + m.link->describe();
+    return true;
+  }
   m.description = m.gpu_slots ? "GPUDirect RDMA (" + what + ") over " + m.link->describe() + where +
                                     (flush_needed ? ", flushing RDMA writes (ordering below OWNER)" : "")
                               : "host-staged RDMA (" + what + ") over " + m.link->describe() + " (" + *in_host + ")";
@@ -479,6 +498,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
 }
 
 bool GdrChannels::gpu_slots() const { return impl_->gpu_slots; }
+bool GdrChannels::tcp() const { return impl_->cfg.tcp; }
 bool GdrChannels::one_node() const { return impl_->channels.shape.node_count() == 1; }
 
 DeviceComm::MemoryUse GdrChannels::memory() const {
@@ -496,6 +516,7 @@ void GdrChannels::add_bytes_sent(Communicator::GpuBytesSent& b) const {
   for (int p = 0; p < m.link->peer_count(); ++p) {
     const uint64_t bytes = m.link->bytes_sent(p);
     (m.link->peer(p).direct                      ? b.cuda_ipc
+     : m.link->peer(p).tcp                        ? b.tcp
      : node[size_t(m.link->peer(p).rank)] == mine ? b.rdma_same_node
                                                   : b.rdma_other_nodes) += bytes;
   }

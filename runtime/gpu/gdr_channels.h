@@ -50,6 +50,9 @@ struct GdrConfig {
   // set-up (off on any rank: off on all); where some pair cannot map the other's memory every
   // rank sets up again without it.
   bool direct = true;
+  // Every hop between nodes over TCP (GdrLinkConfig::tcp; the slots in pinned mapped host
+  // memory, no RDMA device): the step channels where the daemons run no verbs.
+  bool tcp = false;
   // The communicator's mapped words (device views) that the stream's waits read and report
   // through, and the host view of the abort word (set when this ring fails).
   const uint32_t* abort_dev = nullptr;
@@ -91,6 +94,8 @@ class GdrChannels {
   bool gpu_slots() const;
   // Every member on this node: no RDMA, every hop by CUDA IPC.
   bool one_node() const;
+  // The hops between nodes are TCP connections (GdrConfig::tcp).
+  bool tcp() const;
   // Adds the payload bytes this rank wrote over its queue pairs so far to `b`: to peers on
   // its own node (GdrConfig::nodes) and to peers on other nodes.
   void add_bytes_sent(Communicator::GpuBytesSent& b) const;

@@ -1,10 +1,12 @@
 #include "gpu/gdr_link.h"
+#include "gpu/gdr_link_impl.h"
 
 #include <arpa/inet.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -14,6 +16,7 @@
 #include <utility>
 
 #include "common/log.h"
+#include "common/secret.h"
 #include "transport/verbs/emulated_fabric.h"
 #include "transport/verbs/node.h"
 
@@ -21,14 +24,7 @@ namespace gradsync {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Host memory registered with the NIC, one per peer: the peer, as the receiver of our
-// messages, writes its `consumed` into `credit`; `credit_src` is the source of our own credit
-// write to it (left untouched while that write is in flight).
-struct alignas(64) CreditWords {
-  uint64_t credit;
-  uint64_t credit_src;
-};
+using namespace gdr_link_detail;
 
 // One rank's row of the set-up exchange (summed as bytes over ranks; other rows are zero).
 struct GdrPeerEntry {
@@ -52,112 +48,33 @@ struct GdrBlob {
   uint8_t gid[16] = {};
   uint8_t direct_handle[kGdrHandleBytes] = {};
   GdrPeerEntry peers[kMaxGdrPeers];
+  TcpEndpoint tcp;                        // TCP peers: where this rank listens
+  uint8_t tcp_nonce[kTcpNonceBytes] = {};  // rank 0's row: the link's nonce (gdr_link_tcp.cc)
 };
-
-// A direct region: this header, a GdrWords per peer index, then the receive slots.
-constexpr size_t kDirectWordsOffset = 64;
 
 constexpr uint64_t kCreditWr = uint64_t(1) << 63;  // wr_id bit of credit writes
 constexpr uint64_t kRecvWr = uint64_t(1) << 62;    // wr_id bit of posted receives (error completions carry no opcode)
 
-template <class T>
-T load(const T* p) {
-  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-}
-
-// One peer: its queue pair, its slots in our region, its words, and the worker's state.
-struct PeerLink {
-  GdrPeer peer;
-  verbs::QueuePair qp;
-  size_t send_off = 0, recv_off = 0;  // our slots' offsets in the region
-  GdrWords* words = nullptr;
-  CreditWords* credit = nullptr;
-  // The peer's receive slots for us, and its credit word for our credits.
-  uint64_t peer_slots = 0;
-  uint64_t peer_credit = 0;
-  uint32_t peer_slot_rkey = 0, peer_credit_rkey = 0;
-  // Planned lengths of messages not yet completed (sends) / arrived (receives); guarded by
-  // the link's mutex.
-  std::deque<uint32_t> send_len, recv_len;
-  uint64_t planned_sends = 0, planned_recvs = 0;
-  // Worker state.
-  uint64_t posted = 0, completed = 0, arrived = 0;
-  uint64_t credit_sent = 0;
-  bool credit_inflight = false;
-  uint64_t bytes_sent = 0;  // payload bytes posted; written by the worker, read atomically
-  std::deque<uint32_t> landed;  // lengths of receives completed but not yet planned
-  // Direct peers: its region as mapped here, its receive slots for us and its words for us
-  // (offsets there); recv_off is then our receive slots' offset in our direct region.
-  GdrDirectRegion peer_region;
-  size_t peer_recv_off = 0, peer_words_off = 0;
-};
-
 }  // namespace
-
-struct GdrLink::Impl {
-  GdrLinkConfig cfg;
-  GdrLinkOps ops;
-  std::function<Status()> flush;
-  std::string description;
-
-  std::shared_ptr<VerbsNode> node;
-  GdrRegion region;
-  size_t region_bytes = 0;
-  CreditWords* credits = nullptr;  // one per peer
-  GdrDirectRegion direct;          // with direct peers: words, then their receive slots
-  size_t direct_bytes = 0;
-  verbs::MemoryRegion credit_mr;
-  verbs::CompletionQueue cq;
-  std::vector<PeerLink> peers;
-
-  mutable std::mutex mu;  // the plan (PeerLink::send_len/recv_len/planned_*) and error
-  Status error;
-
-  std::atomic<bool> stop{false};
-  std::atomic<bool> draining{false};
-  std::thread worker;
-
-  uint8_t* slot(int p, bool recv_side, uint64_t msg) const {
-    const PeerLink& l = peers[size_t(p)];
-    const size_t at = size_t(msg % cfg.slots) * cfg.slot_bytes;
-    if (l.peer.direct) return recv_side ? direct.base + l.recv_off + at : l.peer_region.base + l.peer_recv_off + at;
-    return region.base + (recv_side ? l.recv_off : l.send_off) + at;
-  }
-  GdrWords* direct_words(int p) const {
-    return reinterpret_cast<GdrWords*>(direct.base + kDirectWordsOffset) + p;
-  }
-  std::string peer_name(int r) const {
-    return "rank " + std::to_string(r) +
-           (size_t(r) < cfg.hosts.size() ? " (host " + cfg.hosts[r] + ")" : std::string());
-  }
-  int by_qpn(uint32_t qpn) const {
-    for (size_t i = 0; i < peers.size(); ++i) {
-      if (!peers[i].peer.direct && peers[i].qp.qpn() == qpn) return int(i);
-    }
-    return -1;
-  }
-
-  Status setup_local(const GdrRegionMaker& make_region);
-  Status open_nic();
-  Status setup_queue_pairs(size_t credit_bytes);
-  void run();
-  void fail(Status s);
-  std::string stall(const PeerLink& l, uint64_t planned_sends, uint64_t planned_recvs) const;
-  void log_outstanding(const char* how, const std::vector<uint64_t>& planned_s,
-                       const std::vector<uint64_t>& planned_r) const;
-};
 
 // Everything this rank can do alone: device, region, credit words, CQ, QPs (to INIT).
 Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
   if (!cfg.refuse.empty()) return {Code::kUnavailable, cfg.refuse};
   // Peers all on this node (or none): their hops are the stream's stores into mapped memory,
   // so no NIC, queue pair or worker is needed (one node's ring and trees).
-  const bool nic = std::any_of(peers.begin(), peers.end(), [](const PeerLink& l) { return !l.peer.direct; });
+  // Peers on other nodes go through the NIC, or over TCP connections (GdrLinkConfig::tcp).
+  const bool remote = std::any_of(peers.begin(), peers.end(), [](const PeerLink& l) { return !l.peer.direct; });
+  tcp = remote && cfg.tcp;
+  const bool nic = remote && !cfg.tcp;
   if (nic && cfg.verbs_device.empty()) {
     return {Code::kUnavailable, "this node's gradsyncd runs no verbs channels (its transport is tcp)"};
   }
   if (nic) GS_RETURN_IF_ERROR(open_nic());
-  // The region: per RDMA peer, its send slots then its receive slots (only the directions
+  if (tcp) {
+    if (!ops.tcp_region) return {Code::kInternal, "TCP peers without tcp_region"};
+    GS_RETURN_IF_ERROR(tcp_listen());
+  }
+  // The region: per RDMA (or TCP) peer, its send slots then its receive slots (only the directions
   // used). The direct region: the words, then each direct peer's receive slots.
   const size_t block = size_t(cfg.slots) * cfg.slot_bytes;
   bool any_direct = false;
@@ -172,7 +89,7 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
     if (l.peer.recv) l.recv_off = std::exchange(region_bytes, region_bytes + block);
   }
   if (region_bytes > 0) {
-    auto reg = make_region(node->pd(), region_bytes);
+    auto reg = tcp ? ops.tcp_region(region_bytes) : make_region(node->pd(), region_bytes);
     if (!reg.ok()) return reg.status();
     region = std::move(reg).value();
   }
@@ -282,6 +199,7 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
     }
     PeerLink l;
     l.peer = p;
+    l.peer.tcp = cfg.tcp && !p.direct;
     l.words = &words[i];
     m.peers.push_back(std::move(l));
   }
@@ -299,12 +217,13 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
     }
     return who;
   };
+  const std::string label = cfg.tcp ? "TCP steps" : "GPUDirect RDMA";
   if (!local.ok()) {
-    *why_not = "GPUDirect RDMA: " + local.message();
+    *why_not = label + ": " + local.message();
     return std::unique_ptr<GdrLink>();
   }
   if (std::count(bad.begin(), bad.end(), 1) > 0) {
-    *why_not = "GPUDirect RDMA is not possible on " + failing() + " (see its log)";
+    *why_not = label + " is not possible on " + failing() + " (see its log)";
     return std::unique_ptr<GdrLink>();
   }
 
@@ -321,6 +240,12 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   }
   mine.npeers = uint32_t(m.peers.size());
   std::memcpy(mine.direct_handle, m.direct.handle, sizeof(mine.direct_handle));
+  if (m.tcp) {
+    std::snprintf(mine.tcp.address, sizeof(mine.tcp.address), "%s", cfg.tcp_address.c_str());
+    mine.tcp.port = uint32_t(m.port);
+  }
+  // The nonce from rank 0 alone, whether or not it has TCP peers itself.
+  if (cfg.tcp && me == 0) GS_RETURN_IF_ERROR(random_bytes(mine.tcp_nonce, sizeof(mine.tcp_nonce)));
   for (size_t i = 0; i < m.peers.size(); ++i) {
     const PeerLink& l = m.peers[i];
     GdrPeerEntry& e = mine.peers[i];
@@ -332,7 +257,7 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
       e.credit_addr = l.peer.send ? e.words_off : 0;
       continue;
     }
-    e.qpn = l.qp.qpn();
+    if (!l.peer.tcp) e.qpn = l.qp.qpn();
     e.recv_slots = l.peer.recv ? reinterpret_cast<uint64_t>(m.slot(int(i), true, 0)) : 0;
     e.credit_addr = l.peer.send ? reinterpret_cast<uint64_t>(&l.credit->credit) : 0;
   }
@@ -372,6 +297,7 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
       l.peer_words_off = size_t(e->words_off);
       continue;
     }
+    if (l.peer.tcp) continue;  // connected below, once every peer is known
     l.peer_slots = e->recv_slots;
     l.peer_slot_rkey = b.slot_rkey;
     l.peer_credit = e->credit_addr;
@@ -386,6 +312,11 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
     if (conn.ok()) conn = l.qp.to_rts(mine.psn);
     for (uint32_t s = 0; conn.ok() && l.peer.recv && s < cfg.slots; ++s) conn = l.qp.post_recv(kRecvWr | s);
   }
+  if (conn.ok() && m.tcp) {
+    std::vector<TcpEndpoint> ends(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) ends[size_t(r)] = table[size_t(r)].tcp;
+    conn = m.tcp_connect(ends, table[0].tcp_nonce);
+  }
 
   // Round 3: every QP is ready to receive before anyone sends (2: a direct peer failed).
   std::fill(bad.begin(), bad.end(), 0);
@@ -393,23 +324,26 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   GS_RETURN_IF_ERROR(ops.allreduce_now(bad.data(), bad.data(), n, DataType::kInt32, ReduceOp::kSum));
   if (direct_refused != nullptr) *direct_refused = std::count(bad.begin(), bad.end(), 2) > 0;
   std::replace(bad.begin(), bad.end(), 2, 1);
+  const std::string conns = m.tcp ? "the TCP connections" : "the queue pairs";
   if (!conn.ok()) {
-    *why_not = "GPUDirect RDMA: connecting the queue pairs: " + conn.message();
+    *why_not = label + ": connecting " + conns + ": " + conn.message();
     return std::unique_ptr<GdrLink>();
   }
   if (std::count(bad.begin(), bad.end(), 1) > 0) {
-    *why_not = "GPUDirect RDMA: the queue pairs did not connect on " + failing();
+    *why_not = label + ": " + conns + " did not connect on " + failing();
     return std::unique_ptr<GdrLink>();
   }
 
   const auto direct = std::count_if(m.peers.begin(), m.peers.end(), [](const PeerLink& l) { return l.peer.direct; });
-  m.description = (m.node ? m.node->describe() + ", " + (m.region.method.empty() ? "no slots" : m.region.method)
-                          : std::string("no NIC (every peer on this node)")) +
+  m.description = (m.node  ? m.node->describe() + ", " + (m.region.method.empty() ? "no slots" : m.region.method)
+                   : m.tcp ? "TCP from " + cfg.tcp_address + ":" + std::to_string(m.port) + ", " + m.region.method
+                           : std::string("no NIC (every peer on this node)")) +
                   ", " + std::to_string(cfg.slots) + " x " + std::to_string(cfg.slot_bytes) + "-byte slots, " +
                   std::to_string(m.peers.size()) + (m.peers.size() == 1 ? " peer" : " peers");
   if (direct > 0) m.description += " (" + std::to_string(direct) + " of them on this node, by CUDA IPC)";
-  // The worker moves RDMA messages only: a rank whose peers are all direct needs none.
+  // The worker moves RDMA or TCP messages only: a rank whose peers are all direct needs none.
   if (m.node) m.worker = std::thread([&m] { m.run(); });
+  if (m.tcp) m.worker = std::thread([&m] { m.run_tcp(); });
   return link;
 }
 
@@ -496,6 +430,54 @@ std::string GdrLink::Impl::stall(const PeerLink& l, uint64_t planned_sends, uint
                        : "waiting to send message " + std::to_string(l.posted) + " to " + peer_name(l.peer.rank) +
                              " (its receive slots are full)") +
          "; that rank is slow, hung, or never called the same collective" + state;
+}
+
+// Arrivals of peer i the stream may read: checked against the plan, flushed, published.
+bool GdrLink::Impl::publish_landed(size_t i, uint64_t planned_recvs, bool* progress) {
+  PeerLink& l = peers[i];
+  while (!l.landed.empty() && l.arrived < planned_recvs) {
+    uint32_t want = 0;
+    {
+      std::lock_guard lock(mu);
+      want = l.recv_len.front();
+      l.recv_len.pop_front();
+    }
+    if (l.landed.front() != want) {
+      fail({Code::kMismatch, std::string(tcp ? "TCP steps" : "GPUDirect RDMA") + ": message " +
+                                 std::to_string(l.arrived) + " from " + peer_name(l.peer.rank) + " has " +
+                                 std::to_string(l.landed.front()) + " bytes; this rank expected " +
+                                 std::to_string(want) + " (the ranks called different collectives or counts?)"});
+      return false;
+    }
+    l.landed.pop_front();
+    if (flush) {
+      if (Status s = flush(); !s.ok()) {
+        fail(s);
+        return false;
+      }
+    }
+    ++l.arrived;
+    __atomic_store_n(&l.words->arrived, l.arrived, __ATOMIC_RELEASE);
+    *progress = true;
+  }
+  return true;
+}
+
+// After the op timeout without progress: the peer waited for, one whose message this stream
+// waits for first, else one we cannot send to.
+Status GdrLink::Impl::stalled(const std::vector<uint64_t>& planned_s, const std::vector<uint64_t>& planned_r) const {
+  size_t c = peers.size();
+  for (size_t i = 0; i < peers.size() && c == peers.size(); ++i) {
+    const PeerLink& l = peers[i];
+    if (!l.peer.direct && l.arrived < planned_r[i] && load(&l.words->consumed) == l.arrived) c = i;
+  }
+  for (size_t i = 0; i < peers.size() && c == peers.size(); ++i) {
+    if (!peers[i].peer.direct && peers[i].completed < planned_s[i]) c = i;
+  }
+  if (c == peers.size()) c = 0;
+  return {Code::kDeadlineExceeded, std::string(tcp ? "TCP steps" : "GPUDirect RDMA") + " made no progress for " +
+                                       std::to_string(cfg.op_timeout.count()) +
+                                       " ms (op timeout): " + stall(peers[c], planned_s[c], planned_r[c])};
 }
 
 // The worker: posts the stream's filled send slots as each peer frees its receive slots,
@@ -590,28 +572,7 @@ void GdrLink::Impl::run() {
     for (size_t i = 0; i < peers.size(); ++i) {
       PeerLink& l = peers[i];
       if (l.peer.direct) continue;
-      // Arrivals the stream may read: checked against the plan, flushed, published.
-      while (!l.landed.empty() && l.arrived < planned_r[i]) {
-        uint32_t want = 0;
-        {
-          std::lock_guard lock(mu);
-          want = l.recv_len.front();
-          l.recv_len.pop_front();
-        }
-        if (l.landed.front() != want) {
-          return fail({Code::kMismatch,
-                       "GPUDirect RDMA: message " + std::to_string(l.arrived) + " from " + peer_name(l.peer.rank) +
-                           " has " + std::to_string(l.landed.front()) + " bytes; this rank expected " +
-                           std::to_string(want) + " (the ranks called different collectives or counts?)"});
-        }
-        l.landed.pop_front();
-        if (flush) {
-          if (Status s = flush(); !s.ok()) return fail(s);
-        }
-        ++l.arrived;
-        __atomic_store_n(&l.words->arrived, l.arrived, __ATOMIC_RELEASE);
-        progress = true;
-      }
+      if (!publish_landed(i, planned_r[i], &progress)) return;
       // Credits: the stream read receive slots; the peer may write them again.
       const uint64_t consumed = load(&l.words->consumed);
       if (consumed > l.credit_sent && !l.credit_inflight) {
@@ -641,22 +602,7 @@ void GdrLink::Impl::run() {
       idle = 0;
       continue;
     }
-    if (pending && Clock::now() - last_progress > cfg.op_timeout) {
-      // The peer waited for: one whose message this stream waits for first, else one we
-      // cannot send to.
-      size_t c = peers.size();
-      for (size_t i = 0; i < peers.size() && c == peers.size(); ++i) {
-        const PeerLink& l = peers[i];
-        if (l.arrived < planned_r[i] && load(&l.words->consumed) == l.arrived) c = i;
-      }
-      for (size_t i = 0; i < peers.size() && c == peers.size(); ++i) {
-        if (peers[i].completed < planned_s[i]) c = i;
-      }
-      if (c == peers.size()) c = 0;
-      return fail({Code::kDeadlineExceeded, "GPUDirect RDMA made no progress for " +
-                                                std::to_string(cfg.op_timeout.count()) + " ms (op timeout): " +
-                                                stall(peers[c], planned_s[c], planned_r[c])});
-    }
+    if (pending && Clock::now() - last_progress > cfg.op_timeout) return fail(stalled(planned_s, planned_r));
     if (trace && Clock::now() - last_trace > std::chrono::seconds(1)) {
       last_trace = Clock::now();
       for (const PeerLink& l : peers) {

@@ -42,6 +42,14 @@
 // create. The stream's waits keep their own deadline (the worker never sees direct messages).
 // A rank whose peers are all direct (one node's ring and trees) opens no RDMA device and runs
 // no worker.
+//
+// TCP peers (GdrLinkConfig::tcp: every peer that is not direct, for nodes whose daemons have
+// no RDMA device) carry the same messages over one TCP connection per peer, owned by the
+// worker (gpu/gdr_link_tcp.cc): the slots are in host memory the stream reaches
+// (GdrLinkOps::tcp_region), the words mean what they mean for a queue pair, and each message
+// travels as a frame (header: message number and length, checked on arrival) straight from the
+// send slot into the peer's receive slot for it; credits travel back as frames too. The
+// connections are made at set-up and authenticated (gdr_link_tcp.cc says how).
 #pragma once
 
 #include <chrono>
@@ -70,6 +78,7 @@ struct GdrPeer {
   bool send = false;
   bool recv = false;
   bool direct = false;  // through the peer's mapped memory (same node), not a queue pair
+  bool tcp = false;     // over a TCP connection (set by the link from GdrLinkConfig::tcp)
 };
 constexpr int kMaxGdrPeers = 16;
 
@@ -87,6 +96,13 @@ struct GdrLinkConfig {
   // Non-empty: this rank takes part in the collective set-up but refuses the link (why), so
   // that every rank learns it and none gets one.
   std::string refuse;
+  // Every peer that is not direct is a TCP peer: no RDMA device is opened. This rank listens
+  // on `tcp_address` (its node's data address, which the peers' nodes can reach; an
+  // ephemeral port), and `tcp_token` (the job token; may be empty) keys the connections'
+  // proofs together with a fresh random nonce (gdr_link_tcp.h).
+  bool tcp = false;
+  std::string tcp_address;
+  std::string tcp_token;
   int verbs_port = 1;
   int gid_index = -1;
   std::string verbs_api;  // "emulated" (the in-process test fabric) or the libibverbs soname
@@ -104,6 +120,15 @@ struct GdrDirectRegion {
   std::shared_ptr<void> owner;           // keeps it allocated (made) or mapped (opened)
 };
 
+// The slot region, registered with the link's protection domain by the caller (TCP
+// peers: host memory, no MR).
+struct GdrRegion {
+  uint8_t* base = nullptr;
+  const verbs::MemoryRegion* mr = nullptr;  // covers the whole region (every peer's slots)
+  std::string method;                       // "dma-buf", "peermem", "host memory"
+  std::shared_ptr<void> owner;              // keeps memory and MR alive; released after the QPs
+};
+
 struct GdrLinkOps {
   // A host allreduce among the job's ranks, now, on the calling thread (set-up).
   std::function<Status(const void* send, void* recv, size_t count, DataType, ReduceOp)> allreduce_now;
@@ -114,15 +139,12 @@ struct GdrLinkOps {
   // handle (`rank`: the peer, for errors).
   std::function<Result<GdrDirectRegion>(size_t bytes)> direct_make;
   std::function<Result<GdrDirectRegion>(const uint8_t* handle, int rank)> direct_open;
+  // TCP peers only: their slots (zeroed host memory the stream reaches; mr stays null).
+  std::function<Result<GdrRegion>(size_t bytes)> tcp_region;
+  // Tests: called with this rank's listening address and port once it listens (set-up).
+  std::function<void(const std::string& address, int port)> tcp_listening;
 };
 
-// The slot region, registered with the link's protection domain by the caller.
-struct GdrRegion {
-  uint8_t* base = nullptr;
-  const verbs::MemoryRegion* mr = nullptr;  // covers the whole region (every peer's slots)
-  std::string method;                       // "dma-buf", "peermem", "host memory"
-  std::shared_ptr<void> owner;              // keeps memory and MR alive; released after the QPs
-};
 using GdrRegionMaker = std::function<Result<GdrRegion>(const verbs::ProtectionDomain& pd, size_t bytes)>;
 
 class GdrLink {
@@ -170,6 +192,7 @@ class GdrLink {
   void plan(const std::vector<Message>& messages);
   Status error() const;
   // Payload bytes written to peer `index` so far (RDMA writes posted, the credit words not
+  // counted; a TCP peer's: message payloads handed to its socket, headers and credits not
   // counted; a direct peer's: the messages planned).
   uint64_t bytes_sent(int index) const;
   // Lets the last credits go out and stops the worker; the stream must be idle.

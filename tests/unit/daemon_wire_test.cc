@@ -119,6 +119,7 @@ v1::DaemonMessage full_join() {
   v->set_api("libibverbs.so.1");
   for (const char* d : {"mlx5_0", "", "mlx5_2"}) v->add_rail_devices(d);  // GPU 1: the daemon's device
   for (uint32_t n : {0u, 0u, 1u}) j->add_rank_node(n);
+  j->set_data_host("10.1.2.3");
   // What the library skips: the job's GPU shapes.
   j->add_node_shape(0);
   j->add_node_shape(0);
@@ -159,6 +160,7 @@ TEST(DaemonWire, JoinReplyReadByTheLibrary) {
   EXPECT_EQ(j->verbs->api, "libibverbs.so.1");
   EXPECT_EQ(j->verbs->rail_devices, (std::vector<std::string>{"mlx5_0", "", "mlx5_2"}));
   EXPECT_EQ(j->rank_node, (std::vector<uint32_t>{0, 0, 1}));
+  EXPECT_EQ(j->data_host, "10.1.2.3");
 
   // Without verbs (a TCP node), and the setup alone as tests hand it to build_links.
   v1::DaemonMessage tcp = full_join();
@@ -234,6 +236,10 @@ TEST(DaemonWire, RepliesBeyondTheBoundsAreRefused) {
   v1::DaemonMessage m = full_join();
   m.mutable_join()->set_rank_hosts(1, std::string(wire::kMaxNameBytes + 1, 'h'));
   expect_refused(m.SerializeAsString(), "join.rank_hosts has 1025 bytes, above the limit of 1024");
+
+  m = full_join();
+  m.mutable_join()->set_data_host(std::string(wire::kMaxNameBytes + 1, 'd'));
+  expect_refused(m.SerializeAsString(), "join.data_host has 1025 bytes, above the limit of 1024");
 
   m = full_join();
   m.mutable_join()->mutable_verbs()->set_api(std::string(wire::kMaxNameBytes + 1, 'a'));

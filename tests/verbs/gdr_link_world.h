@@ -120,6 +120,18 @@ inline Result<GdrDirectRegion> open_thread_region(const uint8_t* handle, int) {
   return d;
 }
 
+// Slots of TCP peers: plain host memory (the GPU communicator's are pinned and mapped).
+inline Result<GdrRegion> tcp_host_region(size_t bytes) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, 4096, bytes) != 0) return Status(Code::kInternal, "posix_memalign");
+  std::memset(p, 0, bytes);
+  GdrRegion region;
+  region.base = static_cast<uint8_t*>(p);
+  region.method = "host memory";
+  region.owner = std::shared_ptr<void>(p, std::free);
+  return region;
+}
+
 inline uint64_t load(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
@@ -179,9 +191,13 @@ class Ring {
   // q % rails == r % rails (the hierarchical path's rails: one ring per local index).
   // `direct`: a node's ranks reach each other through mapped memory (GdrPeer::direct).
   // `nic` false: no rank is given an RDMA device (a gradsyncd that runs no verbs).
+  // `tcp`: the peers that are not direct are TCP peers on 127.0.0.1 (no RDMA device);
+  // `tweak` (optional) changes a rank's config and ops before its set-up.
   Ring(int n, uint32_t slots, size_t slot_bytes, int per_node = 1, std::chrono::milliseconds timeout = 10s,
-       int rails = 1, bool direct = false, bool nic = true)
+       int rails = 1, bool direct = false, bool nic = true, bool tcp = false,
+       std::function<void(int, GdrLinkConfig&, GdrLinkOps&)> tweak = {})
       : n_(n), slot_bytes_(slot_bytes), ar_(n), words_(n), links_(n), runners_(n), channels_(n) {
+    sit_out.assign(size_t(n), false);
     const int job = ++g_job;
     std::vector<std::string> hosts;
     for (int r = 0; r < n; ++r) {
@@ -226,6 +242,13 @@ class Ring {
         };
         ops.direct_make = thread_direct_region;
         ops.direct_open = open_thread_region;
+        if (tcp) {
+          c.verbs_device.clear();
+          c.tcp = true;
+          c.tcp_address = "127.0.0.1";
+          ops.tcp_region = tcp_host_region;
+        }
+        if (tweak) tweak(r, c, ops);
         words_[r].resize(std::max<size_t>(1, c.peers.size()));
         auto link = GdrLink::create(c, ops, host_region, words_[r].data(), nullptr, &why[r]);
         if (!link.ok()) st[r] = link.status();
@@ -246,6 +269,12 @@ class Ring {
   }
 
   const std::string& error() const { return error_; }
+  std::vector<bool> sit_out;  // ranks collective() leaves out (all false at first)
+  // Rank r's process "dies": its link closes its connections (its runner first).
+  void kill(int r) {
+    runners_[r].reset();
+    links_[r].reset();
+  }
   GdrLink& link(int r) { return *links_[r]; }
   const RdmaChannels& channels(int r) const { return channels_[r]; }
   // Messages rank r's stream read, from all its peers.
@@ -272,6 +301,7 @@ class Ring {
     std::vector<std::thread> threads;
     for (int r = 0; r < n_; ++r) {
       threads.emplace_back([&, r] {
+        if (sit_out[size_t(r)]) return;  // that rank takes no part (it is killed meanwhile)
         const size_t per = 8 / element_size(type);
         auto steps = rdma_steps(channels_[r], kind, algo, counts[r] * per, element_size(type), root, slot_bytes_);
         if (!steps.ok()) {

@@ -54,6 +54,41 @@ TEST_P(StagedRdma, CollectivesMatrixOnDeviceBuffers) {
 INSTANTIATE_TEST_SUITE_P(Algorithms, StagedRdma, ::testing::Values(Algorithm::kRing, Algorithm::kTree),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
+// GRADSYNC_GPU_STAGED=steps over daemons that run TCP only: the planner's ring and trees on
+// the step channels (gpu/gdr_channels.h) with every hop between nodes a TCP peer of the link
+// (gpu/gdr_link_tcp.cc) and, at 2 ranks per node, the hops inside a node by CUDA IPC (both
+// ranks of a node on GPU 0 here). Path tcp-steps; the whole matrix exact.
+class TcpSteps : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {
+ protected:
+  void SetUp() override {
+    if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+    ::setenv("GRADSYNC_GPU_STAGED", "steps", 1);
+  }
+  void TearDown() override { ::unsetenv("GRADSYNC_GPU_STAGED"); }
+};
+
+TEST_P(TcpSteps, CollectivesMatrixOnDeviceBuffers) {
+  const auto [per_node, algo] = GetParam();
+  DaemonCluster cluster({.nodes = 2, .transport = {"tcp", "tcp"}, .slot_bytes = 64 << 10});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, per_node, "gpu-tcp-steps", 60s, on_gpus);
+  ASSERT_EQ(world.join_error(), "");
+  for (int r = 0; r < 2 * per_node; ++r) {
+    ASSERT_EQ(world.comm(r).gpu_path(), "tcp-steps") << "rank " << r << " (its log says why)";
+  }
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, algo);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, algo);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, TcpSteps,
+                         ::testing::Combine(::testing::Values(1, 2),
+                                            ::testing::Values(Algorithm::kRing, Algorithm::kTree)),
+                         [](const auto& info) {
+                           return "x2_" + std::to_string(std::get<0>(info.param)) + "_" +
+                                  to_string(std::get<1>(info.param));
+                         });
+
 // busbw of float32 sum allreduce on device buffers, 2 nodes x 1 GPU, channels over the
 // emulated verbs fabric beside channels over loopback TCP, in this process. The emulated NIC
 // is a memcpy under one lock: this compares the daemons' two channel paths, not a NIC.

@@ -164,8 +164,10 @@ class Communicator {
   // on one node: kernels write into peers' GPU memory), "gpudirect-rdma" and "hierarchical"
   // (RDMA queue pairs between nodes), "cuda-ipc-steps" (one node of more ranks than the
   // one-node kernels take, kernels::kMaxNodeRanks: the planner's ring and trees over CUDA IPC
-  // for calls from the measured size), "host-staged" (through pinned host memory and the
-  // daemons), "single-rank", or "none" on a host-only communicator.
+  // for calls from the measured size), "tcp-steps" (several nodes without RDMA and
+  // GRADSYNC_GPU_STAGED=steps: the same ring and trees with the hops between nodes over the
+  // ranks' own TCP connections, slots in pinned host memory), "host-staged" (through pinned
+  // host memory and the daemons), "single-rank", or "none" on a host-only communicator.
   std::string gpu_path() const;
   // Payload bytes this rank's GPU collectives sent to other GPUs so far, by link: the counters
   // behind the byte counts in docs/benchmarks.md. The host-staged path through the daemons
@@ -174,7 +176,8 @@ class Communicator {
     uint64_t cuda_ipc = 0;          // stored into peers' GPU memory by this rank's kernels (its node)
     uint64_t rdma_same_node = 0;    // written by RDMA to peers on its own node (the flat channels)
     uint64_t rdma_other_nodes = 0;  // written by RDMA to peers on other nodes
-    uint64_t total() const { return cuda_ipc + rdma_same_node + rdma_other_nodes; }
+    uint64_t tcp = 0;               // sent over TCP by the step channels (GRADSYNC_GPU_STAGED=steps)
+    uint64_t total() const { return cuda_ipc + rdma_same_node + rdma_other_nodes + tcp; }
   };
   Result<GpuBytesSent> gpu_bytes_sent_by_link() const;
   // gpu_bytes_sent_by_link().total().

@@ -1,0 +1,180 @@
+// The insides of GdrLink (gpu/gdr_link.h), shared by its two files: gdr_link.cc (set-up,
+// direct peers, the RDMA worker) and gdr_link_tcp.cc (TCP peers: their connections and their
+// worker). Not for other users.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/fd.h"
+#include "gpu/gdr_link.h"
+#include "transport/verbs/node.h"
+
+namespace gradsync {
+namespace gdr_link_detail {
+
+// Host memory, one per peer: the peer, as the receiver of our messages, writes its `consumed`
+// into `credit` (an RDMA write, or our worker on a TCP credit frame); `credit_src` is the
+// source of our own credit write to it (left untouched while that write is in flight).
+struct alignas(64) CreditWords {
+  uint64_t credit;
+  uint64_t credit_src;
+};
+
+// A direct region: this header, a GdrWords per peer index, then the receive slots.
+constexpr size_t kDirectWordsOffset = 64;
+
+template <class T>
+T load(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+
+// A frame on a TCP peer's connection: a message (kTcpData: `bytes` of payload follow, its
+// number) or a credit (kTcpCredit: the receiver's `consumed`, no payload).
+constexpr uint32_t kTcpData = 0x47534d31;    // "GSM1"
+constexpr uint32_t kTcpCredit = 0x47534331;  // "GSC1"
+struct TcpFrame {
+  uint32_t magic = 0;
+  uint32_t bytes = 0;
+  uint64_t number = 0;
+};
+static_assert(sizeof(TcpFrame) == 16, "TcpFrame is a wire format");
+
+// A TCP peer's connection and where the worker is in each direction: at most one frame
+// going out and one coming in at a time, resumed where a non-blocking call stopped.
+struct TcpConn {
+  Fd fd;
+  std::string where;  // the peer's address and port, for errors
+  bool closed = false;  // the peer closed its end (or reset it)
+  std::string closed_why;
+  // Out: the frame's header, its payload (a send slot; null for a credit), bytes written.
+  TcpFrame out{};
+  const uint8_t* out_payload = nullptr;
+  size_t out_done = 0;
+  bool out_busy = false;
+  // In: the header read so far, then the payload into its receive slot.
+  TcpFrame in{};
+  uint8_t* in_dest = nullptr;
+  size_t in_done = 0;
+};
+
+// One peer: its queue pair (or TCP connection), its slots in our region, its words, and the
+// worker's state.
+struct PeerLink {
+  GdrPeer peer;
+  verbs::QueuePair qp;
+  size_t send_off = 0, recv_off = 0;  // our slots' offsets in the region
+  GdrWords* words = nullptr;
+  CreditWords* credit = nullptr;
+  // The peer's receive slots for us, and its credit word for our credits.
+  uint64_t peer_slots = 0;
+  uint64_t peer_credit = 0;
+  uint32_t peer_slot_rkey = 0, peer_credit_rkey = 0;
+  // Planned lengths of messages not yet completed (sends) / arrived (receives); guarded by
+  // the link's mutex.
+  std::deque<uint32_t> send_len, recv_len;
+  uint64_t planned_sends = 0, planned_recvs = 0;
+  // Worker state.
+  uint64_t posted = 0, completed = 0, arrived = 0;
+  uint64_t credit_sent = 0;
+  bool credit_inflight = false;
+  uint64_t bytes_sent = 0;  // payload bytes posted; written by the worker, read atomically
+  std::deque<uint32_t> landed;  // lengths of receives completed but not yet planned
+  // Direct peers: its region as mapped here, its receive slots for us and its words for us
+  // (offsets there); recv_off is then our receive slots' offset in our direct region.
+  GdrDirectRegion peer_region;
+  size_t peer_recv_off = 0, peer_words_off = 0;
+  TcpConn tcp;  // TCP peers
+};
+
+// What a rank tells the others of its TCP side at set-up (its row of the exchange).
+constexpr size_t kTcpAddressBytes = 64;
+constexpr size_t kTcpNonceBytes = 32;
+struct TcpEndpoint {
+  char address[kTcpAddressBytes] = {};  // NUL-terminated; empty: it listens nowhere
+  uint32_t port = 0;
+  uint32_t pad = 0;
+};
+
+}  // namespace gdr_link_detail
+
+struct GdrLink::Impl {
+  using PeerLink = gdr_link_detail::PeerLink;
+  using CreditWords = gdr_link_detail::CreditWords;
+
+  GdrLinkConfig cfg;
+  GdrLinkOps ops;
+  std::function<Status()> flush;
+  std::string description;
+
+  std::shared_ptr<VerbsNode> node;
+  GdrRegion region;
+  size_t region_bytes = 0;
+  CreditWords* credits = nullptr;  // one per peer
+  GdrDirectRegion direct;          // with direct peers: words, then their receive slots
+  size_t direct_bytes = 0;
+  verbs::MemoryRegion credit_mr;
+  verbs::CompletionQueue cq;
+  std::vector<PeerLink> peers;
+  // TCP peers: the listening socket (set-up only) and its port.
+  bool tcp = false;
+  Fd listener;
+  int port = 0;
+
+  mutable std::mutex mu;  // the plan (PeerLink::send_len/recv_len/planned_*) and error
+  Status error;
+
+  std::atomic<bool> stop{false};
+  std::atomic<bool> draining{false};
+  std::thread worker;
+
+  uint8_t* slot(int p, bool recv_side, uint64_t msg) const {
+    const PeerLink& l = peers[size_t(p)];
+    const size_t at = size_t(msg % cfg.slots) * cfg.slot_bytes;
+    if (l.peer.direct) return recv_side ? direct.base + l.recv_off + at : l.peer_region.base + l.peer_recv_off + at;
+    return region.base + (recv_side ? l.recv_off : l.send_off) + at;
+  }
+  GdrWords* direct_words(int p) const {
+    return reinterpret_cast<GdrWords*>(direct.base + gdr_link_detail::kDirectWordsOffset) + p;
+  }
+  std::string peer_name(int r) const {
+    return "rank " + std::to_string(r) +
+           (size_t(r) < cfg.hosts.size() ? " (host " + cfg.hosts[r] + ")" : std::string());
+  }
+  int by_qpn(uint32_t qpn) const {
+    for (size_t i = 0; i < peers.size(); ++i) {
+      if (!peers[i].peer.direct && peers[i].qp.qpn() == qpn) return int(i);
+    }
+    return -1;
+  }
+
+  Status setup_local(const GdrRegionMaker& make_region);
+  Status open_nic();
+  Status setup_queue_pairs(size_t credit_bytes);
+  void run();
+  void fail(Status s);
+  std::string stall(const PeerLink& l, uint64_t planned_sends, uint64_t planned_recvs) const;
+  void log_outstanding(const char* how, const std::vector<uint64_t>& planned_s,
+                       const std::vector<uint64_t>& planned_r) const;
+  // Shared by both workers: publishes peer i's landed messages that are planned (checked
+  // against the plan, flushed); false after a failure.
+  bool publish_landed(size_t i, uint64_t planned_recvs, bool* progress);
+  // The stall error of the peer waited for first (both workers, after the op timeout).
+  Status stalled(const std::vector<uint64_t>& planned_s, const std::vector<uint64_t>& planned_r) const;
+
+  // gdr_link_tcp.cc: listen (setup_local), connect every TCP peer with the nonce and the
+  // peers' endpoints (by world rank; set-up round 2), and the worker of TCP peers.
+  Status tcp_listen();
+  Status tcp_connect(const std::vector<gdr_link_detail::TcpEndpoint>& ends, const uint8_t* nonce);
+  void run_tcp();
+};
+
+}  // namespace gradsync
