@@ -492,13 +492,7 @@ void GdrLink::Impl::run() {
   std::vector<uint64_t> planned_s(peers.size()), planned_r(peers.size());
   while (!stop.load(std::memory_order_acquire)) {
     bool progress = false;
-    {
-      std::lock_guard lock(mu);
-      for (size_t i = 0; i < peers.size(); ++i) {
-        planned_s[i] = peers[i].planned_sends;
-        planned_r[i] = peers[i].planned_recvs;
-      }
-    }
+    snapshot_planned(planned_s, planned_r);
     // Sends: filled by the stream, a free receive slot at the peer, room in the SQ.
     for (size_t i = 0; i < peers.size(); ++i) {
       PeerLink& l = peers[i];

@@ -162,6 +162,14 @@ struct GdrLink::Impl {
   void run();
   void fail(Status s);
   std::string stall(const PeerLink& l, uint64_t planned_sends, uint64_t planned_recvs) const;
+  // Every peer's planned sends and receives so far, under the lock (a worker's loop reads them once a pass).
+  void snapshot_planned(std::vector<uint64_t>& sends, std::vector<uint64_t>& recvs) {
+    std::lock_guard lock(mu);
+    for (size_t i = 0; i < peers.size(); ++i) {
+      sends[i] = peers[i].planned_sends;
+      recvs[i] = peers[i].planned_recvs;
+    }
+  }
   void log_outstanding(const char* how, const std::vector<uint64_t>& planned_s,
                        const std::vector<uint64_t>& planned_r) const;
   // Shared by both workers: publishes peer i's landed messages that are planned (checked

@@ -283,13 +283,7 @@ void GdrLink::Impl::run_tcp() {
   };
   while (!stop.load(std::memory_order_acquire)) {
     bool progress = false, pending = false;
-    {
-      std::lock_guard lock(mu);
-      for (size_t i = 0; i < peers.size(); ++i) {
-        planned_s[i] = peers[i].planned_sends;
-        planned_r[i] = peers[i].planned_recvs;
-      }
-    }
+    snapshot_planned(planned_s, planned_r);
     for (size_t i = 0; i < peers.size(); ++i) {
       PeerLink& l = peers[i];
       TcpConn& t = l.tcp;
