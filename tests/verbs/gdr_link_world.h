@@ -356,4 +356,24 @@ inline void expect_reduce_scatter(Ring& ring, int n, size_t count, plan::Algo al
   }
 }
 
+// all_gather of 77 int64 per rank, then a broadcast of 1001 from the last rank (on `bcast`):
+// every rank gets every block, and the root's data.
+inline void expect_all_gather_and_broadcast(Ring& ring, int n, plan::Algo bcast) {
+  auto send = inputs(n, 77);
+  std::vector<std::vector<int64_t>> gathered(n, std::vector<int64_t>(77 * size_t(n), -1));
+  auto st = ring.collective(CollectiveKind::kAllGather, {77}, 0, send, gathered, plan::Algo::kRing);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    for (int q = 0; q < n; ++q)
+      for (size_t i = 0; i < 77; ++i) ASSERT_EQ(gathered[r][size_t(q) * 77 + i], send[q][i]) << "all_gather rank " << r;
+  }
+  auto recv = inputs(n, 1001);
+  const auto root_data = recv[size_t(n - 1)];
+  st = ring.collective(CollectiveKind::kBroadcast, {1001}, n - 1, send, recv, bcast);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << st[r].to_string();
+    ASSERT_EQ(recv[r], root_data) << "broadcast rank " << r;
+  }
+}
+
 }  // namespace gradsync::gdr_link_world
