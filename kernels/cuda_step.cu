@@ -1,4 +1,4 @@
-// The fused step kernel (cuda_step.cuh).
+// The step kernel (cuda_step.cuh).
 #include "kernels/cuda_step.cuh"
 
 #include <cuda_runtime.h>
@@ -24,20 +24,47 @@ constexpr size_t kBytesPerBlock = size_t(64) << 10;
 
 __device__ inline unsigned mis16(const void* p) { return unsigned(reinterpret_cast<uintptr_t>(p) & 15u); }
 
-// Thread 0 of a block: every wait of the step. False when one failed or an earlier wait of
-// the stream had (its error recorded: the rest of the queue drains at once).
-__device__ bool wait_all(const StepLaunch& s) {
-  const uint64_t start = now_ns();
-  for (int w = 0; w < s.nwaits; ++w) {
+// The table's error and abort words and deadline, as the node kernels' waits take them.
+__device__ inline NodeArgs wait_args(const StepTable& s) {
+  NodeArgs a;
+  a.error = s.error;
+  a.abort = s.abort;
+  a.timeout_ns = s.timeout_ns;
+  return a;
+}
+
+// Thread 0 of a block: every wait of step `st`. False when one failed or another block's
+// wait had (its error recorded). The words are polled in GPU memory (or the mapped words'
+// device view); the error and abort words, in host memory, only every 128 polls, as the node
+// kernels' waits do: a read of host memory per poll from every block of every rank on a GPU
+// queued enough reads on its PCIe link to slow every wait.
+__device__ bool wait_all(const StepTable& s, const TableStep& st) {
+  const NodeArgs a = wait_args(s);
+  for (int w = st.wait; w < st.wait + st.nwaits; ++w) {
     const StepWait& x = s.waits[w];
-    while (load_acquire(x.word) < x.value) {
+    if (!node::wait_at_least(x.word, x.value, a, x.peer, x.what)) return false;
+  }
+  return true;
+}
+
+// Thread 0 of a block: every block has finished step k (its counter), polled as wait_all's
+// words are. The abort word and the op timeout end it too, though no barrier should reach
+// them first: the block it waits for is itself waiting for a peer, bounded.
+__device__ bool wait_blocks(const StepTable& s, int k) {
+  const volatile uint32_t* c = s.counters + k;
+  if (*c >= gridDim.x) return true;
+  const uint64_t start = now_ns();
+  for (uint32_t n = 1;; ++n) {
+    if (*c >= gridDim.x) break;
+    if (n > 64) __nanosleep(n > 4096 ? 1000 : 32);
+    if ((n & 127) == 0) {
       if (host_word(&s.error->code) != 0) return false;
-      if (host_word(s.abort) != 0) return fail(s.error, 2, x.peer, x.what), false;
-      if (now_ns() - start > s.timeout_ns) return fail(s.error, 1, x.peer, x.what), false;
-      __nanosleep(64);
+      if (host_word(s.abort) != 0) return fail(s.error, 2, -1, 5), false;
+      if (now_ns() - start > s.timeout_ns) return fail(s.error, 1, -1, 5), false;
     }
   }
-  return host_word(&s.error->code) == 0;
+  __threadfence();  // the other blocks' stores before their counts
+  return true;
 }
 
 __device__ void copy_range(uint8_t* dst, const uint8_t* src, size_t bytes) {
@@ -62,54 +89,71 @@ __device__ void reduce_range(S* out1, S* out2, const S* a, const S* b, size_t n,
 
 // Op: the reductions before the last; OpF: the last (kAvg divides there).
 template <class Tr, class Op, class OpF>
-__global__ void __launch_bounds__(kThreads) step_kernel(const StepLaunch s, Op op, OpF op_final) {
+__global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ StepTable s, Op op, OpF op_final) {
   using S = typename Tr::S;
   __shared__ int go;
-  if (threadIdx.x == 0) go = wait_all(s) ? 1 : 0;
-  __syncthreads();
-  // This block's elements: a multiple of 16 of them from the start, so every pointer keeps its
-  // offset modulo 16 and the block's loops vectorise as a whole-step kernel's would.
-  const size_t per = ((s.count + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
-  const size_t lo = size_t(blockIdx.x) * per;
-  const size_t n = lo < s.count ? (s.count - lo < per ? s.count - lo : per) : 0;
-  if (go && n > 0) {
-    for (int i = 0; i < s.nops; ++i) {
-      const StepOp& o = s.ops[i];
-      if (o.kind == StepOpKind::kCopy) {
-        copy_range(static_cast<uint8_t*>(o.dst) + lo * sizeof(S), static_cast<const uint8_t*>(o.a) + lo * sizeof(S),
-                   n * sizeof(S));
-      } else {
-        S* d2 = o.dst2 ? static_cast<S*>(o.dst2) + lo : nullptr;
-        S* d = static_cast<S*>(o.dst) + lo;
-        const S* a = static_cast<const S*>(o.a) + lo;
-        const S* b = static_cast<const S*>(o.b) + lo;
-        if (o.kind == StepOpKind::kReduce) {
-          reduce_range<S>(d, nullptr, a, b, n, op);
+  // Thread 0: false once a wait of this block failed, or when an earlier launch's had when
+  // this one started (the rest of the stream's queue then drains at once).
+  bool alive = true;
+  if (threadIdx.x == 0) alive = host_word(&s.error->code) == 0;
+  for (int k = 0; k < s.nsteps; ++k) {
+    const TableStep& st = s.steps[k];
+    if (threadIdx.x == 0) {
+      alive = alive && (st.barrier == 0 || k == 0 || wait_blocks(s, k - 1)) && wait_all(s, st);
+      go = alive ? 1 : 0;
+    }
+    __syncthreads();
+    // This block's elements: a multiple of 16 of them from the start, so every pointer keeps
+    // its offset modulo 16 and the block's loops vectorise as a whole-step kernel's would.
+    const size_t per = ((st.count + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
+    const size_t lo = size_t(blockIdx.x) * per;
+    const size_t n = lo < st.count ? (st.count - lo < per ? st.count - lo : per) : 0;
+    if (go && n > 0) {
+      for (int i = st.op; i < st.op + st.nops; ++i) {
+        const StepOp& o = s.ops[i];
+        if (o.kind == StepOpKind::kCopy) {
+          copy_range(static_cast<uint8_t*>(o.dst) + lo * sizeof(S), static_cast<const uint8_t*>(o.a) + lo * sizeof(S),
+                     n * sizeof(S));
         } else {
-          reduce_range<S>(d, d2, a, b, n, op_final);
+          S* d2 = o.dst2 ? static_cast<S*>(o.dst2) + lo : nullptr;
+          S* d = static_cast<S*>(o.dst) + lo;
+          const S* a = static_cast<const S*>(o.a) + lo;
+          const S* b = static_cast<const S*>(o.b) + lo;
+          if (o.kind == StepOpKind::kReduce) {
+            reduce_range<S>(d, nullptr, a, b, n, op);
+          } else {
+            reduce_range<S>(d, d2, a, b, n, op_final);
+          }
         }
+        __syncthreads();  // the next operation may read what this one wrote
       }
-      __syncthreads();  // the next operation may read what this one wrote
+    }
+    // The signals, once every block's stores are visible to the peers and the host. Signals
+    // go out after a failed wait too: the error is recorded and the job fails, and a peer's
+    // wait then ends at once instead of spending its own timeout.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      if (atomicAdd(s.counters + k, 1u) == gridDim.x - 1) {
+        __threadfence_system();
+        for (int i = st.signal; i < st.signal + st.nsignals; ++i) store_release(s.signals[i].word, s.signals[i].value);
+      }
     }
   }
-  // The signals, once every block's stores are visible to the peers and the host. Signals go
-  // out after a failed wait too: the error is recorded and the job fails, and a peer's wait
-  // then ends at once instead of spending its own timeout.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    if (atomicAdd(s.finished, 1u) == gridDim.x - 1) {
-      *s.finished = 0;  // for the stream's next step (launches on one stream do not overlap)
-      __threadfence_system();
-      for (int i = 0; i < s.nsignals; ++i) store_release(s.signals[i].word, s.signals[i].value);
-    }
+  // The last block to end zeroes the counters for the stream's next launch (launches on one
+  // stream do not overlap); every other block has stopped reading them by then.
+  if (threadIdx.x == 0 && atomicAdd(s.counters + kTableMaxSteps, 1u) == gridDim.x - 1) {
+    for (int k = 0; k < s.nsteps; ++k) s.counters[k] = 0;
+    s.counters[kTableMaxSteps] = 0;
   }
 }
 
 template <class Tr, class Op, class OpF>
-cudaError_t launch_as(const StepLaunch& s, Op op, OpF op_final, cudaStream_t stream) {
-  const size_t bytes = s.count * sizeof(typename Tr::S);
-  const unsigned blocks = unsigned(std::clamp<size_t>((bytes + kBytesPerBlock - 1) / kBytesPerBlock, 1, kStepMaxBlocks));
+cudaError_t launch_as(const StepTable& s, Op op, OpF op_final, cudaStream_t stream) {
+  size_t count = 0;
+  for (int k = 0; k < s.nsteps; ++k) count = std::max(count, s.steps[k].count);
+  const size_t bytes = count * sizeof(typename Tr::S);
+  const unsigned blocks = unsigned(std::clamp<size_t>((bytes + kBytesPerBlock - 1) / kBytesPerBlock, 1, s.max_blocks));
   step_kernel<Tr, Op, OpF><<<blocks, kThreads, 0, stream>>>(s, op, op_final);
   return cudaGetLastError();
 }
@@ -131,13 +175,19 @@ bool aligned(const void* p, size_t a) { return p == nullptr || reinterpret_cast<
 
 }  // namespace
 
-cudaError_t launch_step(const StepLaunch& s, DataType type, ReduceOp op, cudaStream_t stream) {
+cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStream_t stream) {
   const size_t es = esize(type);
   if (es == 0 || unsigned(op) >= unsigned(kNumReduceOps) || s.divisor < 1) return cudaErrorInvalidValue;
-  if (s.nwaits < 0 || s.nwaits > kStepMaxWaits || s.nops < 0 || s.nops > kStepMaxOps || s.nsignals < 0 ||
-      s.nsignals > kStepMaxSignals)
+  if (s.nsteps < 0 || s.nsteps > kTableMaxSteps || s.nwaits < 0 || s.nwaits > kTableMaxWaits || s.nops < 0 ||
+      s.nops > kTableMaxOps || s.nsignals < 0 || s.nsignals > kTableMaxSignals)
     return cudaErrorInvalidValue;
-  if (s.finished == nullptr || s.error == nullptr || s.abort == nullptr) return cudaErrorInvalidValue;
+  if (s.counters == nullptr || s.error == nullptr || s.abort == nullptr) return cudaErrorInvalidValue;
+  if (s.max_blocks < 1 || s.max_blocks > kStepMaxBlocks) return cudaErrorInvalidValue;
+  for (int k = 0; k < s.nsteps; ++k) {
+    const TableStep& st = s.steps[k];
+    if (st.wait + st.nwaits > s.nwaits || st.op + st.nops > s.nops || st.signal + st.nsignals > s.nsignals)
+      return cudaErrorInvalidValue;
+  }
   for (int i = 0; i < s.nwaits; ++i)
     if (s.waits[i].word == nullptr) return cudaErrorInvalidValue;
   for (int i = 0; i < s.nsignals; ++i)
@@ -149,6 +199,7 @@ cudaError_t launch_step(const StepLaunch& s, DataType type, ReduceOp op, cudaStr
     if (!aligned(o.dst, es) || !aligned(o.dst2, es) || !aligned(o.a, es) || !aligned(o.b, es))
       return cudaErrorInvalidValue;
   }
+  if (s.nsteps == 0) return cudaSuccess;
   return with_traits(type, [&]<class Tr>() {
     return with_ops<Tr>(op, s.divisor, [&]<class T, class Op, class OpF>(Op o, OpF f) {
       return launch_as<T>(s, o, f, stream);

@@ -1,17 +1,28 @@
-// One step of the planner's schedule as one kernel (runtime/gpu/step_runner.h): its waits,
-// its copies and reductions, and its signals, fused. The step runner asked the stream for
-// them one by one; a kernel each (a wait kernel per peer, a copy or reduce kernel per
-// operand, a signal kernel per message) made a ring step of 5 launches. Here the stream
-// collects a step's parts (StepLaunch) and launches once.
+// The steps of the planner's schedule as kernels (runtime/gpu/step_runner.h): one launch runs
+// a run of steps of a call, each step's waits, copies and reductions, and signals, so a ring
+// call of 2 (n-1) steps per channel is one kernel, not a chain of them. The stream collects
+// the steps (StepTable) and launches once per table; a call of more steps than a table holds
+// takes several launches in order.
 //
-// Every block waits for the step's words itself (its thread 0: each wait bounded by the op
-// timeout and the abort word, as launch_wait_host's), then runs every operation of the step
-// over its own range of the step's elements, in order, with a block barrier between them: an
-// operation that reads what the one before wrote (a fold into a slot, then that slot copied
-// on) reads only what its own block wrote, so no block waits for another. The last block to
-// finish (a counter in device memory) stores the signals, after every block's fence: a peer
-// that sees a signal sees the whole message. Blocks: one per 64 KiB of the step, at most
-// kStepMaxBlocks: a step of a small call is one block, one spinning thread.
+// Every block runs every step: its thread 0 waits for the step's words (each wait bounded by
+// the op timeout and the abort word, as launch_wait_host's), then the block runs the step's
+// operations over its own range of the step's elements, in order, with a block barrier between
+// them: an operation that reads what the one before wrote (a fold into a slot, then that slot
+// copied on) reads only what its own block wrote. The last block to finish a step (a counter
+// per step in device memory) stores the step's signals after every block's fence: a peer that
+// sees a signal sees the whole message. Blocks go on to the next step without waiting for each
+// other, except before a step marked `barrier`: there every block first waits until every
+// block has finished the steps before it. The stream marks a step so when it touches memory
+// that an earlier step of the table touched through another partition (a range written by one
+// and read or written by the other that is not the same range of the same length): a block
+// would otherwise read a range another block had not yet written, or overwrite one it had not
+// yet read. Slots between messages need no barrier: a slot is written again only after the
+// peer's signal that it has read it, which came after every block of this rank had finished.
+//
+// Blocks: one per 64 KiB of the table's largest step, at most kStepMaxBlocks (a small call is
+// one block, one spinning thread), and at most the table's max_blocks. Every block of a launch
+// must be resident at once (the barriers wait for each other), as must every rank's kernel on
+// one GPU: the communicator caps the blocks at the multiprocessors over the ranks sharing it.
 //
 // Numeric results are the loops of cuda_reduce_body.cuh, the same bytes as launch_reduce and
 // launch_reduce_final for the same operands in the same order.
@@ -27,10 +38,14 @@
 
 namespace gradsync::kernels {
 
-constexpr int kStepMaxWaits = 16;
-constexpr int kStepMaxOps = 16;
-constexpr int kStepMaxSignals = 16;
+constexpr int kTableMaxSteps = 64;
+constexpr int kTableMaxWaits = 128;
+constexpr int kTableMaxOps = 128;
+constexpr int kTableMaxSignals = 128;
 constexpr unsigned kStepMaxBlocks = 32;
+// Device memory words a communicator keeps for the launches (zero between them): a counter
+// per step and one of the blocks that ended.
+constexpr size_t kStepCounterWords = size_t(kTableMaxSteps) + 1;
 
 struct StepWait {
   const uint64_t* word = nullptr;  // device view: GPU memory, a peer's by CUDA IPC, or mapped host memory
@@ -50,28 +65,36 @@ struct StepSignal {
   uint64_t* word = nullptr;
   uint64_t value = 0;
 };
-
-// A kernel parameter (by value): about 1.3 KiB.
-struct StepLaunch {
-  StepWait waits[kStepMaxWaits];
-  StepOp ops[kStepMaxOps];
-  StepSignal signals[kStepMaxSignals];
-  int nwaits = 0, nops = 0, nsignals = 0;
+// A step: its parts are [wait, wait + nwaits) of the table's waits, and so on.
+struct TableStep {
   size_t count = 0;  // elements of every operation of the step
+  uint16_t wait = 0, nwaits = 0, op = 0, nops = 0, signal = 0, nsignals = 0;
+  uint32_t barrier = 0;  // nonzero: every block finishes the steps before this one first
+};
+
+// A kernel parameter (by value, read in place: __grid_constant__): about 12 KiB.
+struct StepTable {
+  TableStep steps[kTableMaxSteps];
+  StepWait waits[kTableMaxWaits];
+  StepOp ops[kTableMaxOps];
+  StepSignal signals[kTableMaxSignals];
+  int nsteps = 0, nwaits = 0, nops = 0, nsignals = 0;
   // kAvg: the divisor of kReduceFinal (kReduce sums).
   int divisor = 1;
   const uint32_t* abort = nullptr;  // mapped host memory; nonzero ends the waits
   NodeError* error = nullptr;       // mapped host memory
   uint64_t timeout_ns = 0;
-  // Device memory, zero between launches: the blocks that finished. Launches that use one
-  // counter must not overlap (one stream).
-  uint32_t* finished = nullptr;
+  // The most blocks (1 .. kStepMaxBlocks): ranks that share a GPU divide its multiprocessors.
+  unsigned max_blocks = kStepMaxBlocks;
+  // Device memory, kStepCounterWords words, zero between launches (the last block to end
+  // zeroes them). Launches that use them must not overlap (one stream).
+  uint32_t* counters = nullptr;
 };
 
-// Queues the step on `stream`: type and op apply to every reduction. cudaErrorInvalidValue
-// (nothing queued) for a bad type or op, pointers not aligned to the element size, counts
-// over the limits, or a missing counter, error word or abort word.
-cudaError_t launch_step(const StepLaunch& step, DataType type, ReduceOp op, cudaStream_t stream);
+// Queues the table's steps on `stream`: type and op apply to every reduction.
+// cudaErrorInvalidValue (nothing queued) for a bad type or op, pointers not aligned to the
+// element size, parts outside the table, or a missing counter, error word or abort word.
+cudaError_t launch_steps(const StepTable& table, DataType type, ReduceOp op, cudaStream_t stream);
 
 // Loads every instantiation of the step kernel now (load_reduce_kernels says why).
 cudaError_t load_step_kernels();

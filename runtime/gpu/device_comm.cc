@@ -73,6 +73,7 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
       return Status(Code::kInternal, d->who() + ": loading the GPU kernels: " + cudaGetErrorString(e));
     }
     GS_RETURN_IF_ERROR(d->agree_algorithm());
+    GS_RETURN_IF_ERROR(d->count_gpu_shares());
     bool ipc = false;
     if (cfg.local_world_size == cfg.world_size && cfg.world_size <= kernels::kMaxNodeRanks &&
         std::getenv("GRADSYNC_GPU_STAGED") == nullptr) {
@@ -124,6 +125,24 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
   return d;
 }
 
+// Collective over the whole world: how many ranks share this rank's GPU. A GPU is its
+// machine's name and its PCI address (ranks of several nodes declared on one machine, as the
+// tests do, share it too).
+Status DeviceComm::count_gpu_shares() {
+  char bus[32] = {};
+  (void)cudaDeviceGetPCIBusId(bus, sizeof(bus) - 1, cfg_.device);
+  (void)cudaGetLastError();
+  char host[256] = {};
+  (void)::gethostname(host, sizeof(host) - 1);
+  const int64_t key = int64_t(std::hash<std::string>{}(std::string(host) + "/" + bus) >> 2) | 1;
+  std::vector<int64_t> keys(size_t(cfg_.world_size), 0);
+  keys[size_t(cfg_.rank)] = key;
+  GS_RETURN_IF_ERROR(
+      ops_.allreduce_now(keys.data(), keys.data(), keys.size(), DataType::kInt64, ReduceOp::kSum));
+  impl_->gpu_shares = int(std::count(keys.begin(), keys.end(), key));
+  return Status::Ok();
+}
+
 // Collective over the whole world (every rank calls it at the same point): the CUDA IPC
 // kernels among the ranks of `group` (world ranks in rank order, this rank among them: every
 // rank on one node, or this node's ranks on the hierarchical path). *usable is agreed.
@@ -136,21 +155,8 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
   cudaDeviceProp prop{};
   GS_CUDA(cudaGetDeviceProperties(&prop, cfg_.device), "cudaGetDeviceProperties");
   // Every rank's kernel must be resident at once (the blocks wait on each other): ranks that
-  // share a GPU share its SMs. A GPU is its machine's name and its PCI address (ranks of
-  // several nodes declared on one machine, as the tests do, share it too).
-  int shares = 1;
-  {
-    char bus[32] = {};
-    (void)cudaDeviceGetPCIBusId(bus, sizeof(bus) - 1, cfg_.device);
-    (void)cudaGetLastError();
-    char host[256] = {};
-    (void)::gethostname(host, sizeof(host) - 1);
-    const int64_t key = int64_t(std::hash<std::string>{}(std::string(host) + "/" + bus) >> 2) | 1;
-    std::vector<int64_t> keys(size_t(world), 0);
-    keys[size_t(cfg_.rank)] = key;
-    GS_RETURN_IF_ERROR(ops_.allreduce_now(keys.data(), keys.data(), size_t(world), DataType::kInt64, ReduceOp::kSum));
-    shares = int(std::count(keys.begin(), keys.end(), key));
-  }
+  // share a GPU share its SMs (count_gpu_shares).
+  const int shares = m.gpu_shares;
   // Defaults measured on 2 H200s over NVLink (docs/benchmarks.md): 128 blocks of 256 KiB
   // chunks reach NCCL's bus bandwidth; the chunk shrinks with more ranks so that the region
   // stays 256 MiB. The low-latency protocol below GRADSYNC_GPU_LL_MAX bytes.
@@ -429,6 +435,8 @@ Status DeviceComm::fail_from_error_word() {
   std::string what;
   if (e.what == 2) {
     what = "the stream waited for host-staged results";
+  } else if (e.what == 5) {
+    what = "block " + std::to_string(e.block) + " of a step kernel waited for the kernel's other blocks";
   } else if (e.what == 3 || e.what == 4) {
     const std::string peer = "rank " + std::to_string(e.peer) +
                              (size_t(e.peer) < cfg_.hosts.size() ? " (host " + cfg_.hosts[e.peer] + ")" : "");

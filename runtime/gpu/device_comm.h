@@ -159,6 +159,7 @@ class DeviceComm {
  private:
   DeviceComm(DeviceCommConfig cfg, HostOps ops);
   Status setup_ipc(const std::vector<int>& group, bool* usable);
+  Status count_gpu_shares();
   void release_ipc();
   Status setup_staged();
   Status setup_gdr();

@@ -9,6 +9,7 @@
 #include "gpu/device_comm.h"
 #include "gpu/device_comm_impl.h"
 #if GRADSYNC_HAVE_GDR
+#include "kernels/cuda_step.cuh"
 #include "topology/gpudirect.h"
 #endif
 
@@ -23,6 +24,17 @@ GdrConfig DeviceComm::gdr_config() const {
   Impl& m = *impl_;
   GdrConfig g;
   g.device = cfg_.device;
+  {
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, cfg_.device) != cudaSuccess) {
+      (void)cudaGetLastError();
+      sms = 1;
+    }
+    // GRADSYNC_GPU_STEP_BLOCKS lowers the cap (to compare).
+    const int cap = int(std::min<long>(env_positive("GRADSYNC_GPU_STEP_BLOCKS", kernels::kStepMaxBlocks),
+                                       kernels::kStepMaxBlocks));
+    g.max_blocks = unsigned(std::clamp(sms / std::max(1, m.gpu_shares), 1, cap));
+  }
   GdrLinkConfig& l = g.link;
   l.who = who();
   l.rank = cfg_.rank;

@@ -164,6 +164,7 @@ struct DeviceComm::Impl {
   kernels::NodeLayout layout;
   kernels::NodeArgs args;
   std::vector<int> group;
+  int gpu_shares = 1;  // ranks on this rank's GPU, this one included (count_gpu_shares)
   // GRADSYNC_ALGO for GPU calls, agreed by every rank (nullopt: auto).
   std::optional<plan::Algo> env_algo;
   void* region = nullptr;

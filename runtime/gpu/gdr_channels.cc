@@ -13,6 +13,7 @@
 #include "gpu/step_runner.h"
 #include "gpu/gpu_memory_registration.h"
 #include "gpu/ipc_memory.h"
+#include "gpu/kernel_stream.h"
 #include "kernels/cuda_reduce.cuh"
 #include "kernels/cuda_step.cuh"
 #include "topology/gpudirect.h"
@@ -20,10 +21,6 @@
 
 namespace gradsync {
 namespace {
-
-// Wait kernels' `what` codes (NodeError::what; device_comm.cc words them).
-constexpr uint32_t kWaitArrival = 3;
-constexpr uint32_t kWaitSendSlot = 4;
 
 Status cuda(cudaError_t e, const std::string& what) {
   if (e == cudaSuccess) return Status::Ok();
@@ -152,130 +149,12 @@ struct GdrChannels::Impl {
   GdrWords* words = nullptr;       // one per peer, mapped pinned host memory: host view
   GdrWords* words_dev = nullptr;   // device view
   size_t nwords = 0;
-  // The fused step kernel's counter (kernels/cuda_step.cuh), in device memory; null: every
-  // step as separate kernels (GRADSYNC_GPU_STEP_FUSED=0).
-  uint32_t* step_finished = nullptr;
+  // The step kernels' counters (kernels/cuda_step.cuh), in device memory.
+  uint32_t* step_counters = nullptr;
+  KernelStreamWords stream_words;  // what the calls' KernelStreams read (gpu/kernel_stream.h)
 };
 
 namespace {
-
-// The stream's side of a step (gpu/step_runner.h) as kernels on the caller's stream.
-class KernelStream final : public StepStream {
- public:
-  KernelStream(const GdrChannels::Impl& m, cudaStream_t stream, DataType type, ReduceOp op, int divisor)
-      : m_(m), link_(*m.link), stream_(stream), type_(type), op_(op), divisor_(divisor),
-        timeout_ns_(uint64_t(m.cfg.link.op_timeout.count()) * 1'000'000ull) {}
-
-  // With the counter (the default) a step's parts are collected and queued as one fused
-  // kernel at end_step(); without it, each part is a kernel of its own.
-  Status begin_step() override {
-    step_ = kernels::StepLaunch{};
-    step_.divisor = divisor_;
-    step_.abort = m_.cfg.abort_dev;
-    step_.error = m_.cfg.error_dev;
-    step_.timeout_ns = timeout_ns_;
-    step_.finished = m_.step_finished;
-    in_step_ = m_.step_finished != nullptr;
-    return Status::Ok();
-  }
-  Status end_step() override {
-    if (!in_step_) return Status::Ok();
-    in_step_ = false;
-    if (step_.nwaits + step_.nops + step_.nsignals == 0) return Status::Ok();
-    return check(kernels::launch_step(step_, type_, op_, stream_), "step kernel");
-  }
-
-  // The link's words for peer p (a direct peer's in GPU memory, its own or the peer's; an RDMA
-  // peer's in the mapped words, seen here through their device view).
-  Status wait_arrived(int p, uint64_t v) override {
-    if (in_step_) return add_wait(dev(link_.stream_words(p).arrived), v, link_.peer(p).rank, kWaitArrival);
-    return check(kernels::launch_wait_host(dev(link_.stream_words(p).arrived), v, m_.cfg.abort_dev, m_.cfg.error_dev,
-                                           timeout_ns_, nullptr, stream_, link_.peer(p).rank, kWaitArrival),
-                 "wait kernel");
-  }
-  Status wait_send_free(int p, uint64_t v) override {
-    if (in_step_) return add_wait(dev(link_.stream_words(p).send_free), v, link_.peer(p).rank, kWaitSendSlot);
-    return check(kernels::launch_wait_host(dev(link_.stream_words(p).send_free), v, m_.cfg.abort_dev,
-                                           m_.cfg.error_dev, timeout_ns_, nullptr, stream_, link_.peer(p).rank,
-                                           kWaitSendSlot),
-                 "wait kernel");
-  }
-  Status signal_ready(int p, uint64_t v) override {
-    if (in_step_) return add_signal(dev(link_.stream_words(p).ready), v);
-    return check(kernels::launch_signal_host(dev(link_.stream_words(p).ready), v, nullptr, stream_), "signal kernel");
-  }
-  Status signal_consumed(int p, uint64_t v) override {
-    if (in_step_) return add_signal(dev(link_.stream_words(p).consumed), v);
-    return check(kernels::launch_signal_host(dev(link_.stream_words(p).consumed), v, nullptr, stream_),
-                 "signal kernel");
-  }
-  // Copies by a kernel, not cudaMemcpyAsync: a copy between two addresses of one device may
-  // wait for the other streams' work (CUDA's implicit synchronization), and another stream of
-  // this GPU may hold a kernel that waits for this very call (ranks sharing a GPU, or the
-  // caller's own streams).
-  Status copy(void* dst, const void* src, size_t bytes) override {
-    if (dst == src || bytes == 0) return Status::Ok();
-    if (in_step_) {
-      const size_t es = element_size(type_);
-      if (bytes % es != 0) return fused_error("a copy of " + std::to_string(bytes) + " bytes, not whole elements");
-      return add_op({kernels::StepOpKind::kCopy, dst, nullptr, src, nullptr}, bytes / es);
-    }
-    return check(kernels::launch_copy(dst, src, bytes, stream_), "copy kernel");
-  }
-  Status reduce(void* dst, const void* a, const void* b, size_t count) override {
-    if (in_step_) return add_op({kernels::StepOpKind::kReduce, dst, nullptr, a, b}, count);
-    return check(kernels::launch_reduce(type_, op_, dst, a, b, count, stream_), "reduce kernel");
-  }
-  Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) override {
-    if (in_step_) return add_op({kernels::StepOpKind::kReduceFinal, dst, dst2, a, b}, count);
-    return check(kernels::launch_reduce_final(type_, op_, dst, dst2, a, b, count, divisor_, stream_), "reduce kernel");
-  }
-
- private:
-  Status check(cudaError_t e, const char* what) const { return cuda(e, m_.cfg.link.who + ": " + what); }
-  Status fused_error(const std::string& why) const {
-    return {Code::kInternal, m_.cfg.link.who + ": fused step kernel: " + why};
-  }
-  Status add_wait(const uint64_t* word, uint64_t value, int peer, uint32_t what) {
-    if (step_.nwaits == kernels::kStepMaxWaits) return fused_error("more than " + std::to_string(kernels::kStepMaxWaits) + " waits");
-    step_.waits[step_.nwaits++] = {word, value, peer, what};
-    return Status::Ok();
-  }
-  Status add_signal(uint64_t* word, uint64_t value) {
-    if (step_.nsignals == kernels::kStepMaxSignals) return fused_error("more than " + std::to_string(kernels::kStepMaxSignals) + " signals");
-    step_.signals[step_.nsignals++] = {word, value};
-    return Status::Ok();
-  }
-  // Every operation of a step covers the step's elements (the step runner's bodies do).
-  Status add_op(const kernels::StepOp& op, size_t count) {
-    if (count == 0) return Status::Ok();
-    if (step_.nops == kernels::kStepMaxOps) return fused_error("more than " + std::to_string(kernels::kStepMaxOps) + " operations");
-    if (step_.nops > 0 && step_.count != count) {
-      return fused_error("operations of " + std::to_string(step_.count) + " and " + std::to_string(count) + " elements");
-    }
-    step_.count = count;
-    step_.ops[step_.nops++] = op;
-    return Status::Ok();
-  }
-  uint64_t* dev(uint64_t* w) const {
-    auto* at = reinterpret_cast<uint8_t*>(w);
-    auto* lo = reinterpret_cast<uint8_t*>(m_.words);
-    if (at >= lo && at < lo + m_.nwords * sizeof(GdrWords)) {
-      return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(m_.words_dev) + (at - lo));
-    }
-    return w;
-  }
-
-  const GdrChannels::Impl& m_;
-  const GdrLink& link_;
-  cudaStream_t stream_;
-  DataType type_;
-  ReduceOp op_;
-  int divisor_;
-  uint64_t timeout_ns_;
-  kernels::StepLaunch step_;
-  bool in_step_ = false;
-};
 
 std::vector<int> members_of(const GdrConfig& cfg) {
   if (!cfg.members.empty()) return cfg.members;
@@ -307,7 +186,7 @@ GdrChannels::GdrChannels(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 GdrChannels::~GdrChannels() {
   impl_->link.reset();  // stops the worker before the words go
   if (impl_->words) (void)cudaFreeHost(impl_->words);
-  if (impl_->step_finished) (void)cudaFree(impl_->step_finished);
+  if (impl_->step_counters) (void)cudaFree(impl_->step_counters);
 }
 
 uint64_t GdrChannels::slot_region_bytes(const GdrConfig& cfg) {
@@ -382,18 +261,17 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
     if (!f.ok()) local_why = f.status().message();
     else flush_needed = *f;
   }
-  // The fused step kernel's counter (GRADSYNC_GPU_STEP_FUSED=0: a kernel per wait, operation
-  // and signal instead, for comparison). Allocated here, while every rank is in this
-  // collective set-up: a cudaMalloc may wait for the kernels of the context, which for ranks
-  // sharing a GPU could be a peer's first step waiting for this rank.
-  const char* fused = std::getenv("GRADSYNC_GPU_STEP_FUSED");
-  if (local_why.empty() && m.step_finished == nullptr && (fused == nullptr || std::strcmp(fused, "0") != 0)) {
+  // The step kernels' counters. Allocated here, while every rank is in this collective
+  // set-up: a cudaMalloc may wait for the kernels of the context, which for ranks sharing a
+  // GPU could be a peer's first step waiting for this rank.
+  if (local_why.empty() && m.step_counters == nullptr) {
+    const size_t bytes = kernels::kStepCounterWords * sizeof(uint32_t);
     void* p = nullptr;
-    if (Status a = cuda(cudaMalloc(&p, sizeof(uint32_t)), "cudaMalloc of the step counter"); !a.ok()) {
+    if (Status a = cuda(cudaMalloc(&p, bytes), "cudaMalloc of the step counters"); !a.ok()) {
       local_why = a.message();
     } else {
-      m.step_finished = static_cast<uint32_t*>(p);
-      if (Status z = cuda(cudaMemset(p, 0, sizeof(uint32_t)), "cudaMemset of the step counter"); !z.ok()) {
+      m.step_counters = static_cast<uint32_t*>(p);
+      if (Status z = cuda(cudaMemset(p, 0, bytes), "cudaMemset of the step counters"); !z.ok()) {
         local_why = z.message();
       }
     }
@@ -479,6 +357,17 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   }
   m.link = std::move(link).value();
   m.runner = std::make_unique<StepRunner>(m.link.get());
+  KernelStreamWords& sw = m.stream_words;
+  sw.link = m.link.get();
+  sw.host = reinterpret_cast<const uint8_t*>(m.words);
+  sw.device = reinterpret_cast<uint8_t*>(m.words_dev);
+  sw.bytes = m.nwords * sizeof(GdrWords);
+  sw.abort = cfg.abort_dev;
+  sw.error = cfg.error_dev;
+  sw.counters = m.step_counters;
+  sw.timeout_ns = uint64_t(cfg.link.op_timeout.count()) * 1'000'000ull;
+  sw.max_blocks = cfg.max_blocks;
+  sw.who = cfg.link.who;
   m.gpu_slots = in_host->empty() && !cfg.tcp;
   if (m.channels.shape.node_count() == 1) {  // no RDMA: every hop by CUDA IPC
     m.description = "CUDA IPC steps (ring and double binary tree on this node) over " + m.link->describe();
@@ -540,7 +429,7 @@ Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int av
   if (!steps.ok()) return Status(steps.status().code(), m.cfg.link.who + ": " + steps.status().message());
   // Broadcast has one buffer (the recv buffer), read on the root and written elsewhere.
   const void* input = c.kind == CollectiveKind::kBroadcast ? c.recv : c.send;
-  KernelStream ks(m, stream, c.type, c.op, divisor);
+  KernelStream ks(m.stream_words, stream, c.type, c.op, divisor);
   Status s = m.runner->run(*steps, m.channels.members, input, c.recv, es, ks);
   if (!s.ok()) return Status(s.code(), m.cfg.link.who + ": " + s.message());
   return s;

@@ -45,6 +45,9 @@ struct GdrConfig {
   // hosts of link.hosts (several daemons on one machine are then one node).
   std::vector<std::string> nodes;
   int device = 0;      // the CUDA device
+  // The most blocks of a step kernel (kernels/cuda_step.cuh): every block of every rank on
+  // this GPU must be resident at once, so ranks that share a GPU share its multiprocessors.
+  unsigned max_blocks = 32;
   // The hops between ranks of one node go through CUDA IPC (the peer's receive slots and words
   // mapped into this process; NVLink where the GPUs have it), not through the NIC. Agreed at
   // set-up (off on any rank: off on all); where some pair cannot map the other's memory every

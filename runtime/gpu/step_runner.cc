@@ -273,7 +273,8 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     for (int j = 0; j < st.nrecv && s.ok(); ++j) s = stream.signal_consumed(rp[j], ++received_[size_t(rp[j])]);
     if (s.ok()) s = stream.end_step();
   }
-  return s;
+  Status queued = stream.end_call();
+  return s.ok() ? queued : s;
 }
 
 }  // namespace gradsync

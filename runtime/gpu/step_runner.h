@@ -84,10 +84,12 @@ class StepStream {
   virtual Status copy(void* dst, const void* src, size_t bytes) = 0;
   virtual Status reduce(void* dst, const void* a, const void* b, size_t count) = 0;
   virtual Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) = 0;
-  // Around each step's calls above: a stream may collect a step's waits, operations and
-  // signals and queue them as one (the GPU's fused step kernel, kernels/cuda_step.cuh).
+  // Around each step's calls above, and after a call's last step (also after an error, for
+  // the steps queued before it): a stream may collect a step's waits, operations and signals,
+  // and a call's steps, and queue them as one (the GPU's step kernel, kernels/cuda_step.cuh).
   virtual Status begin_step() { return Status::Ok(); }
   virtual Status end_step() { return Status::Ok(); }
+  virtual Status end_call() { return Status::Ok(); }
 };
 
 class StepRunner {

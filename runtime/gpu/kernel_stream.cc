@@ -1,0 +1,167 @@
+#include "gpu/kernel_stream.h"
+
+
+namespace gradsync {
+namespace {
+
+// The waits' `what` codes (NodeError::what; device_comm.cc words them).
+constexpr uint32_t kWaitArrival = 3;
+constexpr uint32_t kWaitSendSlot = 4;
+// Ranges a table remembers before it gives its next step a barrier and forgets them.
+constexpr size_t kMaxTouched = 256;
+
+}  // namespace
+
+KernelStream::KernelStream(const KernelStreamWords& w, cudaStream_t stream, DataType type, ReduceOp op,
+                           int divisor, Launch launch)
+    : w_(w), stream_(stream), type_(type), op_(op), divisor_(divisor), launch_(std::move(launch)),
+      table_(std::make_unique<kernels::StepTable>()) {
+  if (!launch_) {
+    launch_ = [this](const kernels::StepTable& t) { return kernels::launch_steps(t, type_, op_, stream_); };
+  }
+}
+
+Status KernelStream::error(const std::string& why) const {
+  return {Code::kInternal, w_.who + ": step kernel: " + why};
+}
+
+Status KernelStream::begin_step() {
+  step_ = kernels::TableStep{};
+  waits_.clear();
+  ops_.clear();
+  signals_.clear();
+  return Status::Ok();
+}
+
+// Two ranges of the call's memory conflict across steps when one writes what the other
+// touches and they are not the same range: the same range of the same length is split among
+// the blocks the same way in both steps, so each block touches only what it touched before.
+bool KernelStream::needs_barrier(const std::vector<Range>& step) const {
+  for (const Range& r : step) {
+    for (const Range& t : touched_) {
+      if (!(r.write || t.write) || r.lo >= t.hi || t.lo >= r.hi) continue;
+      if (r.lo == t.lo && r.hi == t.hi) continue;
+      return true;
+    }
+  }
+  return false;
+}
+
+Status KernelStream::end_step() {
+  if (waits_.empty() && ops_.empty() && signals_.empty()) return Status::Ok();
+  kernels::StepTable& t = *table_;
+  auto fits = [&] {
+    return t.nsteps < kernels::kTableMaxSteps && t.nwaits + int(waits_.size()) <= kernels::kTableMaxWaits &&
+           t.nops + int(ops_.size()) <= kernels::kTableMaxOps &&
+           t.nsignals + int(signals_.size()) <= kernels::kTableMaxSignals;
+  };
+  if (!fits()) GS_RETURN_IF_ERROR(flush());
+  if (!fits()) return error("a step larger than a table");
+  const size_t es = element_size(type_);
+  std::vector<Range> ranges;
+  for (const kernels::StepOp& o : ops_) {
+    const size_t bytes = step_.count * es;
+    auto add = [&](const void* p, bool write) {
+      if (p != nullptr) ranges.push_back({static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + bytes, write});
+    };
+    add(o.dst, true);
+    add(o.dst2, true);
+    add(o.a, false);
+    if (o.kind != kernels::StepOpKind::kCopy) add(o.b, false);
+  }
+  if (t.nsteps > 0 && (touched_.size() + ranges.size() > kMaxTouched || needs_barrier(ranges))) {
+    step_.barrier = 1;
+    touched_.clear();
+  }
+  touched_.insert(touched_.end(), ranges.begin(), ranges.end());
+  step_.wait = uint16_t(t.nwaits);
+  step_.nwaits = uint16_t(waits_.size());
+  step_.op = uint16_t(t.nops);
+  step_.nops = uint16_t(ops_.size());
+  step_.signal = uint16_t(t.nsignals);
+  step_.nsignals = uint16_t(signals_.size());
+  for (const auto& x : waits_) t.waits[t.nwaits++] = x;
+  for (const auto& x : ops_) t.ops[t.nops++] = x;
+  for (const auto& x : signals_) t.signals[t.nsignals++] = x;
+  t.steps[t.nsteps++] = step_;
+  return Status::Ok();
+}
+
+Status KernelStream::end_call() { return flush(); }
+
+Status KernelStream::flush() {
+  kernels::StepTable& t = *table_;
+  if (t.nsteps == 0) return Status::Ok();
+  t.divisor = divisor_;
+  t.abort = w_.abort;
+  t.error = w_.error;
+  t.timeout_ns = w_.timeout_ns;
+  t.counters = w_.counters;
+  t.max_blocks = w_.max_blocks;
+  const cudaError_t e = launch_(t);
+  t.nsteps = t.nwaits = t.nops = t.nsignals = 0;
+  touched_.clear();
+  if (e != cudaSuccess) {
+    return error(std::string("launch: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  }
+  ++launches_;
+  return Status::Ok();
+}
+
+const uint64_t* KernelStream::dev(const uint64_t* w) const {
+  auto* at = reinterpret_cast<const uint8_t*>(w);
+  if (at >= w_.host && at < w_.host + w_.bytes) return reinterpret_cast<const uint64_t*>(w_.device + (at - w_.host));
+  return w;
+}
+
+Status KernelStream::wait_arrived(int p, uint64_t v) {
+  if (waits_.size() == size_t(kernels::kTableMaxWaits)) return error("too many waits in one step");
+  waits_.push_back({dev(w_.link->stream_words(p).arrived), v, w_.link->peer(p).rank, kWaitArrival});
+  return Status::Ok();
+}
+Status KernelStream::wait_send_free(int p, uint64_t v) {
+  if (waits_.size() == size_t(kernels::kTableMaxWaits)) return error("too many waits in one step");
+  waits_.push_back({dev(w_.link->stream_words(p).send_free), v, w_.link->peer(p).rank, kWaitSendSlot});
+  return Status::Ok();
+}
+Status KernelStream::signal_ready(int p, uint64_t v) {
+  if (signals_.size() == size_t(kernels::kTableMaxSignals)) return error("too many signals in one step");
+  signals_.push_back({const_cast<uint64_t*>(dev(w_.link->stream_words(p).ready)), v});
+  return Status::Ok();
+}
+Status KernelStream::signal_consumed(int p, uint64_t v) {
+  if (signals_.size() == size_t(kernels::kTableMaxSignals)) return error("too many signals in one step");
+  signals_.push_back({const_cast<uint64_t*>(dev(w_.link->stream_words(p).consumed)), v});
+  return Status::Ok();
+}
+
+// Every operation of a step covers the step's elements (the step runner's bodies do). Copies
+// are the kernel's, not cudaMemcpyAsync: a copy between two addresses of one device may wait
+// for the other streams' work (CUDA's implicit synchronization), and another stream of this
+// GPU may hold a kernel that waits for this very call (ranks sharing a GPU, or the caller's
+// own streams).
+Status KernelStream::copy(void* dst, const void* src, size_t bytes) {
+  if (dst == src || bytes == 0) return Status::Ok();
+  const size_t es = element_size(type_);
+  if (bytes % es != 0) return error("a copy of " + std::to_string(bytes) + " bytes, not whole elements");
+  return add_op({kernels::StepOpKind::kCopy, dst, nullptr, src, nullptr}, bytes / es);
+}
+Status KernelStream::reduce(void* dst, const void* a, const void* b, size_t count) {
+  return add_op({kernels::StepOpKind::kReduce, dst, nullptr, a, b}, count);
+}
+Status KernelStream::reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) {
+  return add_op({kernels::StepOpKind::kReduceFinal, dst, dst2, a, b}, count);
+}
+Status KernelStream::add_op(const kernels::StepOp& op, size_t count) {
+  if (count == 0) return Status::Ok();
+  if (!ops_.empty() && step_.count != count) {
+    return error("operations of " + std::to_string(step_.count) + " and " + std::to_string(count) +
+                 " elements in one step");
+  }
+  if (ops_.size() == size_t(kernels::kTableMaxOps)) return error("too many operations in one step");
+  step_.count = count;
+  ops_.push_back(op);
+  return Status::Ok();
+}
+
+}  // namespace gradsync

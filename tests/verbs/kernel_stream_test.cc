@@ -1,0 +1,135 @@
+// The GPU step stream's tables (gpu/kernel_stream.h) without a GPU: which steps get a barrier,
+// and how a call of many steps is split into launches. The launcher records the tables.
+#include "gpu/kernel_stream.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+namespace gradsync {
+namespace {
+
+struct Recorder {
+  std::vector<kernels::StepTable> tables;
+  KernelStream::Launch launch() {
+    return [this](const kernels::StepTable& t) {
+      tables.push_back(t);
+      return cudaSuccess;
+    };
+  }
+  // Every step's barrier flag, table after table.
+  std::vector<int> barriers() const {
+    std::vector<int> b;
+    for (const auto& t : tables)
+      for (int k = 0; k < t.nsteps; ++k) b.push_back(int(t.steps[k].barrier));
+    return b;
+  }
+};
+
+// Buffers that are never dereferenced (the launcher only records).
+alignas(16) float in[4096], out[4096], slot_a[1024], slot_b[1024];
+
+TEST(KernelStream, DisjointChunksOfAnOutOfPlaceRingNeedNoBarrier) {
+  KernelStreamWords w;
+  Recorder rec;
+  KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
+  // A reduce-scatter then all-gather over 4 chunks of 256: each step reads its own input chunk
+  // and a slot, writes a slot or an output chunk; the slots are the same range every time.
+  for (int c = 0; c < 4; ++c) {
+    ASSERT_TRUE(ks.begin_step().ok());
+    ASSERT_TRUE(ks.reduce(slot_b, slot_a, in + 256 * c, 256).ok());
+    ASSERT_TRUE(ks.end_step().ok());
+  }
+  for (int c = 0; c < 4; ++c) {
+    ASSERT_TRUE(ks.begin_step().ok());
+    ASSERT_TRUE(ks.copy(out + 256 * c, slot_a, 256 * 4).ok());
+    ASSERT_TRUE(ks.copy(slot_b, slot_a, 256 * 4).ok());
+    ASSERT_TRUE(ks.end_step().ok());
+  }
+  ASSERT_TRUE(ks.end_call().ok());
+  ASSERT_EQ(rec.tables.size(), 1u);
+  EXPECT_EQ(rec.tables[0].nsteps, 8);
+  EXPECT_EQ(rec.barriers(), std::vector<int>(8, 0));
+  EXPECT_EQ(ks.launches(), 1);
+}
+
+TEST(KernelStream, ARangeTouchedThroughAnotherPartitionGetsABarrier) {
+  KernelStreamWords w;
+  Recorder rec;
+  KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
+  auto one = [&](void* dst, const void* src, size_t count) {
+    ASSERT_TRUE(ks.begin_step().ok());
+    ASSERT_TRUE(ks.copy(dst, src, count * 4).ok());
+    ASSERT_TRUE(ks.end_step().ok());
+  };
+  one(out, slot_a, 512);        // 0: writes out[0, 512)
+  one(slot_b, out, 512);        // 1: reads the same range at the same length: the same blocks
+  one(slot_b, out + 256, 256);  // 2: reads half of it through another split: a barrier
+  one(out + 1024, slot_a, 256); // 3: untouched memory
+  one(in, slot_a, 100);         // 4: writes in[0, 100)
+  one(slot_b, in + 50, 100);    // 5: reads in[50, 150): overlaps step 4's write, a barrier
+  one(slot_b, in + 50, 100);    // 6: reads what 5 read (reads never conflict)
+  ASSERT_TRUE(ks.end_call().ok());
+  EXPECT_EQ(rec.barriers(), (std::vector<int>{0, 0, 1, 0, 0, 1, 0}));
+}
+
+TEST(KernelStream, AWriteOverWhatAnEarlierStepReadGetsABarrier) {
+  KernelStreamWords w;
+  Recorder rec;
+  KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
+  // In place: step 0 folds in[0, 512) into a slot; step 1 overwrites in[256, 512) (another
+  // split) while a slower block of step 0 may still read it.
+  ASSERT_TRUE(ks.begin_step().ok());
+  ASSERT_TRUE(ks.reduce(slot_b, slot_a, in, 512).ok());
+  ASSERT_TRUE(ks.end_step().ok());
+  ASSERT_TRUE(ks.begin_step().ok());
+  ASSERT_TRUE(ks.copy(in + 256, slot_a, 256 * 4).ok());
+  ASSERT_TRUE(ks.end_step().ok());
+  ASSERT_TRUE(ks.end_call().ok());
+  EXPECT_EQ(rec.barriers(), (std::vector<int>{0, 1}));
+}
+
+TEST(KernelStream, ACallOfManyStepsTakesSeveralTablesInOrder) {
+  KernelStreamWords w;
+  Recorder rec;
+  KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
+  const int steps = kernels::kTableMaxSteps * 2 + 5;
+  for (int k = 0; k < steps; ++k) {
+    ASSERT_TRUE(ks.begin_step().ok());
+    ASSERT_TRUE(ks.copy(out + k, slot_a, 4).ok());  // one element each, every one a new range
+    ASSERT_TRUE(ks.end_step().ok());
+  }
+  EXPECT_EQ(rec.tables.size(), 2u);  // two full tables so far; the rest waits for end_call
+  ASSERT_TRUE(ks.end_call().ok());
+  ASSERT_EQ(rec.tables.size(), 3u);
+  EXPECT_EQ(ks.launches(), 3);
+  int k = 0;
+  for (const auto& t : rec.tables) {
+    EXPECT_EQ(t.divisor, 1);
+    for (int i = 0; i < t.nsteps; ++i, ++k) {
+      const kernels::TableStep& st = t.steps[i];
+      ASSERT_EQ(st.nops, 1);
+      EXPECT_EQ(t.ops[st.op].dst, out + k) << "step " << k;
+      EXPECT_EQ(st.barrier, 0u);
+    }
+  }
+  EXPECT_EQ(k, steps);
+  ASSERT_TRUE(ks.end_call().ok());  // nothing left: no empty launch
+  EXPECT_EQ(ks.launches(), 3);
+}
+
+TEST(KernelStream, OperationsOfDifferentLengthsInOneStepAreRefused) {
+  KernelStreamWords w;
+  w.who = "rank 2 (host a)";
+  Recorder rec;
+  KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
+  ASSERT_TRUE(ks.begin_step().ok());
+  ASSERT_TRUE(ks.copy(out, slot_a, 64).ok());
+  Status s = ks.reduce(slot_b, slot_a, in, 32);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("rank 2 (host a)"), std::string::npos) << s.message();
+  EXPECT_FALSE(ks.copy(out, slot_a, 6).ok());  // not whole elements
+}
+
+}  // namespace
+}  // namespace gradsync
