@@ -8,7 +8,8 @@
 #   ipc     one node, NGPUS ranks (default 2, one per GPU), gradsync's CUDA IPC path vs NCCL (NVLink)
 #   staged  NODES gradsyncd (default 2) as nodes on loopback TCP, PER_NODE ranks each
 #           (default 1), GPU (node * PER_NODE + local) mod the GPU count: gradsync's
-#           multi-node GPU path (host-staged over TCP; with PER_NODE >= 2 and
+#           multi-node GPU path (the step channels over TCP peers, GRADSYNC_GPU_STAGED=1 for
+#           the host-staged schedule; with PER_NODE >= 2 and
 #           GRADSYNC_GPU_HIERARCHICAL=1 on a verbs machine, the hierarchical one) vs NCCL
 #           forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket
 #           NCCL_SOCKET_IFNAME=lo). Ranks that share a GPU get an NCCL_HOSTID per node so that

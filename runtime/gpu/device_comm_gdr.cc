@@ -88,11 +88,13 @@ Status DeviceComm::setup_gdr() {
   const char* staged_env = std::getenv("GRADSYNC_GPU_STAGED");
   const bool steps = staged_env != nullptr && std::strcmp(staged_env, "steps") == 0;
   const bool staged = staged_env != nullptr && !steps;
-  // GRADSYNC_GPU_STAGED=steps (opt-in until measured on GPUs): where some node's daemon runs
-  // no verbs, the step channels with every hop between nodes over TCP instead of the
-  // host-staged schedule. Agreed: every rank asks for it (on several nodes), some rank has no
-  // RDMA device; then every rank takes TCP, with or without a device.
-  int32_t want_tcp = steps && cfg_.local_world_size != cfg_.world_size ? 1 : 0;
+  // Where some node's daemon runs no verbs, the step channels with every hop between nodes
+  // over TCP (the link's worker moving the slots) rather than the host-staged schedule: 3-5.7x
+  // faster from 64 KiB on the H200, ranks as threads of one process (docs/benchmarks.md);
+  // GRADSYNC_GPU_STAGED=1 keeps the host-staged schedule. Agreed: every rank wants it (on
+  // several nodes), some rank has no RDMA device; then every rank takes TCP, with or without
+  // a device.
+  int32_t want_tcp = !staged && cfg_.local_world_size != cfg_.world_size ? 1 : 0;
   int32_t no_verbs = cfg_.verbs_device.empty() ? 1 : 0;
   GS_RETURN_IF_ERROR(ops_.allreduce_now(&want_tcp, &want_tcp, 1, DataType::kInt32, ReduceOp::kMin));
   GS_RETURN_IF_ERROR(ops_.allreduce_now(&no_verbs, &no_verbs, 1, DataType::kInt32, ReduceOp::kMax));
@@ -114,12 +116,7 @@ Status DeviceComm::setup_gdr() {
   auto ring = GdrChannels::create(g, ops_, &why);
   if (!ring.ok()) return Status(ring.status().code(), who() + ": " + ring.status().message());
   m.gdr = std::move(ring).value();
-  if (m.gdr && tcp) {
-    // Asked for: every call takes the steps unless GRADSYNC_GDR_MIN_BYTES says otherwise.
-    m.why = m.gdr->describe() + "; GRADSYNC_GPU_STAGED=steps: calls of " + std::to_string(m.gdr_min_bytes) +
-            " bytes and more per segment take it, smaller ones host-staged (GRADSYNC_GDR_MIN_BYTES)";
-    log->info("{}: {}", who(), m.why);
-  } else if (m.gdr) {
+  if (m.gdr) {
     if (measure) GS_RETURN_IF_ERROR(measure_gdr_min_bytes());
     m.why = m.gdr->describe() + "; calls of " + std::to_string(m.gdr_min_bytes) +
             " bytes and more per segment take it, smaller ones host-staged (GRADSYNC_GDR_MIN_BYTES)";
@@ -220,8 +217,8 @@ Status DeviceComm::measure_gdr_min_bytes() {
     table += (i ? ", " : "") + std::to_string(sizes[i] >> 10) + " KiB " + std::to_string(int(us[i])) + "/" +
              std::to_string(int(us[n + i])) + " us";
   }
-  log::get("gpu")->info("{}: GRADSYNC_GDR_MIN_BYTES measured: {} bytes (GPUDirect/host-staged, slowest rank: {})",
-                        who(), m.gdr_min_bytes, table);
+  log::get("gpu")->info("{}: GRADSYNC_GDR_MIN_BYTES measured: {} bytes ({}/host-staged, slowest rank: {})", who(),
+                        m.gdr_min_bytes, m.gdr->tcp() ? "TCP steps" : "GPUDirect", table);
   return Status::Ok();
 }
 #endif

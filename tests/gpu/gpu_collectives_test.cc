@@ -28,6 +28,12 @@ int devices() {
     if (devices() == 0) GTEST_SKIP() << "no CUDA device visible"; \
   } while (0)
 
+// The host-staged schedule between nodes (TCP steps are the default where daemons run TCP).
+JobSpec staged(JobSpec spec) {
+  spec.env["GRADSYNC_GPU_STAGED"] = "1";
+  return spec;
+}
+
 JobSpec gpu_job(const std::string& name, int world, std::vector<int> per_daemon,
                 std::vector<std::string> args) {
   JobSpec spec;
@@ -63,17 +69,29 @@ TEST(GpuAllreduce, TwoNodesHostStagedEveryTypeAndOp) {
   REQUIRE_GPU();
   Cluster c({.daemons = 2});
   ASSERT_TRUE(c.ok()) << c.error();
-  auto ranks = c.spawn_ranks(gpu_job("gpu2", 2, {1, 1}, {"matrix", counts(kCounts)}));
+  auto ranks = c.spawn_ranks(staged(gpu_job("gpu2", 2, {1, 1}, {"matrix", counts(kCounts)})));
   std::string bad = all_succeeded(ranks, Millis(240'000));
   EXPECT_EQ(bad, "") << c.report(ranks);
   EXPECT_NE(ranks[0].output().find("path host-staged"), std::string::npos) << ranks[0].output();
+}
+
+// The default between nodes whose daemons run TCP: the step channels over TCP peers, each
+// rank a process (calls below the threshold measured at set-up stay host-staged).
+TEST(GpuAllreduce, TwoNodesTcpStepsEveryTypeAndOp) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 2});
+  ASSERT_TRUE(c.ok()) << c.error();
+  auto ranks = c.spawn_ranks(gpu_job("gpu2-steps", 2, {1, 1}, {"matrix", counts(kCounts)}));
+  std::string bad = all_succeeded(ranks, Millis(240'000));
+  EXPECT_EQ(bad, "") << c.report(ranks);
+  EXPECT_NE(ranks[0].output().find("path tcp-steps"), std::string::npos) << ranks[0].output();
 }
 
 TEST(GpuAllreduce, FourRanksTwoNodesHostStaged) {
   REQUIRE_GPU();
   Cluster c({.daemons = 2});
   ASSERT_TRUE(c.ok()) << c.error();
-  auto ranks = c.spawn_ranks(gpu_job("gpu4", 4, {2, 2}, {"matrix", counts("1,1000,65537")}));
+  auto ranks = c.spawn_ranks(staged(gpu_job("gpu4", 4, {2, 2}, {"matrix", counts("1,1000,65537")})));
   std::string bad = all_succeeded(ranks, Millis(240'000));
   EXPECT_EQ(bad, "") << c.report(ranks);
 }
@@ -150,7 +168,7 @@ TEST(GpuCollectives, TwoNodesHostStagedReduceScatterAllGatherBroadcast) {
   Cluster c({.daemons = 2});
   ASSERT_TRUE(c.ok()) << c.error();
   auto ranks =
-      c.spawn_ranks(gpu_job("coll2", 2, {1, 1}, {"collectives", counts(kCollectiveCounts)}));
+      c.spawn_ranks(staged(gpu_job("coll2", 2, {1, 1}, {"collectives", counts(kCollectiveCounts)})));
   std::string bad = all_succeeded(ranks, Millis(300'000));
   EXPECT_EQ(bad, "") << c.report(ranks);
   EXPECT_NE(ranks[0].output().find("path host-staged"), std::string::npos) << ranks[0].output();
@@ -161,7 +179,7 @@ TEST(GpuCollectives, FourRanksTwoNodesHostStaged) {
   Cluster c({.daemons = 2});
   ASSERT_TRUE(c.ok()) << c.error();
   // 64 KiB pieces: up to 33 pieces a call through the 4 staging slots.
-  JobSpec spec = gpu_job("coll4", 4, {2, 2}, {"collectives", counts("1,1000,65537")});
+  JobSpec spec = staged(gpu_job("coll4", 4, {2, 2}, {"collectives", counts("1,1000,65537")}));
   spec.env["GRADSYNC_STAGE_PIECE"] = "65536";
   auto ranks = c.spawn_ranks(spec);
   std::string bad = all_succeeded(ranks, Millis(300'000));
@@ -183,14 +201,15 @@ TEST(GpuCollectives, StagedShapesAsProcesses) {
     const int world = layout[0] * int(layout.size());
     const std::string shape = std::to_string(layout.size()) + "x" + std::to_string(layout[0]);
     for (const char* algo : {"ring", "tree"}) {
-      JobSpec spec = gpu_job("staged-" + shape + "-" + algo, world, layout, {"matrix", counts("1,1000,65537")});
+      JobSpec spec = staged(gpu_job("staged-" + shape + "-" + algo, world, layout, {"matrix", counts("1,1000,65537")}));
       spec.env["GRADSYNC_ALGO"] = algo;
       auto ranks = c.spawn_ranks(spec);
       std::string bad = all_succeeded(ranks, Millis(300'000));
       EXPECT_EQ(bad, "") << shape << " " << algo << ": " << c.report(ranks);
       EXPECT_NE(ranks[0].output().find("path host-staged"), std::string::npos) << ranks[0].output();
     }
-    auto ranks = c.spawn_ranks(gpu_job("staged-" + shape + "-coll", world, layout, {"collectives", counts("1,1000,65537")}));
+    auto ranks =
+        c.spawn_ranks(staged(gpu_job("staged-" + shape + "-coll", world, layout, {"collectives", counts("1,1000,65537")})));
     std::string bad = all_succeeded(ranks, Millis(300'000));
     EXPECT_EQ(bad, "") << shape << ": " << c.report(ranks);
   }

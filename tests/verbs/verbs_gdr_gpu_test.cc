@@ -232,6 +232,7 @@ TEST_P(StagedShapes, OverTcpRingAndTree) {
   DaemonCluster cluster({.nodes = nodes, .transport = std::vector<std::string>(size_t(nodes), "tcp")});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   const std::string job = "staged-" + std::to_string(nodes) + "x" + std::to_string(per);
+  ::setenv("GRADSYNC_GPU_STAGED", "1", 1);  // the host-staged schedule (TCP steps by default)
   DaemonWorld world(cluster, nodes, per, job, 60s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
   expect_path(world, "host-staged");
@@ -501,18 +502,19 @@ TEST_F(Gdr, GdrZeroKeepsHostStaged) {
   expect_path(world, "host-staged");
 }
 
-// One node without an RDMA device: no rank takes GPUDirect, and the job still runs.
-TEST_F(Gdr, ANodeWithoutVerbsKeepsEveryRankHostStaged) {
+// One node without an RDMA device: no rank takes GPUDirect; every rank takes the step
+// channels with its hops between nodes over TCP, and the job runs.
+TEST_F(Gdr, ANodeWithoutVerbsPutsEveryRankOnTcpSteps) {
   DaemonCluster cluster({.nodes = 2, .transport = {"verbs", "tcp"}});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
   DaemonWorld world(cluster, 2, 1, "gdr-tcp", 20s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
-  expect_path(world, "host-staged");
+  expect_path(world, "tcp-steps");
   auto d = cluster.describe("gdr-tcp", 2);
   ASSERT_EQ(d.paths_size(), 2);
   for (const auto& p : d.paths()) {
-    EXPECT_EQ(p.path(), "host-staged") << "rank " << p.rank();
-    EXPECT_NE(p.why().find("no GPUDirect RDMA: "), std::string::npos) << p.why();
+    EXPECT_EQ(p.path(), "tcp-steps") << "rank " << p.rank();
+    EXPECT_NE(p.why().find("TCP steps ("), std::string::npos) << p.why();
   }
   GpuWorld gpus(world);
   std::vector<float> a(1000, 1.0f), b(1000, 2.0f);
@@ -640,6 +642,7 @@ void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::mil
 TEST_F(Gdr, HostCallRightAfterAStagedCallKeepsItsPlace) {
   DaemonCluster cluster({.nodes = 2, .transport = {"tcp", "tcp"}});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
+  ::setenv("GRADSYNC_GPU_STAGED", "1", 1);  // the host-staged schedule (TCP steps by default)
   DaemonWorld world(cluster, 2, 1, "staged-order", 10s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
   expect_path(world, "host-staged");

@@ -122,6 +122,41 @@ TEST(StagedRdmaBench, DISABLED_BusbwVerbsBesideTcp) {
   }
 }
 
+// The two paths of GPU buffers over TCP between nodes, per call, ranks as threads of this
+// process (one CUDA context: no time-slicing between processes on a shared GPU): the host-staged
+// schedule (device_comm_staged.cc: the stream hands each piece to the host ring) beside the
+// step channels over TCP peers (GRADSYNC_GPU_STAGED=steps: one step kernel per call, the
+// link's worker moving the slots). NODE_BENCH_SHAPE=2x2 for two ranks per node.
+TEST(TcpStepsBench, DISABLED_HostStagedBesideTcpSteps) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const char* shape = std::getenv("NODE_BENCH_SHAPE");
+  const int per_node = shape != nullptr && std::string(shape) == "2x2" ? 2 : 1;
+  struct Row {
+    size_t bytes;
+    double us[2];
+  };
+  std::vector<Row> rows;
+  for (size_t bytes : {size_t(8), size_t(64) << 10, size_t(1) << 20, size_t(4) << 20, size_t(16) << 20,
+                       size_t(64) << 20})
+    rows.push_back({bytes, {0, 0}});
+  const char* modes[2] = {"1", "steps"};
+  for (int t = 0; t < 2; ++t) {
+    ::setenv("GRADSYNC_GPU_STAGED", modes[t], 1);
+    DaemonCluster cluster({.nodes = 2, .transport = {"tcp", "tcp"}});
+    ASSERT_TRUE(cluster.ok()) << cluster.error();
+    DaemonWorld world(cluster, 2, per_node, std::string("bench-tcp-") + modes[t], 120s, on_gpus);
+    ASSERT_EQ(world.join_error(), "");
+    Status s = testing::device_allreduce_sweep(world, rows, t);
+    ASSERT_TRUE(s.ok()) << modes[t] << ": " << s.to_string();
+  }
+  ::unsetenv("GRADSYNC_GPU_STAGED");
+  std::printf("# GPU allreduce float32 sum in place, 2 nodes x %d GPU, TCP between nodes; one process\n", per_node);
+  std::printf("# %12s %14s %14s %10s\n", "bytes", "staged(us)", "tcp-steps(us)", "speedup");
+  for (const auto& row : rows) {
+    std::printf("  %12zu %14.1f %14.1f %9.2fx\n", row.bytes, row.us[0], row.us[1], row.us[0] / row.us[1]);
+  }
+}
+
 // Small calls on the host-staged path, per call (200 calls queued back to back), over the
 // daemons' TCP channels, with both ranks in one process: on a machine with one GPU, two
 // processes would time-slice the GPU between their contexts and hide the path's own cost
