@@ -54,11 +54,12 @@ TEST_P(StagedRdma, CollectivesMatrixOnDeviceBuffers) {
 INSTANTIATE_TEST_SUITE_P(Algorithms, StagedRdma, ::testing::Values(Algorithm::kRing, Algorithm::kTree),
                          [](const auto& info) { return std::string(to_string(info.param)); });
 
-// GRADSYNC_GPU_STAGED=steps over daemons that run TCP only: the planner's ring and trees on
-// the step channels (gpu/gdr_channels.h) with every hop between nodes a TCP peer of the link
-// (gpu/gdr_link_tcp.cc) and, at 2 ranks per node, the hops inside a node by CUDA IPC (both
-// ranks of a node on GPU 0 here). Path tcp-steps; the whole matrix exact.
-class TcpSteps : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {
+// Daemons that run TCP only (GRADSYNC_GPU_STAGED=steps asks for what is also the default):
+// the planner's ring and trees on the step channels (gpu/gdr_channels.h) with every hop
+// between nodes a TCP peer of the link (gpu/gdr_link_tcp.cc) and, from 2 ranks per node, the
+// hops inside a node by CUDA IPC (every rank on GPU 0 here). Shapes (nodes x ranks per node)
+// 2x1, 2x2, 2x4 and 3x2; path tcp-steps; the whole matrix exact.
+class TcpSteps : public ::testing::TestWithParam<std::tuple<std::pair<int, int>, Algorithm>> {
  protected:
   void SetUp() override {
     if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
@@ -68,12 +69,14 @@ class TcpSteps : public ::testing::TestWithParam<std::tuple<int, Algorithm>> {
 };
 
 TEST_P(TcpSteps, CollectivesMatrixOnDeviceBuffers) {
-  const auto [per_node, algo] = GetParam();
-  DaemonCluster cluster({.nodes = 2, .transport = {"tcp", "tcp"}, .slot_bytes = 64 << 10});
+  const auto [shape, algo] = GetParam();
+  const auto [nodes, per_node] = shape;
+  DaemonCluster cluster(
+      {.nodes = nodes, .transport = std::vector<std::string>(size_t(nodes), "tcp"), .slot_bytes = 64 << 10});
   ASSERT_TRUE(cluster.ok()) << cluster.error();
-  DaemonWorld world(cluster, 2, per_node, "gpu-tcp-steps", 60s, on_gpus);
+  DaemonWorld world(cluster, nodes, per_node, "gpu-tcp-steps", 60s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
-  for (int r = 0; r < 2 * per_node; ++r) {
+  for (int r = 0; r < nodes * per_node; ++r) {
     ASSERT_EQ(world.comm(r).gpu_path(), "tcp-steps") << "rank " << r << " (its log says why)";
   }
   GpuWorld gpus(world);
@@ -81,13 +84,17 @@ TEST_P(TcpSteps, CollectivesMatrixOnDeviceBuffers) {
   testing::reduce_scatter_all_gather_broadcast_matrix(gpus, algo);
 }
 
+using TcpShape = std::tuple<std::pair<int, int>, Algorithm>;
+std::string tcp_shape_name(const ::testing::TestParamInfo<TcpShape>& info) {
+  const std::pair<int, int> shape = std::get<0>(info.param);
+  return "x" + std::to_string(shape.first) + "_" + std::to_string(shape.second) + "_" +
+         to_string(std::get<1>(info.param));
+}
 INSTANTIATE_TEST_SUITE_P(Shapes, TcpSteps,
-                         ::testing::Combine(::testing::Values(1, 2),
+                         ::testing::Combine(::testing::Values(std::pair{2, 1}, std::pair{2, 2}, std::pair{2, 4},
+                                                              std::pair{3, 2}),
                                             ::testing::Values(Algorithm::kRing, Algorithm::kTree)),
-                         [](const auto& info) {
-                           return "x2_" + std::to_string(std::get<0>(info.param)) + "_" +
-                                  to_string(std::get<1>(info.param));
-                         });
+                         tcp_shape_name);
 
 // busbw of float32 sum allreduce on device buffers, 2 nodes x 1 GPU, channels over the
 // emulated verbs fabric beside channels over loopback TCP, in this process. The emulated NIC
