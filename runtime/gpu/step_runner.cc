@@ -9,7 +9,7 @@
 namespace gradsync {
 
 Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me,
-                                   bool direct) {
+                                   bool direct, bool pairs) {
   RdmaChannels ch;
   ch.members = members;
   ch.direct = direct;
@@ -46,7 +46,10 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
   ch.ring = plan::plan_channels(ch.shape, req);
   req.algo = plan::Algo::kTree;
   ch.tree = plan::plan_channels(ch.shape, req);
-  for (const plan::ChannelSet* set : {&ch.ring, &ch.tree}) {
+  // One-shot and two-shot share the direct channels (plan_channels gives both the same).
+  req.algo = plan::Algo::kOneShot;
+  if (pairs && k >= 2 && plan::check_request(ch.shape, req).empty()) ch.pairs = plan::plan_channels(ch.shape, req);
+  for (const plan::ChannelSet* set : {&ch.ring, &ch.tree, &ch.pairs}) {
     for (const plan::Channel& c : set->channels()) {
       for (const plan::Hop& h : c.hops) {
         if (h.src != ch.position && h.dst != ch.position) continue;
@@ -126,9 +129,12 @@ std::string rdma_auto_summary(const RdmaChannels& ch) {
 
 Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
                                            size_t count, size_t esize, int root, size_t slot_bytes) {
+  const bool direct_pushes = algo == plan::Algo::kOneShot || algo == plan::Algo::kTwoShot;
   plan::PlanRequest req;
   req.kind = kind;
-  req.algo = algo == plan::Algo::kTree && kind == CollectiveKind::kAllreduce ? plan::Algo::kTree : plan::Algo::kRing;
+  req.algo = direct_pushes ? algo
+             : algo == plan::Algo::kTree && kind == CollectiveKind::kAllreduce ? plan::Algo::kTree
+                                                                              : plan::Algo::kRing;
   req.count = count;
   req.esize = esize;
   req.chunk_bytes = slot_bytes / esize * esize;
@@ -138,8 +144,21 @@ Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKin
     return Status(Code::kInternal, "broadcast root " + std::to_string(root) + " is no member of the RDMA channels");
   }
   if (req.chunk_bytes == 0) return Status(Code::kInternal, "RDMA slots smaller than one element");
-  std::vector<plan::Step> steps =
-      plan::rank_steps(ch.shape, req.algo == plan::Algo::kTree ? ch.tree : ch.ring, req, ch.position);
+  const plan::ChannelSet* set = req.algo == plan::Algo::kTree ? &ch.tree : &ch.ring;
+  if (direct_pushes) {
+    const std::string who = "rank " + std::to_string(ch.position >= 0 ? ch.members[size_t(ch.position)] : -1) + ": ";
+    if (ch.pairs.size() == 0) {
+      std::string why = plan::check_request(ch.shape, req);
+      if (why.empty()) why = ch.members.size() < 2 ? "one member has no pair" : "the channels were set up without them";
+      return Status(Code::kInvalidArgument, who + plan::to_string(algo) + " needs the direct pairs of one node, and " +
+                                                "these step channels have none (" + why + ")");
+    }
+    if (std::string why = plan::check_request(ch.shape, req); !why.empty()) {
+      return Status(Code::kInvalidArgument, who + plan::to_string(algo) + ": " + why);
+    }
+    set = &ch.pairs;
+  }
+  std::vector<plan::Step> steps = plan::rank_steps(ch.shape, *set, req, ch.position);
   std::stable_sort(steps.begin(), steps.end(),
                    [](const plan::Step& a, const plan::Step& b) { return a.channel < b.channel; });
   return steps;
@@ -171,7 +190,7 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
                                          std::to_string(st.channel) + "): " + why);
     };
     int rp[plan::kMaxPeers], sp[plan::kMaxPeers];
-    const void* payload[plan::kMaxPeers];
+    void* payload[plan::kMaxPeers];  // receive slots: this rank's until it signals `consumed`
     void* slot_out[plan::kMaxPeers];
     for (int j = 0; j < st.nrecv + st.nsend; ++j) {
       const bool recv = j < st.nrecv;
@@ -218,13 +237,17 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
       if (st.self_pos >= k) return bad("own operand at position " + std::to_string(st.self_pos));
       const void* x[plan::kMaxPeers + 1];
       for (int j = 0, r = 0; j < k; ++j) x[j] = j == st.self_pos ? static_cast<const void*>(own) : payload[r++];
-      if (overlap(own, dst, bytes) && (own != dst || (k > 2 && st.self_pos >= 2))) {
-        return bad("the own operand overlaps the fold's destination");
-      }
+      if (overlap(own, dst, bytes) && own != dst) return bad("the own operand overlaps the fold's destination");
+      // In place with the own operand read after the first reduction (it would be overwritten
+      // first): the partial folds go to the first payload's receive slot, still this rank's
+      // (its `consumed` comes after the step), and only the last one to `dst`.
+      void* acc_at = dst;
+      if (own == dst && k > 2 && st.self_pos >= 2) acc_at = payload[0];
       for (int j = 1; j < k; ++j) {
-        const void* acc = j == 1 ? x[0] : dst;
-        Status r = final && j == k - 1 ? stream.reduce_final(dst, dst2, acc, x[j], st.count)
-                                       : stream.reduce(dst, acc, x[j], st.count);
+        const void* acc = j == 1 ? x[0] : acc_at;
+        void* to = j == k - 1 ? dst : acc_at;
+        Status r = final && j == k - 1 ? stream.reduce_final(to, dst2, acc, x[j], st.count)
+                                       : stream.reduce(to, acc, x[j], st.count);
         if (!r.ok()) return r;
       }
       return Status::Ok();

@@ -18,6 +18,9 @@
 //   recv-reduce-send            first send slot <- fold; the other send slots <- it
 //   recv-reduce-copy(-send)     output <- fold (the first send slot too); other send slots <- output
 //   copy                        output <- own operand
+// A fold whose destination is the own operand (in place) with the own operand third or later
+// (one-shot and two-shot on ranks 2 and up) accumulates in the first payload's receive slot,
+// which is this rank's until it signals `consumed`, and writes the destination last.
 #pragma once
 
 #include <cstddef>
@@ -32,13 +35,18 @@
 namespace gradsync {
 
 // The channels of a set of members over RDMA links: the plan's shape (members grouped into
-// nodes by host, in member order; plan rank i is members[i]), its ring and tree channels, and
-// the peers this rank needs for them (every hop to or from it).
+// nodes by host, in member order; plan rank i is members[i]), its ring and tree channels, the
+// direct pairs of one node when asked (one-shot and two-shot), and the peers this rank needs
+// for them (every hop to or from it).
 struct RdmaChannels {
   std::vector<int> members;  // world ranks
   int position = -1;         // this rank's plan rank; -1 when it is not a member
   plan::JobShape shape;
   plan::ChannelSet ring, tree;
+  // The direct channels (every ordered pair of the node) that one-shot and two-shot run over:
+  // planned only when asked (rdma_channels' `pairs`) and the shape is one node of 2 to
+  // plan::kMaxPeers + 1 ranks; empty otherwise.
+  plan::ChannelSet pairs;
   std::vector<GdrPeer> peers;
   // Hops inside a node go through the peers' mapped memory (GdrPeer::direct), not the NIC.
   bool direct = false;
@@ -51,9 +59,11 @@ struct RdmaChannels {
 };
 // `hosts`: every world rank's node (its host, or any grouping key). An error when `me` is not among `members` once, or the
 // peers exceed kMaxGdrPeers. `direct`: the peers on this rank's node are direct peers (their
-// GPU memory mapped, CUDA IPC) rather than queue pairs through the NIC.
+// GPU memory mapped, CUDA IPC) rather than queue pairs through the NIC. `pairs`: also the
+// direct channels of one node (RdmaChannels::pairs) and their peers, every other rank of the
+// node (each peer costs slots, so only the one-node communicator asks).
 Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me,
-                                   bool direct = false);
+                                   bool direct = false, bool pairs = false);
 
 // Fills `tree_faster` (once per set of channels, at set-up: it plans every size).
 void rdma_choose_algos(RdmaChannels& ch);
@@ -65,8 +75,9 @@ std::string rdma_auto_summary(const RdmaChannels& ch);
 
 // The steps of one call on those channels, ordered channel by channel (so that every peer
 // connection carries one channel's messages after another's on both ends), with messages of at
-// most `slot_bytes`. kTree applies to allreduce; every other call takes the ring. `root` is a
-// world rank.
+// most `slot_bytes`. kTree applies to allreduce; kOneShot and kTwoShot (every collective the
+// planner has them for) run on `pairs`, and are an error (kInvalidArgument) where it is empty;
+// every other call takes the ring. `root` is a world rank.
 Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
                                            size_t count, size_t esize, int root, size_t slot_bytes);
 
