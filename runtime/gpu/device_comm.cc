@@ -543,8 +543,9 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
 
   Impl& m = *impl_;
   // CallOptions::algorithm, else GRADSYNC_ALGO (agreed at set-up), where the path has it:
-  // one node: oneshot and twoshot pick the kernels' protocol, ring and tree run the planner's
-  // steps over CUDA IPC (setup_node_steps; the kernels when those channels were left out);
+  // one node: oneshot and twoshot pick the kernels' protocol (with GRADSYNC_GPU_NODE_STEPS=1 the
+  // planner's one-shot and two-shot steps), ring and tree run the planner's steps over CUDA IPC
+  // (setup_node_steps; the kernels when those channels were left out);
   // several nodes: ring and tree (allreduce) on the GPUDirect RDMA channels, else the
   // host-staged ring and tree; hierarchical (the default for allreduce where the path exists).
   const std::optional<plan::Algo> forced = plan::forced_algo(call.algorithm, m.env_algo);
@@ -559,7 +560,9 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       return Status::Ok();
     case Impl::Path::kIpc: {
 #if GRADSYNC_HAVE_GDR
-      if (m.gdr && (forced == plan::Algo::kRing || forced == plan::Algo::kTree)) {
+      // GRADSYNC_GPU_NODE_STEPS=1 (agreed at set-up): oneshot and twoshot as steps too.
+      const bool pair_steps = m.node_pair_steps && (forced == plan::Algo::kOneShot || forced == plan::Algo::kTwoShot);
+      if (m.gdr && (forced == plan::Algo::kRing || forced == plan::Algo::kTree || pair_steps)) {
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         GS_CUDA(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
         if (capture != cudaStreamCaptureStatusNone) {
@@ -568,10 +571,19 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
                           std::string("the ") + plan::to_string(*forced) +
                               " on one node runs the planner's steps, whose message numbers are counted when "
                               "the call is made, so it cannot be captured in a CUDA graph (a replay would "
-                              "reuse them); captured calls take auto, oneshot or twoshot"});
+                              "reuse them); captured calls take auto" +
+                              (m.node_pair_steps ? std::string(" (GRADSYNC_GPU_NODE_STEPS=1 runs oneshot and "
+                                                               "twoshot as steps)")
+                                                 : std::string(", oneshot or twoshot"))});
         }
-        c.algorithm = forced == plan::Algo::kTree ? Algorithm::kTree : Algorithm::kRing;
-        if (Status s = m.gdr->enqueue(c, stream); !s.ok()) return failed_to_queue(c, number, s);
+        Status s = Status::Ok();
+        if (pair_steps) {
+          s = m.gdr->enqueue(c, stream, 0, forced);
+        } else {
+          c.algorithm = forced == plan::Algo::kTree ? Algorithm::kTree : Algorithm::kRing;
+          s = m.gdr->enqueue(c, stream);
+        }
+        if (!s.ok()) return failed_to_queue(c, number, s);
         return Status::Ok();
       }
 #endif

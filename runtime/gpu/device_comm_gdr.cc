@@ -135,7 +135,9 @@ Status DeviceComm::setup_gdr() {
 
 // One node: the planner's ring and trees with every hop a direct peer (CUDA IPC, no NIC),
 // for the calls that ask for ring or tree (CallOptions::algorithm, GRADSYNC_ALGO); the
-// kernels' one-shot and two-shot stay the default. Collective: every rank of a one-node
+// kernels' one-shot and two-shot stay the default (with GRADSYNC_GPU_NODE_STEPS=1 on every rank
+// the channels also get every pair of the node, and forced oneshot and twoshot calls run the
+// planner's one-shot and two-shot steps on them instead of the kernels). Collective: every rank of a one-node
 // communicator calls it after setup_ipc. Left out on every rank, with the reason in the path's
 // why, over GRADSYNC_GPU_MEMORY_MAX or where a rank cannot map its neighbours' memory; calls
 // that ask for ring or tree then take the kernels.
@@ -145,6 +147,12 @@ Status DeviceComm::setup_node_steps() {
   GdrConfig g = gdr_config();
   if (g.link.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
   g.link.verbs_device.clear();  // no hop leaves the node: without CUDA IPC there is no channel
+  // GRADSYNC_GPU_NODE_STEPS=1 (on every rank: agreed): the direct pairs too, for one-shot and
+  // two-shot as steps (a slot region per other rank of the node).
+  const char* steps_env = std::getenv("GRADSYNC_GPU_NODE_STEPS");
+  int32_t pairs = steps_env != nullptr && std::strcmp(steps_env, "1") == 0 ? 1 : 0;
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(&pairs, &pairs, 1, DataType::kInt32, ReduceOp::kMin));
+  g.pairs = pairs != 0;
   std::string off = !g.direct ? "GRADSYNC_GDR_DIRECT=0 is set (one node's hops have no NIC to take)"
                               : slots_over_budget(g);
   if (!off.empty()) g.link.refuse = off;
@@ -152,11 +160,18 @@ Status DeviceComm::setup_node_steps() {
   auto ch = GdrChannels::create(g, ops_, &why);
   if (!ch.ok()) return Status(ch.status().code(), who() + ": " + ch.status().message());
   m.gdr = std::move(ch).value();
+  m.node_pair_steps = g.pairs && m.gdr != nullptr;
+  const char* which = g.pairs ? "ring, tree, oneshot and twoshot" : "ring and tree";
   if (m.gdr) {
-    m.why += "; ring and tree when a call asks for them: " + m.gdr->describe();
+    m.why += std::string("; ") + which + " when a call asks for them: " + m.gdr->describe();
+    if (g.pairs) m.why += " (GRADSYNC_GPU_NODE_STEPS=1: oneshot and twoshot as steps, not the node kernels)";
   } else {
-    m.why += "; ring and tree calls take the kernels (no step channels: " + (off.empty() ? why : off) + ")";
-    log::get("gpu")->info("{}: no ring and tree steps on this node: {}", who(), off.empty() ? why : off);
+    m.why += std::string("; ") + which + " calls take the kernels (no step channels: " + (off.empty() ? why : off) + ")";
+    log::get("gpu")->info("{}: no {} steps on this node: {}", who(), which, off.empty() ? why : off);
+  }
+  if (g.pairs) {
+    log::get("gpu")->info("{}: GRADSYNC_GPU_NODE_STEPS=1: forced oneshot and twoshot calls take {}", who(),
+                          m.node_pair_steps ? "the step runner over every pair" : "the node kernels (no step channels)");
   }
 #else
   (void)m;  // built without the verbs headers: the kernels alone

@@ -197,6 +197,9 @@ struct DeviceComm::Impl {
   size_t gdr_min_bytes = 0;
   // Hierarchical: the ring of this rank's rail (the ranks of its local index, one per node).
   std::unique_ptr<GdrChannels> rail;
+  // One node, GRADSYNC_GPU_NODE_STEPS=1 on every rank: `gdr` has the direct pairs, and calls
+  // that force oneshot or twoshot run them as steps instead of the node kernels.
+  bool node_pair_steps = false;
 #endif
 
   // GRADSYNC_GPU_TIMELINE (gpu/timeline.h), cuda-ipc only.

@@ -165,7 +165,8 @@ std::vector<int> members_of(const GdrConfig& cfg) {
 
 // The members' channels and this rank's peers (gpu/step_runner.h).
 Result<RdmaChannels> channels_of(const GdrConfig& cfg, bool direct) {
-  return rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank, direct);
+  return rdma_channels(members_of(cfg), cfg.nodes.empty() ? cfg.link.hosts : cfg.nodes, cfg.link.rank, direct,
+                       cfg.pairs);
 }
 
 // The slots of `peers`: `slots` of `slot_bytes` per peer and direction used (a direct peer:
@@ -370,7 +371,9 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   sw.who = cfg.link.who;
   m.gpu_slots = in_host->empty() && !cfg.tcp;
   if (m.channels.shape.node_count() == 1) {  // no RDMA: every hop by CUDA IPC
-    m.description = "CUDA IPC steps (ring and double binary tree on this node) over " + m.link->describe();
+    m.description = std::string("CUDA IPC steps (ring and double binary tree") +
+                    (m.channels.pairs.size() > 0 ? ", one-shot and two-shot on every pair" : "") + " on this node) over " +
+                    m.link->describe();
     return true;
   }
   const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
@@ -415,13 +418,15 @@ const std::string& GdrChannels::describe() const { return impl_->description; }
 Status GdrChannels::error() const { return impl_->link->error(); }
 void GdrChannels::quiesce() { impl_->link->quiesce(); }
 
-Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor) {
+Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor,
+                            std::optional<plan::Algo> forced) {
   Impl& m = *impl_;
   const int divisor = avg_divisor > 0 ? avg_divisor : int(m.channels.members.size());
   const size_t es = element_size(c.type);
-  // Forced (CallOptions::algorithm or GRADSYNC_ALGO, resolved by the caller), else the cost
-  // model's choice for an allreduce of this size on these channels.
-  const plan::Algo algo = c.algorithm == Algorithm::kTree ? plan::Algo::kTree
+  // Forced (`forced`, else CallOptions::algorithm or GRADSYNC_ALGO, resolved by the caller),
+  // else the cost model's choice for an allreduce of this size on these channels.
+  const plan::Algo algo = forced                              ? *forced
+                          : c.algorithm == Algorithm::kTree ? plan::Algo::kTree
                           : c.algorithm == Algorithm::kRing || c.kind != CollectiveKind::kAllreduce
                               ? plan::Algo::kRing
                               : rdma_auto_algo(m.channels, c.count * es);

@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "gpu/device_comm.h"
 #include "gpu/gdr_link.h"
 #include "gpu/plan/channels.h"
+#include "gpu/plan/schedule.h"
 #include "kernels/cuda_node.cuh"
 
 namespace gradsync {
@@ -56,6 +58,10 @@ struct GdrConfig {
   // Every hop between nodes over TCP (GdrLinkConfig::tcp; the slots in pinned mapped host
   // memory, no RDMA device): the step channels where the daemons run no verbs.
   bool tcp = false;
+  // Also the direct pairs of one node (RdmaChannels::pairs): a peer for every other rank of
+  // the node, so that one-shot and two-shot run as steps (enqueue's `algo`). More peers, more
+  // slots: only the one-node communicator asks, and only with GRADSYNC_GPU_NODE_STEPS=1.
+  bool pairs = false;
   // The communicator's mapped words (device views) that the stream's waits read and report
   // through, and the host view of the abort word (set when this ring fails).
   const uint32_t* abort_dev = nullptr;
@@ -82,8 +88,11 @@ class GdrChannels {
   // messages as the stream gets to them. An allreduce runs on the trees with c.algorithm
   // kTree, on the ring with kRing, and with kAuto where the cost model predicts it faster
   // (rdma_auto_algo); every other collective takes the ring. `avg_divisor`: what an avg divides by (0: the member
-  // count; the hierarchical path's rails pass the world's).
-  Status enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor = 0);
+  // count; the hierarchical path's rails pass the world's). `algo`, when set, wins over
+  // c.algorithm: kOneShot and kTwoShot run on the direct pairs (GdrConfig::pairs; an error
+  // without them).
+  Status enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor = 0,
+                 std::optional<plan::Algo> algo = std::nullopt);
   // The worker's failure, if any (ok otherwise).
   Status error() const;
   // Lets the last credits go out and stops the worker; the stream must be idle (leave).
