@@ -22,12 +22,6 @@ Ring tcp_ring(int nodes, int per, bool direct, std::function<void(int, GdrLinkCo
   return Ring(nodes * per, 2, 256, per, timeout, 1, direct, /*nic=*/false, /*tcp=*/true, std::move(tweak));
 }
 
-int64_t sum_at(const std::vector<std::vector<int64_t>>& send, size_t i) {
-  int64_t want = 0;
-  for (const auto& v : send) want += v[i];
-  return want;
-}
-
 // Allreduce (ring and trees), reduce_scatter, all_gather and broadcast, exact, at odd counts.
 void expect_every_collective(Ring& ring, int n) {
   for (size_t count : {size_t(1), size_t(7), size_t(2053)}) {

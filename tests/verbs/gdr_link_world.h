@@ -193,9 +193,10 @@ class Ring {
   // `nic` false: no rank is given an RDMA device (a gradsyncd that runs no verbs).
   // `tcp`: the peers that are not direct are TCP peers on 127.0.0.1 (no RDMA device);
   // `tweak` (optional) changes a rank's config and ops before its set-up.
+  // `pairs`: the channels have the direct pairs of one node too (one-shot and two-shot).
   Ring(int n, uint32_t slots, size_t slot_bytes, int per_node = 1, std::chrono::milliseconds timeout = 10s,
        int rails = 1, bool direct = false, bool nic = true, bool tcp = false,
-       std::function<void(int, GdrLinkConfig&, GdrLinkOps&)> tweak = {})
+       std::function<void(int, GdrLinkConfig&, GdrLinkOps&)> tweak = {}, bool pairs = false)
       : n_(n), slot_bytes_(slot_bytes), ar_(n), words_(n), links_(n), runners_(n), channels_(n) {
     sit_out.assign(size_t(n), false);
     const int job = ++g_job;
@@ -215,7 +216,7 @@ class Ring {
       threads.emplace_back([&, r] {
         std::vector<int> members;
         for (int q = r % rails; q < n; q += rails) members.push_back(q);
-        auto ch = rdma_channels(members, hosts, r, direct);
+        auto ch = rdma_channels(members, hosts, r, direct, pairs);
         if (!ch.ok()) {
           st[r] = ch.status();
           return;
@@ -270,6 +271,9 @@ class Ring {
 
   const std::string& error() const { return error_; }
   std::vector<bool> sit_out;  // ranks collective() leaves out (all false at first)
+  // When set, collective() runs rank r's steps on wrap_stream(r, its host stream) (a stream
+  // that watches the runner's calls and passes them on).
+  std::function<std::unique_ptr<StepStream>(int, StepStream&)> wrap_stream;
   // Rank r's process "dies": its link closes its connections (its runner first).
   void kill(int r) {
     runners_[r].reset();
@@ -277,6 +281,12 @@ class Ring {
   }
   GdrLink& link(int r) { return *links_[r]; }
   const RdmaChannels& channels(int r) const { return channels_[r]; }
+  // The payload bytes rank r's link sent so far, to all its peers (GdrLink::bytes_sent).
+  uint64_t bytes_sent(int r) const {
+    uint64_t sum = 0;
+    for (int p = 0; p < links_[r]->peer_count(); ++p) sum += links_[r]->bytes_sent(p);
+    return sum;
+  }
   // Messages rank r's stream read, from all its peers.
   uint64_t consumed(int r) const {
     uint64_t sum = 0;
@@ -313,7 +323,9 @@ class Ring {
           return links_[r]->error();
         }, type, op, int(channels_[r].members.size()));
         const void* input = kind == CollectiveKind::kBroadcast ? recv[r].data() : send[r].data();
-        st[r] = runners_[r]->run(*steps, channels_[r].members, input, recv[r].data(), element_size(type), hs);
+        std::unique_ptr<StepStream> wrapped = wrap_stream ? wrap_stream(r, hs) : nullptr;
+        st[r] = runners_[r]->run(*steps, channels_[r].members, input, recv[r].data(), element_size(type),
+                                 wrapped ? *wrapped : static_cast<StepStream&>(hs));
       });
     }
     for (auto& t : threads) t.join();
@@ -341,6 +353,13 @@ inline std::vector<std::vector<int64_t>> inputs(int n, size_t len) {
   return v;
 }
 
+// Element i's sum over every rank's buffer.
+inline int64_t sum_at(const std::vector<std::vector<int64_t>>& send, size_t i) {
+  int64_t want = 0;
+  for (const auto& v : send) want += v[i];
+  return want;
+}
+
 // reduce_scatter of `count` int64 per rank: rank r gets the sum of every rank's block r.
 inline void expect_reduce_scatter(Ring& ring, int n, size_t count, plan::Algo algo) {
   auto send = inputs(n, count * n);
@@ -356,12 +375,12 @@ inline void expect_reduce_scatter(Ring& ring, int n, size_t count, plan::Algo al
   }
 }
 
-// all_gather of 77 int64 per rank, then a broadcast of 1001 from the last rank (on `bcast`):
-// every rank gets every block, and the root's data.
-inline void expect_all_gather_and_broadcast(Ring& ring, int n, plan::Algo bcast) {
+// all_gather of 77 int64 per rank (on `gather`), then a broadcast of 1001 from the last rank
+// (on `bcast`): every rank gets every block, and the root's data.
+inline void expect_all_gather_and_broadcast(Ring& ring, int n, plan::Algo bcast, plan::Algo gather = plan::Algo::kRing) {
   auto send = inputs(n, 77);
   std::vector<std::vector<int64_t>> gathered(n, std::vector<int64_t>(77 * size_t(n), -1));
-  auto st = ring.collective(CollectiveKind::kAllGather, {77}, 0, send, gathered, plan::Algo::kRing);
+  auto st = ring.collective(CollectiveKind::kAllGather, {77}, 0, send, gathered, gather);
   for (int r = 0; r < n; ++r) {
     ASSERT_TRUE(st[r].ok()) << st[r].to_string();
     for (int q = 0; q < n; ++q)
