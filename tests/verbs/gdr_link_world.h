@@ -360,6 +360,19 @@ inline int64_t sum_at(const std::vector<std::vector<int64_t>>& send, size_t i) {
   return want;
 }
 
+// allreduce (sum) of `count` int64 on `algo`: every rank gets every element's sum.
+inline void expect_allreduce(Ring& ring, int n, size_t count, plan::Algo algo) {
+  auto send = inputs(n, count);
+  std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count, -1));
+  auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv, algo);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << plan::to_string(algo) << " count " << count << " rank " << r << ": " << st[r].to_string();
+    for (size_t i = 0; i < count; ++i) {
+      ASSERT_EQ(recv[r][i], sum_at(send, i)) << plan::to_string(algo) << " count " << count << " rank " << r << " i " << i;
+    }
+  }
+}
+
 // reduce_scatter of `count` int64 per rank: rank r gets the sum of every rank's block r.
 inline void expect_reduce_scatter(Ring& ring, int n, size_t count, plan::Algo algo) {
   auto send = inputs(n, count * n);
