@@ -55,8 +55,9 @@ __device__ inline void store_unit(S* buf, size_t u, size_t bytes, bool aligned8,
 
 // Waits for the line `line` to carry `flag` in both halves; its data goes to *v. False (error
 // recorded) on a deadline, an abort, or a failure another thread already recorded.
+// `what` is the NodeError's (1: a node kernel's wait for a peer's chunk).
 __device__ inline bool read_line(const NodeArgs& a, const uint8_t* line, uint32_t flag, int peer,
-                          uint2* v) {
+                          uint2* v, uint32_t what = 1) {
   uint32_t d0, f0, d1, f1;
   load_line(line, &d0, &f0, &d1, &f1);
   if (f0 != flag || f1 != flag) {
@@ -66,8 +67,8 @@ __device__ inline bool read_line(const NodeArgs& a, const uint8_t* line, uint32_
       if (f0 == flag && f1 == flag) break;
       if ((n & 1023) == 0) {
         if (host_word(&a.error->code) != 0) return false;
-        if (host_word(a.abort) != 0) return fail(a.error, 2, peer, 1), false;
-        if (now_ns() - start > a.timeout_ns) return fail(a.error, 1, peer, 1), false;
+        if (host_word(a.abort) != 0) return fail(a.error, 2, peer, what), false;
+        if (now_ns() - start > a.timeout_ns) return fail(a.error, 1, peer, what), false;
       }
     }
   }

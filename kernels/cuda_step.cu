@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "kernels/cuda_node_device.cuh"
+#include "kernels/cuda_node_ll.cuh"
 #include "kernels/cuda_reduce_body.cuh"
 
 namespace gradsync::kernels {
@@ -21,11 +22,15 @@ using node::store_release;
 
 constexpr int kThreads = 512;
 constexpr size_t kBytesPerBlock = size_t(64) << 10;
+constexpr size_t kLowLatencyBytesPerBlock = size_t(16) << 10;
+// NodeError::what of a low-latency read (device_comm.cc: the wait for a peer's message).
+constexpr uint32_t kWhatArrival = 3;
 
 __device__ inline unsigned mis16(const void* p) { return unsigned(reinterpret_cast<uintptr_t>(p) & 15u); }
 
 // The table's error and abort words and deadline, as the node kernels' waits take them.
-__device__ inline NodeArgs wait_args(const StepTable& s) {
+template <class Table>
+__device__ inline NodeArgs wait_args(const Table& s) {
   NodeArgs a;
   a.error = s.error;
   a.abort = s.abort;
@@ -38,7 +43,8 @@ __device__ inline NodeArgs wait_args(const StepTable& s) {
 // device view); the error and abort words, in host memory, only every 128 polls, as the node
 // kernels' waits do: a read of host memory per poll from every block of every rank on a GPU
 // queued enough reads on its PCIe link to slow every wait.
-__device__ bool wait_all(const StepTable& s, const TableStep& st) {
+template <class Table>
+__device__ bool wait_all(const Table& s, const TableStep& st) {
   const NodeArgs a = wait_args(s);
   for (int w = st.wait; w < st.wait + st.nwaits; ++w) {
     const StepWait& x = s.waits[w];
@@ -50,7 +56,8 @@ __device__ bool wait_all(const StepTable& s, const TableStep& st) {
 // Thread 0 of a block: every block has finished step k (its counter), polled as wait_all's
 // words are. The abort word and the op timeout end it too, though no barrier should reach
 // them first: the block it waits for is itself waiting for a peer, bounded.
-__device__ bool wait_blocks(const StepTable& s, int k) {
+template <class Table>
+__device__ bool wait_blocks(const Table& s, int k) {
   const volatile uint32_t* c = s.counters + k;
   if (*c >= gridDim.x) return true;
   const uint64_t start = now_ns();
@@ -87,9 +94,49 @@ __device__ void reduce_range(S* out1, S* out2, const S* a, const S* b, size_t n,
   reduce_body(threadIdx.x, blockDim.x, out1, out2, a, b, sp.head, sp.nvec, n, op);
 }
 
+// Unit u (8 bytes of elements) of an operand of `bytes` bytes: a low-latency slot's line u
+// once its flags match, or plain memory. False (error recorded) when the read failed.
+template <class S>
+__device__ bool load_io(const NodeArgs& a, const void* p, uint32_t flag, int peer, size_t u, size_t bytes,
+                        node::Unit<S>* x) {
+  if (flag != 0) return node::read_line(a, static_cast<const uint8_t*>(p) + u * 16, flag, peer, &x->v, kWhatArrival);
+  *x = node::load_unit(static_cast<const S*>(p), u, bytes, (reinterpret_cast<uintptr_t>(p) & 7) == 0);
+  return true;
+}
+template <class S>
+__device__ void store_io(void* p, uint32_t flag, size_t u, size_t bytes, const node::Unit<S>& x) {
+  if (flag != 0) return node::store_line(static_cast<uint8_t*>(p) + u * 16, x.v.x, x.v.y, flag);
+  node::store_unit(static_cast<S*>(p), u, bytes, (reinterpret_cast<uintptr_t>(p) & 7) == 0, x);
+}
+
+// One operation with a low-latency operand over this block's elements [lo, lo + n) of the
+// step's `count`: the lines of those elements (lo * sizeof(S) is a multiple of 16), a thread
+// each. A final line's elements beyond the count are zero from plain memory, or whatever the
+// writer's were: they are reduced but never stored to plain memory. False when a read failed.
+template <class S, class Op, class OpF>
+__device__ bool low_latency_op(const NodeArgs& a, const StepOp& o, size_t lo, size_t n, size_t count, Op op,
+                               OpF op_final) {
+  using U = node::Unit<S>;
+  const size_t bytes = count * sizeof(S);
+  const size_t u1 = ((lo + n) * sizeof(S) + 7) / 8;
+  for (size_t u = lo * sizeof(S) / 8 + threadIdx.x; u < u1; u += blockDim.x) {
+    U x;
+    if (!load_io<S>(a, o.a, o.a_flag, o.a_peer, u, bytes, &x)) return false;
+    if (o.kind != StepOpKind::kCopy) {
+      U y;
+      if (!load_io<S>(a, o.b, o.b_flag, o.b_peer, u, bytes, &y)) return false;
+#pragma unroll
+      for (int e = 0; e < U::kN; ++e) x.e[e] = o.kind == StepOpKind::kReduce ? op(x.e[e], y.e[e]) : op_final(x.e[e], y.e[e]);
+    }
+    store_io<S>(o.dst, o.dst_flag, u, bytes, x);
+    if (o.dst2 != nullptr) store_io<S>(o.dst2, o.dst2_flag, u, bytes, x);
+  }
+  return true;
+}
+
 // Op: the reductions before the last; OpF: the last (kAvg divides there).
-template <class Tr, class Op, class OpF>
-__global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ StepTable s, Op op, OpF op_final) {
+template <class Table, class Tr, class Op, class OpF>
+__global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ Table s, Op op, OpF op_final) {
   using S = typename Tr::S;
   __shared__ int go;
   // Thread 0: false once a wait of this block failed, or when an earlier launch's had when
@@ -108,10 +155,15 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
     const size_t per = ((st.count + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
     const size_t lo = size_t(blockIdx.x) * per;
     const size_t n = lo < st.count ? (st.count - lo < per ? st.count - lo : per) : 0;
+    bool failed = false;  // a low-latency read of this block failed (the same in every thread)
     if (go && n > 0) {
+      const NodeArgs args = wait_args(s);
       for (int i = st.op; i < st.op + st.nops; ++i) {
         const StepOp& o = s.ops[i];
-        if (o.kind == StepOpKind::kCopy) {
+        bool mine = false;  // this thread's read failed
+        if (o.low_latency()) {
+          mine = !low_latency_op<S>(args, o, lo, n, st.count, op, op_final);
+        } else if (o.kind == StepOpKind::kCopy) {
           copy_range(static_cast<uint8_t*>(o.dst) + lo * sizeof(S), static_cast<const uint8_t*>(o.a) + lo * sizeof(S),
                      n * sizeof(S));
         } else {
@@ -125,9 +177,14 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
             reduce_range<S>(d, d2, a, b, n, op_final);
           }
         }
-        __syncthreads();  // the next operation may read what this one wrote
+        // The next operation may read what this one wrote; after a failed read none runs.
+        if (__syncthreads_or(mine)) {
+          failed = true;
+          break;
+        }
       }
     }
+    if (threadIdx.x == 0) alive = alive && !failed;
     // The signals, once every block's stores are visible to the peers and the host. Signals
     // go out after a failed wait too: the error is recorded and the job fails, and a peer's
     // wait then ends at once instead of spending its own timeout.
@@ -148,13 +205,45 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
   }
 }
 
+// Copies a table into a smaller one (the parts' indices stay valid: they are within its counts).
+template <class To, class From>
+void shrink(const From& f, To* t) {
+  std::copy(f.steps, f.steps + f.nsteps, t->steps);
+  std::copy(f.waits, f.waits + f.nwaits, t->waits);
+  std::copy(f.ops, f.ops + f.nops, t->ops);
+  std::copy(f.signals, f.signals + f.nsignals, t->signals);
+  t->nsteps = f.nsteps;
+  t->nwaits = f.nwaits;
+  t->nops = f.nops;
+  t->nsignals = f.nsignals;
+  t->divisor = f.divisor;
+  t->abort = f.abort;
+  t->error = f.error;
+  t->timeout_ns = f.timeout_ns;
+  t->max_blocks = f.max_blocks;
+  t->counters = f.counters;
+}
+template <class Table>
+bool fits(const StepTable& s) {
+  return s.nsteps <= Table::kSteps && s.nwaits <= Table::kWaits && s.nops <= Table::kOps &&
+         s.nsignals <= Table::kSignals;
+}
+
 template <class Tr, class Op, class OpF>
 cudaError_t launch_as(const StepTable& s, Op op, OpF op_final, cudaStream_t stream) {
   size_t count = 0;
   for (int k = 0; k < s.nsteps; ++k) count = std::max(count, s.steps[k].count);
-  const size_t bytes = count * sizeof(typename Tr::S);
-  const unsigned blocks = unsigned(std::clamp<size_t>((bytes + kBytesPerBlock - 1) / kBytesPerBlock, 1, s.max_blocks));
-  step_kernel<Tr, Op, OpF><<<blocks, kThreads, 0, stream>>>(s, op, op_final);
+  bool ll = false;
+  for (int i = 0; i < s.nops; ++i) ll = ll || s.ops[i].low_latency();
+  const size_t bytes = count * sizeof(typename Tr::S), per = ll ? kLowLatencyBytesPerBlock : kBytesPerBlock;
+  const unsigned blocks = unsigned(std::clamp<size_t>((bytes + per - 1) / per, 1, s.max_blocks));
+  if (fits<SmallStepTable>(s)) {
+    SmallStepTable small;
+    shrink(s, &small);
+    step_kernel<SmallStepTable, Tr, Op, OpF><<<blocks, kThreads, 0, stream>>>(small, op, op_final);
+  } else {
+    step_kernel<StepTable, Tr, Op, OpF><<<blocks, kThreads, 0, stream>>>(s, op, op_final);
+  }
   return cudaGetLastError();
 }
 
@@ -198,6 +287,10 @@ cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStr
     if (o.dst == nullptr || o.a == nullptr || (binary && o.b == nullptr)) return cudaErrorInvalidValue;
     if (!aligned(o.dst, es) || !aligned(o.dst2, es) || !aligned(o.a, es) || !aligned(o.b, es))
       return cudaErrorInvalidValue;
+    // Low-latency slots are lines of 16 bytes.
+    if ((o.dst_flag && !aligned(o.dst, 16)) || (o.dst2_flag && !aligned(o.dst2, 16)) || (o.a_flag && !aligned(o.a, 16)) ||
+        (o.b_flag && !aligned(o.b, 16)))
+      return cudaErrorInvalidValue;
   }
   if (s.nsteps == 0) return cudaSuccess;
   return with_traits(type, [&]<class Tr>() {
@@ -214,7 +307,9 @@ cudaError_t load_step_kernels() {
       e = with_traits(DataType(t), [&]<class Tr>() {
         return with_ops<Tr>(ReduceOp(o), 2, [&]<class T, class Op, class OpF>(Op, OpF) {
           cudaFuncAttributes attr{};
-          return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(step_kernel<T, Op, OpF>));
+          const cudaError_t big = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(step_kernel<StepTable, T, Op, OpF>));
+          if (big != cudaSuccess) return big;
+          return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(step_kernel<SmallStepTable, T, Op, OpF>));
         });
       });
     }

@@ -19,7 +19,12 @@
 // yet read. Slots between messages need no barrier: a slot is written again only after the
 // peer's signal that it has read it, which came after every block of this rank had finished.
 //
-// Blocks: one per 64 KiB of the table's largest step, at most kStepMaxBlocks (a small call is
+// A step's operations with a low-latency operand run line by line (8 bytes of elements at a
+// time, a thread per line): a source line is read once its flags match, so a receiver works
+// on a message as it lands and no `arrived` word is waited for; a destination line is stored
+// with its flag and payload together.
+//
+// Blocks: one per 64 KiB of the table's largest step (16 KiB of low-latency payload), at most kStepMaxBlocks (a small call is
 // one block, one spinning thread), and at most the table's max_blocks. Every block of a launch
 // must be resident at once (the barriers wait for each other), as must every rank's kernel on
 // one GPU: the communicator caps the blocks at the multiprocessors over the ranks sharing it.
@@ -54,12 +59,19 @@ struct StepWait {
   uint32_t what = 0;
 };
 enum class StepOpKind : uint32_t { kCopy, kReduce, kReduceFinal };
+// An operand with a flag is a low-latency slot (cuda_node_ll.cuh's lines: 8 bytes of payload
+// and the flag twice per 16 bytes): read line by line as each line's flags match (bounded,
+// as the waits), written line by line with the flag. `a_peer`/`b_peer`: the world rank that
+// writes that source, for NodeError.
 struct StepOp {
   StepOpKind kind = StepOpKind::kCopy;
   void* dst = nullptr;
   void* dst2 = nullptr;  // kReduceFinal only; may be null
   const void* a = nullptr;
   const void* b = nullptr;  // kReduce, kReduceFinal
+  uint32_t dst_flag = 0, dst2_flag = 0, a_flag = 0, b_flag = 0;  // 0: plain memory
+  int32_t a_peer = -1, b_peer = -1;
+  __host__ __device__ bool low_latency() const { return (dst_flag | dst2_flag | a_flag | b_flag) != 0; }
 };
 struct StepSignal {
   uint64_t* word = nullptr;
@@ -72,12 +84,17 @@ struct TableStep {
   uint32_t barrier = 0;  // nonzero: every block finishes the steps before this one first
 };
 
-// A kernel parameter (by value, read in place: __grid_constant__): about 12 KiB.
-struct StepTable {
-  TableStep steps[kTableMaxSteps];
-  StepWait waits[kTableMaxWaits];
-  StepOp ops[kTableMaxOps];
-  StepSignal signals[kTableMaxSignals];
+// A kernel parameter (by value, read in place: __grid_constant__). The stream collects a
+// call's steps into a StepTable (about 15 KiB); a table that fits the small capacities
+// (SmallStepTable, under 4 KiB: a ring call of up to 8 ranks on one node) is launched as
+// one, since a launch's cost grows with its parameter's bytes.
+template <int Steps, int Waits, int Ops, int Signals>
+struct StepTableOf {
+  static constexpr int kSteps = Steps, kWaits = Waits, kOps = Ops, kSignals = Signals;
+  TableStep steps[Steps];
+  StepWait waits[Waits];
+  StepOp ops[Ops];
+  StepSignal signals[Signals];
   int nsteps = 0, nwaits = 0, nops = 0, nsignals = 0;
   // kAvg: the divisor of kReduceFinal (kReduce sums).
   int divisor = 1;
@@ -90,6 +107,9 @@ struct StepTable {
   // zeroes them). Launches that use them must not overlap (one stream).
   uint32_t* counters = nullptr;
 };
+using StepTable = StepTableOf<kTableMaxSteps, kTableMaxWaits, kTableMaxOps, kTableMaxSignals>;
+using SmallStepTable = StepTableOf<16, 24, 24, 32>;
+static_assert(sizeof(SmallStepTable) < 4096, "a small table is a parameter of under 4 KiB");
 
 // Queues the table's steps on `stream`: type and op apply to every reduction.
 // cudaErrorInvalidValue (nothing queued) for a bad type or op, pointers not aligned to the

@@ -47,6 +47,21 @@ GdrConfig DeviceComm::gdr_config() const {
   l.verbs_api = cfg_.verbs_api;
   l.slot_bytes = size_t(env_positive("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
   l.slots = uint32_t(std::max(2L, env_positive("GRADSYNC_GDR_SLOTS", 4)));
+  // GRADSYNC_PROTO=ll|bulk forces a protocol on the step channels (agreed at their set-up);
+  // unset or auto: the cost model's per call.
+  if (const char* p = std::getenv("GRADSYNC_PROTO"); p != nullptr && *p != '\0' && std::strcmp(p, "auto") != 0) {
+    if (std::strcmp(p, "ll") == 0 || std::strcmp(p, "LL") == 0) {
+      g.protocol = plan::Protocol::kLowLatency;
+    } else if (std::strcmp(p, "bulk") == 0 || std::strcmp(p, "simple") == 0) {
+      g.protocol = plan::Protocol::kBulk;
+    } else {
+      log::get("gpu")->warn("{}: GRADSYNC_PROTO={} is none of ll, bulk, auto; GPU calls choose for themselves",
+                            who(), p);
+    }
+  }
+  // Low-latency slots beside each direct peer's receive slots (none where bulk is forced):
+  // up to 64 KiB of payload a message, as lines of twice its bytes.
+  l.ll_bytes = g.protocol == plan::Protocol::kBulk ? 0 : std::min<size_t>(l.slot_bytes, size_t(128) << 10) / 16 * 16;
   l.op_timeout = cfg_.op_timeout;
   // The hops inside a node by CUDA IPC unless GRADSYNC_GDR_DIRECT=0 (then through the NIC).
   const char* direct = std::getenv("GRADSYNC_GDR_DIRECT");
@@ -62,8 +77,9 @@ GdrConfig DeviceComm::gdr_config() const {
 std::string DeviceComm::slots_over_budget(const GdrConfig& g) const {
   const uint64_t slots = GdrChannels::slot_region_bytes(g), limit = gpu_memory_budget();
   if (memory().gpu_bytes + slots <= limit) return {};
-  return "its slots (" + std::to_string(slots / (uint64_t(g.link.slots) * g.link.slot_bytes)) + " directions x " +
-         std::to_string(g.link.slots) + " x " + std::to_string(g.link.slot_bytes) + " bytes) with the " +
+  return "its slots (" + std::to_string(slots) + " bytes: " + std::to_string(g.link.slots) + " x " +
+         std::to_string(g.link.slot_bytes) + " bytes per peer and direction, and " + std::to_string(g.link.slots) +
+         " x " + std::to_string(g.link.ll_bytes) + " low-latency bytes per direct peer received from) with the " +
          std::to_string(memory().gpu_bytes >> 20) + " MiB held do not fit GRADSYNC_GPU_MEMORY_MAX = " +
          std::to_string(limit >> 20) + " MiB";
 }

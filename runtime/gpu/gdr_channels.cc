@@ -172,12 +172,13 @@ Result<RdmaChannels> channels_of(const GdrConfig& cfg, bool direct) {
 // The slots of `peers`: `slots` of `slot_bytes` per peer and direction used (a direct peer:
 // receive slots only; we write into its own).
 uint64_t peer_slot_bytes(const std::vector<GdrPeer>& peers, const GdrLinkConfig& link) {
-  uint64_t directions = 0;
+  uint64_t directions = 0, ll = 0;
   for (const GdrPeer& p : peers) {
     if (link.tcp && !p.direct) continue;  // TCP peers' slots are in pinned host memory
     directions += uint64_t(p.send && !p.direct) + uint64_t(p.recv);
+    if (p.direct && p.recv) ll += uint64_t(link.slots) * link.ll_bytes;  // its low-latency slots
   }
-  return directions * link.slots * link.slot_bytes;
+  return directions * link.slots * link.slot_bytes + ll;
 }
 
 }  // namespace
@@ -205,6 +206,16 @@ Result<std::unique_ptr<GdrChannels>> GdrChannels::create(const GdrConfig& cfg, c
   int32_t direct = cfg.direct ? 1 : 0;
   GS_RETURN_IF_ERROR(ops.allreduce_now(&direct, &direct, 1, DataType::kInt32, ReduceOp::kMin));
   m.cfg.direct = direct != 0;
+  // GRADSYNC_PROTO the same on every rank: ranks on different protocols would read each
+  // other's messages in the wrong slots until the op timeout.
+  int64_t proto[2] = {cfg.protocol ? int64_t(*cfg.protocol) + 1 : 0, 0};
+  proto[1] = -proto[0];
+  GS_RETURN_IF_ERROR(ops.allreduce_now(proto, proto, 2, DataType::kInt64, ReduceOp::kMin));
+  if (proto[0] != -proto[1]) {
+    return Status(Code::kInvalidArgument, cfg.link.who + ": GRADSYNC_PROTO differs between ranks (here " +
+                                              (cfg.protocol ? plan::to_string(*cfg.protocol) : "unset") +
+                                              "): every rank of a job must run the same GPU protocol");
+  }
   std::string refused;
   auto made = set_up(m, ops, why_not, &refused);
   if (made.ok() && !*made && !refused.empty()) {
@@ -370,15 +381,23 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   sw.max_blocks = cfg.max_blocks;
   sw.who = cfg.link.who;
   m.gpu_slots = in_host->empty() && !cfg.tcp;
+  // The protocol in words: GRADSYNC_PROTO's, else the model's per size (low-latency only
+  // on the hops to direct peers).
+  const std::string proto = cfg.protocol ? std::string(plan::to_string(*cfg.protocol)) + " at every size (GRADSYNC_PROTO" +
+                                               (*cfg.protocol == plan::Protocol::kLowLatency && m.channels.shape.node_count() > 1
+                                                    ? ", on the hops inside a node"
+                                                    : "") +
+                                               ")"
+                                         : rdma_protocol_summary(m.channels);
   if (m.channels.shape.node_count() == 1) {  // no RDMA: every hop by CUDA IPC
     m.description = std::string("CUDA IPC steps (ring and double binary tree") +
-                    (m.channels.pairs.size() > 0 ? ", one-shot and two-shot on every pair" : "") + " on this node) over " +
-                    m.link->describe();
+                    (m.channels.pairs.size() > 0 ? ", one-shot and two-shot on every pair" : "") + " on this node; " +
+                    proto + ") over " + m.link->describe();
     return true;
   }
   const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
                            (m.channels.shape.node_count() == 1 ? " node" : " nodes") +
-                           "; allreduce by the cost model: " + rdma_auto_summary(m.channels);
+                           "; allreduce by the cost model: " + rdma_auto_summary(m.channels) + "; " + proto;
   if (cfg.tcp) {
     m.description = "TCP steps (" + what + ") over " + m.link->describe();
     return true;
@@ -430,12 +449,19 @@ Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int av
                           : c.algorithm == Algorithm::kRing || c.kind != CollectiveKind::kAllreduce
                               ? plan::Algo::kRing
                               : rdma_auto_algo(m.channels, c.count * es);
-  auto steps = rdma_steps(m.channels, c.kind, algo, c.count, es, c.root, m.cfg.link.slot_bytes);
+  // The protocol: GRADSYNC_PROTO, else the model's choice for this algorithm and size (the
+  // same on every rank: the channels and the call are). Low-latency messages are at most a
+  // low-latency slot's payload.
+  const size_t payload = m.link->ll_payload_bytes();
+  const bool ll = payload >= es && (m.cfg.protocol ? *m.cfg.protocol == plan::Protocol::kLowLatency
+                                                   : rdma_auto_low_latency(m.channels, algo, c.count * es));
+  const size_t chunk = ll ? std::min(m.cfg.link.slot_bytes, payload) : m.cfg.link.slot_bytes;
+  auto steps = rdma_steps(m.channels, c.kind, algo, c.count, es, c.root, chunk);
   if (!steps.ok()) return Status(steps.status().code(), m.cfg.link.who + ": " + steps.status().message());
   // Broadcast has one buffer (the recv buffer), read on the root and written elsewhere.
   const void* input = c.kind == CollectiveKind::kBroadcast ? c.recv : c.send;
   KernelStream ks(m.stream_words, stream, c.type, c.op, divisor);
-  Status s = m.runner->run(*steps, m.channels.members, input, c.recv, es, ks);
+  Status s = m.runner->run(*steps, m.channels.members, input, c.recv, es, ks, ll);
   if (!s.ok()) return Status(s.code(), m.cfg.link.who + ": " + s.message());
   return s;
 }

@@ -30,6 +30,7 @@
 #include "gpu/device_comm.h"
 #include "gpu/gdr_link.h"
 #include "gpu/plan/channels.h"
+#include "gpu/plan/cost_model.h"
 #include "gpu/plan/schedule.h"
 #include "kernels/cuda_node.cuh"
 
@@ -62,6 +63,10 @@ struct GdrConfig {
   // the node, so that one-shot and two-shot run as steps (enqueue's `algo`). More peers, more
   // slots: only the one-node communicator asks, and only with GRADSYNC_GPU_NODE_STEPS=1.
   bool pairs = false;
+  // GRADSYNC_PROTO: every call on the low-latency protocol (kLowLatency: each message to a
+  // direct peer in its low-latency slot, GdrLinkConfig::ll_bytes) or on bulk; unset: per call
+  // as the cost model predicts (RdmaChannels::ll_max_bytes). Agreed at set-up.
+  std::optional<plan::Protocol> protocol;
   // The communicator's mapped words (device views) that the stream's waits read and report
   // through, and the host view of the abort word (set when this ring fails).
   const uint32_t* abort_dev = nullptr;
@@ -90,7 +95,7 @@ class GdrChannels {
   // (rdma_auto_algo); every other collective takes the ring. `avg_divisor`: what an avg divides by (0: the member
   // count; the hierarchical path's rails pass the world's). `algo`, when set, wins over
   // c.algorithm: kOneShot and kTwoShot run on the direct pairs (GdrConfig::pairs; an error
-  // without them).
+  // without them). The protocol: GdrConfig::protocol, else the cost model's per size.
   Status enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor = 0,
                  std::optional<plan::Algo> algo = std::nullopt);
   // The worker's failure, if any (ok otherwise).

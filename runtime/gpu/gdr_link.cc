@@ -75,14 +75,16 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
     GS_RETURN_IF_ERROR(tcp_listen());
   }
   // The region: per RDMA (or TCP) peer, its send slots then its receive slots (only the directions
-  // used). The direct region: the words, then each direct peer's receive slots.
+  // used). The direct region: the words, then each direct peer's receive slots and its
+  // low-latency slots.
   const size_t block = size_t(cfg.slots) * cfg.slot_bytes;
+  const size_t direct_block = block + size_t(cfg.slots) * cfg.ll_bytes;
   bool any_direct = false;
   direct_bytes = (kDirectWordsOffset + peers.size() * sizeof(GdrWords) + 255) / 256 * 256;
   for (PeerLink& l : peers) {
     if (l.peer.direct) {
       any_direct = true;
-      if (l.peer.recv) l.recv_off = std::exchange(direct_bytes, direct_bytes + block);
+      if (l.peer.recv) l.recv_off = std::exchange(direct_bytes, direct_bytes + direct_block);
       continue;
     }
     if (l.peer.send) l.send_off = std::exchange(region_bytes, region_bytes + block);
@@ -184,6 +186,10 @@ Result<std::unique_ptr<GdrLink>> GdrLink::create(const GdrLinkConfig& cfg, const
   m.ops = ops;
   m.flush = std::move(flush);
   const int n = cfg.world_size, me = cfg.rank;
+  if (cfg.ll_bytes % 16 != 0) {
+    return Status(Code::kInternal, cfg.who + ": low-latency slots of " + std::to_string(cfg.ll_bytes) +
+                                       " bytes, not a multiple of 16");
+  }
   if (cfg.peers.size() > size_t(kMaxGdrPeers)) {
     return Status(Code::kInternal, cfg.who + ": " + std::to_string(cfg.peers.size()) + " RDMA peers, at most " +
                                        std::to_string(kMaxGdrPeers));
@@ -357,6 +363,8 @@ int GdrLink::peer_index(int rank) const {
   return -1;
 }
 uint8_t* GdrLink::slot(int index, bool receive, uint64_t msg) const { return impl_->slot(index, receive, msg); }
+uint8_t* GdrLink::ll_slot(int index, bool receive, uint64_t msg) const { return impl_->ll_slot(index, receive, msg); }
+size_t GdrLink::ll_payload_bytes() const { return impl_->cfg.ll_bytes / 2; }
 size_t GdrLink::region_bytes() const { return impl_->region_bytes; }
 size_t GdrLink::direct_region_bytes() const { return impl_->direct_bytes; }
 

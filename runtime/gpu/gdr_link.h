@@ -40,6 +40,12 @@
 //   arrived, send_free   <- our own words[p] in our region, which p stores into
 // stream_words() gives the stream those addresses; for RDMA peers they are the `words` given to
 // create. The stream's waits keep their own deadline (the worker never sees direct messages).
+// With GdrLinkConfig::ll_bytes, each direct peer's receive slots have low-latency slots
+// beside them (ll_slot): a message there travels as 16-byte lines of 8 payload bytes, each
+// 4 bytes followed by the message's flag (kernels/cuda_node_ll.cuh's format), so a receiver
+// reads each line once its flags say it holds the message, without waiting for `arrived`.
+// Only low-latency messages are ever written there: a line's old flags are an earlier
+// message's, never a match by chance in a payload.
 // A rank whose peers are all direct (one node's ring and trees) opens no RDMA device and runs
 // no worker.
 //
@@ -108,6 +114,9 @@ struct GdrLinkConfig {
   std::string verbs_api;  // "emulated" (the in-process test fabric) or the libibverbs soname
   size_t slot_bytes = 1u << 20;
   uint32_t slots = 4;
+  // Bytes of each direct peer's low-latency slot (a multiple of 16; 0: none), half of them
+  // payload. Equal on every rank, as slot_bytes.
+  size_t ll_bytes = 0;
   std::chrono::milliseconds op_timeout{300'000};
   std::string log_name = "gpu";  // spdlog logger
 };
@@ -169,6 +178,10 @@ class GdrLink {
   // Send slot (receive: false) or receive slot of message `msg` to or from peer `index` (a
   // direct peer's send slot is in its region).
   uint8_t* slot(int index, bool receive, uint64_t msg) const;
+  // The low-latency slot of that message: null for a peer that is not direct, or without
+  // GdrLinkConfig::ll_bytes. It holds ll_payload_bytes() of payload.
+  uint8_t* ll_slot(int index, bool receive, uint64_t msg) const;
+  size_t ll_payload_bytes() const;
   // Where the stream waits (arrived, send_free) and signals (ready, consumed) for peer `index`.
   struct StreamWords {
     uint64_t* arrived;

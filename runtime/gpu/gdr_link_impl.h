@@ -142,6 +142,13 @@ struct GdrLink::Impl {
     if (l.peer.direct) return recv_side ? direct.base + l.recv_off + at : l.peer_region.base + l.peer_recv_off + at;
     return region.base + (recv_side ? l.recv_off : l.send_off) + at;
   }
+  // A direct peer's receive block: its slots, then its low-latency slots.
+  uint8_t* ll_slot(int p, bool recv_side, uint64_t msg) const {
+    const PeerLink& l = peers[size_t(p)];
+    if (!l.peer.direct || cfg.ll_bytes == 0) return nullptr;
+    const size_t at = size_t(cfg.slots) * cfg.slot_bytes + size_t(msg % cfg.slots) * cfg.ll_bytes;
+    return recv_side ? direct.base + l.recv_off + at : l.peer_region.base + l.peer_recv_off + at;
+  }
   GdrWords* direct_words(int p) const {
     return reinterpret_cast<GdrWords*>(direct.base + gdr_link_detail::kDirectWordsOffset) + p;
   }

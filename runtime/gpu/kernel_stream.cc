@@ -61,13 +61,15 @@ Status KernelStream::end_step() {
   std::vector<Range> ranges;
   for (const kernels::StepOp& o : ops_) {
     const size_t bytes = step_.count * es;
-    auto add = [&](const void* p, bool write) {
-      if (p != nullptr) ranges.push_back({static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + bytes, write});
+    // A low-latency slot holds the step's elements as lines: 16 bytes per 8.
+    auto add = [&](const void* p, uint32_t flag, bool write) {
+      const size_t span = flag != 0 ? (bytes + 7) / 8 * 16 : bytes;
+      if (p != nullptr) ranges.push_back({static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + span, write});
     };
-    add(o.dst, true);
-    add(o.dst2, true);
-    add(o.a, false);
-    if (o.kind != kernels::StepOpKind::kCopy) add(o.b, false);
+    add(o.dst, o.dst_flag, true);
+    add(o.dst2, o.dst2_flag, true);
+    add(o.a, o.a_flag, false);
+    if (o.kind != kernels::StepOpKind::kCopy) add(o.b, o.b_flag, false);
   }
   if (t.nsteps > 0 && (touched_.size() + ranges.size() > kMaxTouched || needs_barrier(ranges))) {
     step_.barrier = 1;
@@ -140,19 +142,21 @@ Status KernelStream::signal_consumed(int p, uint64_t v) {
 // for the other streams' work (CUDA's implicit synchronization), and another stream of this
 // GPU may hold a kernel that waits for this very call (ranks sharing a GPU, or the caller's
 // own streams).
-Status KernelStream::copy(void* dst, const void* src, size_t bytes) {
-  if (dst == src || bytes == 0) return Status::Ok();
+Status KernelStream::copy(StepBuf dst, StepBuf src, size_t bytes) {
+  if ((dst.p == src.p && dst.flag == src.flag) || bytes == 0) return Status::Ok();
   const size_t es = element_size(type_);
   if (bytes % es != 0) return error("a copy of " + std::to_string(bytes) + " bytes, not whole elements");
-  return add_op({kernels::StepOpKind::kCopy, dst, nullptr, src, nullptr}, bytes / es);
+  return add_op(kernels::StepOpKind::kCopy, dst, {}, src, {}, bytes / es);
 }
-Status KernelStream::reduce(void* dst, const void* a, const void* b, size_t count) {
-  return add_op({kernels::StepOpKind::kReduce, dst, nullptr, a, b}, count);
+Status KernelStream::reduce(StepBuf dst, StepBuf a, StepBuf b, size_t count) {
+  return add_op(kernels::StepOpKind::kReduce, dst, {}, a, b, count);
 }
-Status KernelStream::reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) {
-  return add_op({kernels::StepOpKind::kReduceFinal, dst, dst2, a, b}, count);
+Status KernelStream::reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count) {
+  return add_op(kernels::StepOpKind::kReduceFinal, dst, dst2, a, b, count);
 }
-Status KernelStream::add_op(const kernels::StepOp& op, size_t count) {
+Status KernelStream::add_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b,
+                            size_t count) {
+  const kernels::StepOp op{kind, dst.p, dst2.p, a.p, b.p, dst.flag, dst2.flag, a.flag, b.flag, a.peer, b.peer};
   if (count == 0) return Status::Ok();
   if (!ops_.empty() && step_.count != count) {
     return error("operations of " + std::to_string(step_.count) + " and " + std::to_string(count) +

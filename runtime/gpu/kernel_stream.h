@@ -49,9 +49,9 @@ class KernelStream final : public StepStream {
   Status wait_send_free(int p, uint64_t v) override;
   Status signal_ready(int p, uint64_t v) override;
   Status signal_consumed(int p, uint64_t v) override;
-  Status copy(void* dst, const void* src, size_t bytes) override;
-  Status reduce(void* dst, const void* a, const void* b, size_t count) override;
-  Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) override;
+  Status copy(StepBuf dst, StepBuf src, size_t bytes) override;
+  Status reduce(StepBuf dst, StepBuf a, StepBuf b, size_t count) override;
+  Status reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count) override;
 
   // Launches so far (for tests of the batching).
   int launches() const { return launches_; }
@@ -64,7 +64,7 @@ class KernelStream final : public StepStream {
   };
   Status error(const std::string& why) const;
   Status flush();
-  Status add_op(const kernels::StepOp& op, size_t count);
+  Status add_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count);
   bool needs_barrier(const std::vector<Range>& step) const;
   const uint64_t* dev(const uint64_t* w) const;
 

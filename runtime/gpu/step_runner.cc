@@ -77,11 +77,13 @@ void rdma_choose_algos(RdmaChannels& ch) {
   // peers, inside its node and out of it together: every hop goes through the rank's NIC
   // (the model's own figures take a GPU's bytes inside its node and its NIC's as apart, which
   // is what direct peers give).
-  auto predict = [&](plan::Algo algo, size_t bytes) {
+  auto predict = [&](plan::Algo algo, size_t bytes, plan::Protocol proto) {
     plan::PlanRequest r;
     r.algo = algo;
-    r.count = bytes / 4;
-    const plan::ChannelSet& set = algo == plan::Algo::kTree ? ch.tree : ch.ring;
+    r.count = std::max<size_t>(1, bytes / 4);
+    const plan::ChannelSet& set = algo == plan::Algo::kTree ? ch.tree
+                                  : algo == plan::Algo::kOneShot || algo == plan::Algo::kTwoShot ? ch.pairs
+                                                                                                  : ch.ring;
     plan::ScheduleFigures fig = plan::schedule_hops(ch.shape, r, set);
     plan::LinkBytes b(ch.shape);
     for (int x : plan::sample_nodes(ch.shape, algo)) {
@@ -95,16 +97,45 @@ void rdma_choose_algos(RdmaChannels& ch) {
         }
       }
     }
-    // The bulk protocol only: these channels move whole slots with a flag per message, and
-    // have no low-latency protocol (a flag per 8 bytes) to choose. Costed with both, the
-    // choice followed whichever protocol each algorithm would have taken at a size, and the
-    // tables switched between ring and trees several times (4x2: tree, ring, tree, ring).
-    return plan::predict_us(ch.shape.links, fig, algo, plan::Protocol::kBulk);
+    // The ring-or-trees choice costs both with the bulk protocol: costed each with its best
+    // protocol, the choice followed whichever protocol each algorithm would have taken at a
+    // size, and the tables switched between ring and trees several times (4x2: tree, ring,
+    // tree, ring). The protocol is chosen for the algorithm afterwards.
+    return plan::predict_us(ch.shape.links, fig, algo, proto);
   };
   // 8 B .. 64 MiB: the model's terms are linear in the bytes beyond.
   for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {
-    ch.tree_faster.push_back(predict(plan::Algo::kTree, bytes) < predict(plan::Algo::kRing, bytes));
+    ch.tree_faster.push_back(predict(plan::Algo::kTree, bytes, plan::Protocol::kBulk) <
+                             predict(plan::Algo::kRing, bytes, plan::Protocol::kBulk));
   }
+  // The low-latency protocol where every hop has its slots (every peer direct): per
+  // algorithm, up to the size where the model predicts it faster than bulk.
+  for (size_t& m : ch.ll_max_bytes) m = 0;
+  const bool all_direct = ch.direct && !ch.peers.empty() &&
+                          std::all_of(ch.peers.begin(), ch.peers.end(), [](const GdrPeer& p) { return p.direct; });
+  if (!all_direct) return;
+  std::vector<plan::Algo> algos = {plan::Algo::kRing, plan::Algo::kTree};
+  if (ch.pairs.size() > 0) algos.insert(algos.end(), {plan::Algo::kOneShot, plan::Algo::kTwoShot});
+  for (plan::Algo a : algos) {
+    for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {
+      if (predict(a, bytes, plan::Protocol::kLowLatency) >= predict(a, bytes, plan::Protocol::kBulk)) break;
+      ch.ll_max_bytes[int(a)] = bytes;
+    }
+  }
+}
+
+bool rdma_auto_low_latency(const RdmaChannels& ch, plan::Algo algo, size_t bytes) {
+  return bytes <= ch.ll_max_bytes[int(algo)];
+}
+
+std::string rdma_protocol_summary(const RdmaChannels& ch) {
+  std::string out;
+  for (plan::Algo a : {plan::Algo::kRing, plan::Algo::kTree, plan::Algo::kOneShot, plan::Algo::kTwoShot}) {
+    if (ch.ll_max_bytes[int(a)] == 0) continue;
+    out += (out.empty() ? "" : ", ") + std::string(plan::to_string(a)) + " up to " +
+           std::to_string(ch.ll_max_bytes[int(a)]) + " B";
+  }
+  return out.empty() ? "bulk at every size" : "low-latency: " + out + "; bulk above";
 }
 
 plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes) {
@@ -177,8 +208,14 @@ bool overlap(const void* a, const void* b, size_t bytes) {
 
 }  // namespace
 
+// A low-latency message's flag: its number from 1, never 0 (the flag of memory never written).
+uint32_t ll_flag(uint64_t msg) {
+  const uint32_t f = uint32_t(msg + 1);
+  return f == 0 ? 1u : f;
+}
+
 Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<int>& members, const void* input,
-                       void* output, size_t esize, StepStream& stream) {
+                       void* output, size_t esize, StepStream& stream, bool low_latency) {
   const uint32_t slots = link_.slots();
   std::vector<GdrLink::Message> planned;
   Status s = Status::Ok();
@@ -190,8 +227,8 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
                                          std::to_string(st.channel) + "): " + why);
     };
     int rp[plan::kMaxPeers], sp[plan::kMaxPeers];
-    void* payload[plan::kMaxPeers];  // receive slots: this rank's until it signals `consumed`
-    void* slot_out[plan::kMaxPeers];
+    StepBuf payload[plan::kMaxPeers];  // receive slots: this rank's until it signals `consumed`
+    StepBuf slot_out[plan::kMaxPeers];
     for (int j = 0; j < st.nrecv + st.nsend; ++j) {
       const bool recv = j < st.nrecv;
       const int pos = recv ? st.recv[j] : st.send[j - st.nrecv];
@@ -218,53 +255,65 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     link_.plan(planned);
     planned.clear();
     s = stream.begin_step();
-    // Waits: a message from each peer received from, a free slot at each peer sent to.
-    for (int j = 0; j < st.nrecv && s.ok(); ++j) s = stream.wait_arrived(rp[j], received_[size_t(rp[j])] + 1);
+    // The slots: a low-latency one where asked and the message fits (the same on both ends:
+    // the peer is direct for both, the message's length is the plan's).
+    const bool ll_fits = low_latency && bytes <= link_.ll_payload_bytes();
+    auto at = [&](int p, bool recv, uint64_t msg) -> StepBuf {
+      if (uint8_t* ll = ll_fits ? link_.ll_slot(p, recv, msg) : nullptr) return {ll, ll_flag(msg), link_.peer(p).rank};
+      return StepBuf(link_.slot(p, recv, msg));
+    };
+    for (int j = 0; j < st.nrecv; ++j) payload[j] = at(rp[j], true, received_[size_t(rp[j])]);
+    for (int j = 0; j < st.nsend; ++j) slot_out[j] = at(sp[j], false, sent_[size_t(sp[j])]);
+    // Waits: a message from each peer received from (a low-latency one is read as it lands),
+    // a free slot at each peer sent to.
+    for (int j = 0; j < st.nrecv && s.ok(); ++j) {
+      if (payload[j].flag == 0) s = stream.wait_arrived(rp[j], received_[size_t(rp[j])] + 1);
+    }
     for (int j = 0; j < st.nsend && s.ok(); ++j) {
       const uint64_t m = sent_[size_t(sp[j])];
       if (m + 1 > slots) s = stream.wait_send_free(sp[j], m + 1 - slots);
     }
     if (!s.ok()) break;
-    for (int j = 0; j < st.nrecv; ++j) payload[j] = link_.slot(rp[j], true, received_[size_t(rp[j])]);
-    for (int j = 0; j < st.nsend; ++j) slot_out[j] = link_.slot(sp[j], false, sent_[size_t(sp[j])]);
 
-    const uint8_t* own = static_cast<const uint8_t*>(st.from_output ? output : input) + st.in * esize;
-    uint8_t* out = static_cast<uint8_t*>(output) + st.out * esize;
+    const uint8_t* own_p = static_cast<const uint8_t*>(st.from_output ? output : input) + st.in * esize;
+    uint8_t* out_p = static_cast<uint8_t*>(output) + st.out * esize;
+    const StepBuf own(own_p), out(out_p);
     // The fold of the payloads and the own operand into `dst` (and dst2 on the last step).
-    auto fold = [&](void* dst, void* dst2, bool final) -> Status {
+    auto fold = [&](StepBuf dst, StepBuf dst2, bool final) -> Status {
       const int k = st.nrecv + 1;
       if (k < 2) return bad("a fold of one operand");
       if (st.self_pos >= k) return bad("own operand at position " + std::to_string(st.self_pos));
-      const void* x[plan::kMaxPeers + 1];
-      for (int j = 0, r = 0; j < k; ++j) x[j] = j == st.self_pos ? static_cast<const void*>(own) : payload[r++];
-      if (overlap(own, dst, bytes) && own != dst) return bad("the own operand overlaps the fold's destination");
+      StepBuf x[plan::kMaxPeers + 1];
+      for (int j = 0, r = 0; j < k; ++j) x[j] = j == st.self_pos ? own : payload[r++];
+      if (overlap(own_p, dst.p, bytes) && own_p != dst.p) return bad("the own operand overlaps the fold's destination");
       // In place with the own operand read after the first reduction (it would be overwritten
       // first): the partial folds go to the first payload's receive slot, still this rank's
-      // (its `consumed` comes after the step), and only the last one to `dst`.
-      void* acc_at = dst;
-      if (own == dst && k > 2 && st.self_pos >= 2) acc_at = payload[0];
+      // (its `consumed` comes after the step), and only the last one to `dst`. A low-latency
+      // slot keeps its format: the partial folds are written there with its flag.
+      StepBuf acc_at = dst;
+      if (own_p == dst.p && k > 2 && st.self_pos >= 2) acc_at = payload[0];
       for (int j = 1; j < k; ++j) {
-        const void* acc = j == 1 ? x[0] : acc_at;
-        void* to = j == k - 1 ? dst : acc_at;
+        const StepBuf acc = j == 1 ? x[0] : acc_at;
+        const StepBuf to = j == k - 1 ? dst : acc_at;
         Status r = final && j == k - 1 ? stream.reduce_final(to, dst2, acc, x[j], st.count)
                                        : stream.reduce(to, acc, x[j], st.count);
         if (!r.ok()) return r;
       }
       return Status::Ok();
     };
-    auto copy_to_sends = [&](const void* src, int from) -> Status {
+    auto copy_to_sends = [&](StepBuf src, int from) -> Status {
       for (int j = from; j < st.nsend; ++j) GS_RETURN_IF_ERROR(stream.copy(slot_out[j], src, bytes));
       return Status::Ok();
     };
     switch (st.prim) {
       case plan::Prim::kCopy:
-        s = own == out ? Status::Ok() : stream.copy(out, own, bytes);
+        s = own_p == out_p ? Status::Ok() : stream.copy(out, own, bytes);
         break;
       case plan::Prim::kSend:
         s = copy_to_sends(own, 0);
         break;
       case plan::Prim::kCopySend:
-        s = own == out ? Status::Ok() : stream.copy(out, own, bytes);
+        s = own_p == out_p ? Status::Ok() : stream.copy(out, own, bytes);
         if (s.ok()) s = copy_to_sends(own, 0);
         break;
       case plan::Prim::kRecv:
@@ -279,13 +328,17 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
           s = bad("no peer to send to");
           break;
         }
-        s = fold(slot_out[0], nullptr, false);
-        if (s.ok()) s = copy_to_sends(slot_out[0], 1);
+        s = fold(slot_out[0], {}, false);
+        // The other sends copy the fold from the first send slot, unless that one is a
+        // low-latency slot in the peer's memory: then they fold again (no read across the link).
+        for (int j = 1; j < st.nsend && s.ok(); ++j) {
+          s = slot_out[0].flag == 0 ? stream.copy(slot_out[j], slot_out[0], bytes) : fold(slot_out[j], {}, false);
+        }
         break;
       case plan::Prim::kRecvReduceCopySend:
       case plan::Prim::kRecvReduceCopy: {
         const bool sends = st.prim == plan::Prim::kRecvReduceCopySend && st.nsend > 0;
-        s = fold(out, sends && !st.partial ? slot_out[0] : nullptr, !st.partial);
+        s = fold(out, sends && !st.partial ? slot_out[0] : StepBuf{}, !st.partial);
         if (s.ok() && sends) s = copy_to_sends(out, st.partial ? 0 : 1);
         break;
       }

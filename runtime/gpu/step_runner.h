@@ -56,6 +56,11 @@ struct RdmaChannels {
   // `direct`, the hops and bytes inside a node costed as the NIC's, since they loop through it).
   // Filled by rdma_choose_algos; empty: the ring.
   std::vector<bool> tree_faster;
+  // Per plan::Algo, the largest call (bytes, a power of two) for which the cost model
+  // predicts the low-latency protocol faster than bulk on these channels; 0: never. Only
+  // where every peer is direct (one node): the hops through a NIC or TCP have no
+  // low-latency slots. Filled by rdma_choose_algos.
+  size_t ll_max_bytes[plan::kNumAlgos] = {};
 };
 // `hosts`: every world rank's node (its host, or any grouping key). An error when `me` is not among `members` once, or the
 // peers exceed kMaxGdrPeers. `direct`: the peers on this rank's node are direct peers (their
@@ -72,6 +77,10 @@ void rdma_choose_algos(RdmaChannels& ch);
 plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes);
 // That choice in words, for logs and describe: "tree up to 65536 B, ring above".
 std::string rdma_auto_summary(const RdmaChannels& ch);
+// Whether a call of `bytes` on `algo` takes the low-latency protocol when none is forced
+// (ll_max_bytes), and that choice in words ("low-latency up to 16384 B (ring), ...").
+bool rdma_auto_low_latency(const RdmaChannels& ch, plan::Algo algo, size_t bytes);
+std::string rdma_protocol_summary(const RdmaChannels& ch);
 
 // The steps of one call on those channels, ordered channel by channel (so that every peer
 // connection carries one channel's messages after another's on both ends), with messages of at
@@ -81,10 +90,23 @@ std::string rdma_auto_summary(const RdmaChannels& ch);
 Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
                                            size_t count, size_t esize, int root, size_t slot_bytes);
 
+// An operand of a stream operation: plain memory, or a low-latency slot (GdrLink::ll_slot)
+// whose 16-byte lines carry 8 bytes of the message and `flag` (nonzero) twice: a read waits
+// for each line's flags (bounded, as every wait), a write stores them with it. A pointer
+// converts to plain memory. Sources are only read (p is not const so that one type serves both).
+struct StepBuf {
+  StepBuf() = default;
+  StepBuf(const void* at) : p(const_cast<void*>(at)) {}  // NOLINT: plain memory
+  StepBuf(void* at, uint32_t f, int writer) : p(at), flag(f), peer(writer) {}
+  void* p = nullptr;
+  uint32_t flag = 0;  // 0: plain memory
+  int peer = -1;      // a low-latency receive slot: the world rank that writes it (for errors)
+};
+
 // What a step asks of the stream that runs it. Peers are link indices; values are message
 // counts (monotonic, as GdrWords holds them). `reduce`: dst = op(a, b) (kAvg sums);
-// `reduce_final`: the same, kAvg divided, written to dst and, when not null, dst2. dst may be
-// a or b exactly.
+// `reduce_final`: the same, kAvg divided, written to dst and, when dst2.p is not null, dst2.
+// dst may be a or b exactly.
 class StepStream {
  public:
   virtual ~StepStream() = default;
@@ -92,9 +114,9 @@ class StepStream {
   virtual Status wait_send_free(int peer, uint64_t value) = 0;
   virtual Status signal_ready(int peer, uint64_t value) = 0;
   virtual Status signal_consumed(int peer, uint64_t value) = 0;
-  virtual Status copy(void* dst, const void* src, size_t bytes) = 0;
-  virtual Status reduce(void* dst, const void* a, const void* b, size_t count) = 0;
-  virtual Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) = 0;
+  virtual Status copy(StepBuf dst, StepBuf src, size_t bytes) = 0;
+  virtual Status reduce(StepBuf dst, StepBuf a, StepBuf b, size_t count) = 0;
+  virtual Status reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count) = 0;
   // Around each step's calls above, and after a call's last step (also after an error, for
   // the steps queued before it): a stream may collect a step's waits, operations and signals,
   // and a call's steps, and queue them as one (the GPU's step kernel, kernels/cuda_step.cuh).
@@ -109,9 +131,11 @@ class StepRunner {
   // Runs `steps` (ranks in them are positions in `members`, the world ranks of the plan's
   // shape) on `stream`. `input` and `output` are the call's buffers, `esize` bytes per element.
   // Every message must fit a slot. On an error the steps already queued stay queued, and the
-  // link knows their messages.
+  // link knows their messages. `low_latency`: each message to or from a direct peer that fits
+  // its low-latency slot (GdrLink::ll_payload_bytes) travels there, and its receiver reads it
+  // as it lands instead of waiting for `arrived`; every rank of a call must pass the same.
   Status run(const std::vector<plan::Step>& steps, const std::vector<int>& members, const void* input,
-             void* output, size_t esize, StepStream& stream);
+             void* output, size_t esize, StepStream& stream, bool low_latency = false);
 
  private:
   GdrLink& link_;

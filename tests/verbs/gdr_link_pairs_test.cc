@@ -160,9 +160,9 @@ class CountingStream final : public StepStream {
   Status wait_send_free(int p, uint64_t v) override { return ++now_.waits, in_.wait_send_free(p, v); }
   Status signal_ready(int p, uint64_t v) override { return ++now_.signals, in_.signal_ready(p, v); }
   Status signal_consumed(int p, uint64_t v) override { return ++now_.signals, in_.signal_consumed(p, v); }
-  Status copy(void* d, const void* s, size_t b) override { return ++now_.ops, in_.copy(d, s, b); }
-  Status reduce(void* d, const void* a, const void* b, size_t n) override { return ++now_.ops, in_.reduce(d, a, b, n); }
-  Status reduce_final(void* d, void* d2, const void* a, const void* b, size_t n) override {
+  Status copy(StepBuf d, StepBuf s, size_t b) override { return ++now_.ops, in_.copy(d, s, b); }
+  Status reduce(StepBuf d, StepBuf a, StepBuf b, size_t n) override { return ++now_.ops, in_.reduce(d, a, b, n); }
+  Status reduce_final(StepBuf d, StepBuf d2, StepBuf a, StepBuf b, size_t n) override {
     return ++now_.ops, in_.reduce_final(d, d2, a, b, n);
   }
 

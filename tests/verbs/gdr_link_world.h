@@ -153,20 +153,76 @@ class HostStream final : public StepStream {
     store(link_.stream_words(p).consumed, v);
     return Status::Ok();
   }
-  Status copy(void* dst, const void* src, size_t bytes) override {
-    if (dst != src) std::memcpy(dst, src, bytes);
+  Status copy(StepBuf dst, StepBuf src, size_t bytes) override {
+    if (dst.flag == 0 && src.flag == 0) {
+      if (dst.p != src.p) std::memcpy(dst.p, src.p, bytes);
+      return Status::Ok();
+    }
+    std::vector<uint8_t> x;
+    GS_RETURN_IF_ERROR(unpack(src, bytes, &x));
+    pack(dst, x, bytes);
     return Status::Ok();
   }
-  Status reduce(void* dst, const void* a, const void* b, size_t count) override {
-    kernels::reduce(type_, op_, dst, a, b, count);
-    return Status::Ok();
+  Status reduce(StepBuf dst, StepBuf a, StepBuf b, size_t count) override {
+    return binary(dst, {}, a, b, count, false);
   }
-  Status reduce_final(void* dst, void* dst2, const void* a, const void* b, size_t count) override {
-    kernels::reduce_final(type_, op_, dst, dst2, a, b, count, world_);
-    return Status::Ok();
+  Status reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count) override {
+    return binary(dst, dst2, a, b, count, true);
   }
 
  private:
+  // The low-latency slots' lines as the kernels write them (kernels/cuda_node_ll.cuh): each
+  // 8 bytes of a 16-byte line are 4 payload bytes, then the flag; a reader waits for both flags.
+  Status unpack(StepBuf src, size_t bytes, std::vector<uint8_t>* out) {
+    const size_t units = (bytes + 7) / 8;
+    out->assign(units * 8, 0);
+    if (src.flag == 0) {
+      std::memcpy(out->data(), src.p, bytes);
+      return Status::Ok();
+    }
+    auto* line = static_cast<const uint64_t*>(src.p);
+    for (size_t u = 0; u < units; ++u) {
+      const auto deadline = Clock::now() + 10s;
+      uint64_t w0, w1;
+      while (((w0 = load(&line[2 * u])) >> 32) != src.flag || ((w1 = load(&line[2 * u + 1])) >> 32) != src.flag) {
+        if (Status s = stop_(); !s.ok()) return s;
+        if (Clock::now() > deadline) return {Code::kDeadlineExceeded, "stream waited for a low-latency line"};
+        std::this_thread::yield();
+      }
+      const uint32_t d[2] = {uint32_t(w0), uint32_t(w1)};
+      std::memcpy(out->data() + u * 8, d, 8);
+    }
+    return Status::Ok();
+  }
+  static void pack(StepBuf dst, const std::vector<uint8_t>& x, size_t bytes) {
+    if (dst.p == nullptr) return;
+    if (dst.flag == 0) {
+      std::memcpy(dst.p, x.data(), bytes);
+      return;
+    }
+    auto* line = static_cast<uint64_t*>(dst.p);
+    for (size_t u = 0; u * 8 < x.size(); ++u) {
+      uint32_t d[2];
+      std::memcpy(d, x.data() + u * 8, 8);
+      store(&line[2 * u], uint64_t(dst.flag) << 32 | d[0]);
+      store(&line[2 * u + 1], uint64_t(dst.flag) << 32 | d[1]);
+    }
+  }
+  Status binary(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count, bool final) {
+    const size_t bytes = count * element_size(type_);
+    std::vector<uint8_t> x, y;
+    GS_RETURN_IF_ERROR(unpack(a, bytes, &x));
+    GS_RETURN_IF_ERROR(unpack(b, bytes, &y));
+    std::vector<uint8_t> r(x.size(), 0);
+    if (final) {
+      kernels::reduce_final(type_, op_, r.data(), nullptr, x.data(), y.data(), count, world_);
+    } else {
+      kernels::reduce(type_, op_, r.data(), x.data(), y.data(), count);
+    }
+    pack(dst, r, bytes);
+    pack(dst2, r, bytes);
+    return Status::Ok();
+  }
   Status wait(const uint64_t* word, uint64_t value, const char* what) {
     const auto deadline = Clock::now() + 10s;
     while (load(word) < value) {
@@ -274,6 +330,9 @@ class Ring {
   // When set, collective() runs rank r's steps on wrap_stream(r, its host stream) (a stream
   // that watches the runner's calls and passes them on).
   std::function<std::unique_ptr<StepStream>(int, StepStream&)> wrap_stream;
+  // When set, collective() asks for the low-latency protocol (StepRunner::run), with messages
+  // of at most a low-latency slot's payload, as GdrChannels::enqueue does.
+  bool low_latency = false;
   // Rank r's process "dies": its link closes its connections (its runner first).
   void kill(int r) {
     runners_[r].reset();
@@ -313,7 +372,9 @@ class Ring {
       threads.emplace_back([&, r] {
         if (sit_out[size_t(r)]) return;  // that rank takes no part (it is killed meanwhile)
         const size_t per = 8 / element_size(type);
-        auto steps = rdma_steps(channels_[r], kind, algo, counts[r] * per, element_size(type), root, slot_bytes_);
+        const size_t ll = links_[r]->ll_payload_bytes();
+        const size_t chunk = low_latency && ll > 0 ? std::min(slot_bytes_, ll) : slot_bytes_;
+        auto steps = rdma_steps(channels_[r], kind, algo, counts[r] * per, element_size(type), root, chunk);
         if (!steps.ok()) {
           st[r] = steps.status();
           return;
@@ -325,7 +386,7 @@ class Ring {
         const void* input = kind == CollectiveKind::kBroadcast ? recv[r].data() : send[r].data();
         std::unique_ptr<StepStream> wrapped = wrap_stream ? wrap_stream(r, hs) : nullptr;
         st[r] = runners_[r]->run(*steps, channels_[r].members, input, recv[r].data(), element_size(type),
-                                 wrapped ? *wrapped : static_cast<StepStream&>(hs));
+                                 wrapped ? *wrapped : static_cast<StepStream&>(hs), low_latency);
       });
     }
     for (auto& t : threads) t.join();

@@ -164,6 +164,56 @@ TEST_P(OneNodeSteps, RingAndTreeMatrixOverCudaIpc) {
 INSTANTIATE_TEST_SUITE_P(Shapes, OneNodeSteps, ::testing::Values(2, 4, 8),
                          [](const auto& info) { return "x" + std::to_string(info.param); });
 
+// The step channels' low-latency protocol (GRADSYNC_PROTO=ll: every message in the peers'
+// low-latency slots, read as its lines land) on the ring, the trees, and one-shot and two-shot
+// as steps (GRADSYNC_GPU_NODE_STEPS=1, forced by GRADSYNC_ALGO): every type, op and odd count
+// exact, in and out of place; the ring's bytes are still 2 (n-1)/n S per rank.
+class OneNodeLowLatency : public ::testing::TestWithParam<std::tuple<int, const char*>> {
+ protected:
+  void SetUp() override {
+    if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+    ::setenv("GRADSYNC_PROTO", "ll", 1);
+    ::setenv("GRADSYNC_GPU_NODE_STEPS", "1", 1);
+    ::setenv("GRADSYNC_ALGO", std::get<1>(GetParam()), 1);
+  }
+  void TearDown() override {
+    for (const char* v : {"GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS", "GRADSYNC_ALGO"}) ::unsetenv(v);
+  }
+};
+
+TEST_P(OneNodeLowLatency, MatrixExactOverLowLatencySlots) {
+  const auto [n, algo] = GetParam();
+  DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 1, n, std::string("node-ll-") + algo, 60s, on_gpu0);
+  ASSERT_EQ(world.join_error(), "");
+  for (int r = 0; r < n; ++r) ASSERT_EQ(world.comm(r).gpu_path(), "cuda-ipc") << "rank " << r;
+  // What `gradsyncctl describe` shows: the step channels on the low-latency protocol.
+  auto d = cluster.describe(std::string("node-ll-") + algo, n);
+  ASSERT_EQ(d.paths_size(), n);
+  for (const auto& p : d.paths()) {
+    EXPECT_NE(p.why().find("LL at every size (GRADSYNC_PROTO)"), std::string::npos) << p.why();
+  }
+  {
+    GpuWorld gpus(world);
+    testing::allreduce_matrix(gpus, Algorithm::kAuto);
+    if (std::string(algo) != "tree") testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kAuto);
+  }
+  if (std::string(algo) == "ring") {
+    const size_t count = 4096 * size_t(n) + 3;
+    const std::vector<uint64_t> sent = allreduce_on_gpus(world, count, 2, Algorithm::kAuto).sent;
+    const double ideal = 2.0 * (n - 1) / n * double(count * 4);
+    for (int r = 0; r < n; ++r) EXPECT_NEAR(double(sent[r]), ideal, ideal * 0.05) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, OneNodeLowLatency,
+                         ::testing::Combine(::testing::Values(2, 4, 8),
+                                            ::testing::Values("ring", "tree", "oneshot", "twoshot")),
+                         [](const auto& info) {
+                           return "x" + std::to_string(std::get<0>(info.param)) + "_" + std::get<1>(info.param);
+                         });
+
 // The bytes argument of the one-node paths at 8 ranks: one-shot stores (n-1) S per rank,
 // two-shot 2 (n-1) ceil256(S / n): 4x fewer, to within the segments' rounding.
 TEST(OneNodeBytes, TwoShotSendsAQuarterOfOneShotAtEightRanks) {
@@ -265,6 +315,53 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
     std::printf("  %10zu", sizes[i]);
     for (int p = 0; p < 3; ++p) std::printf(" %14llu", static_cast<unsigned long long>(res[p][i].sent[0]));
     for (int p = 0; p < 3; ++p) std::printf(" %10.1f", res[p][i].us);
+    std::printf("\n");
+  }
+}
+
+// Time per call of the step channels' protocols beside the node kernels, small calls, 8 ranks
+// as threads sharing GPU 0: the kernels' default (low-latency lines, one-shot), the ring, the
+// trees and one-shot as steps each with GRADSYNC_PROTO=bulk and =ll, and the ring with the
+// model's choice. A measurement, not a test: --gtest_also_run_disabled_tests.
+TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const char* env = std::getenv("NODE_BENCH_RANKS");
+  const int n = env ? std::atoi(env) : 8;
+  const std::vector<size_t> sizes = {size_t(8) * n, size_t(1) << 10, size_t(8) << 10, size_t(64) << 10,
+                                     size_t(256) << 10, size_t(1) << 20};
+  struct Column {
+    const char* name;
+    const char* algo;   // GRADSYNC_ALGO (null: unset)
+    const char* proto;  // GRADSYNC_PROTO (null: unset)
+  };
+  const Column cols[] = {{"kernels", nullptr, nullptr},   {"ring-bulk", "ring", "bulk"},
+                         {"ring-ll", "ring", "ll"},       {"ring-auto", "ring", nullptr},
+                         {"tree-bulk", "tree", "bulk"},   {"tree-ll", "tree", "ll"},
+                         {"1shot-bulk", "oneshot", "bulk"}, {"1shot-ll", "oneshot", "ll"}};
+  constexpr int kCols = int(sizeof(cols) / sizeof(cols[0]));
+  std::vector<std::vector<double>> us(kCols);
+  for (int c = 0; c < kCols; ++c) {
+    for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS"}) ::unsetenv(v);
+    if (cols[c].algo) ::setenv("GRADSYNC_ALGO", cols[c].algo, 1);
+    if (cols[c].proto) ::setenv("GRADSYNC_PROTO", cols[c].proto, 1);
+    if (cols[c].algo && std::string(cols[c].algo) == "oneshot") ::setenv("GRADSYNC_GPU_NODE_STEPS", "1", 1);
+    DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+    ASSERT_TRUE(cluster.ok()) << cluster.error();
+    DaemonWorld world(cluster, 1, n, std::string("node-llbench-") + cols[c].name, 120s, on_gpu0);
+    ASSERT_EQ(world.join_error(), "");
+    if (c == 3) {
+      auto d = cluster.describe(std::string("node-llbench-") + cols[c].name, n);
+      if (d.paths_size() > 0) std::printf("# ring-auto: %s\n", d.paths(0).why().c_str());
+    }
+    for (size_t b : sizes) us[size_t(c)].push_back(allreduce_on_gpus(world, b / 4, 50, Algorithm::kAuto).us);
+  }
+  for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS"}) ::unsetenv(v);
+  std::printf("# float32 sum allreduce, 1 node x %d ranks as threads on GPU 0, us per call\n# %8s", n, "bytes");
+  for (const Column& c : cols) std::printf(" %10s", c.name);
+  std::printf("\n");
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    std::printf("  %8zu", sizes[i]);
+    for (int c = 0; c < kCols; ++c) std::printf(" %10.1f", us[size_t(c)][i]);
     std::printf("\n");
   }
 }

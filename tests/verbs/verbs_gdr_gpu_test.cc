@@ -142,6 +142,30 @@ TEST_F(Gdr, AllreduceMatrixTwoNodesTimesTwoFlat) {
   testing::allreduce_matrix(gpus, Algorithm::kAuto);
 }
 
+// GRADSYNC_PROTO=ll on the flat channels of 2 nodes x 2: the hops inside a node (CUDA IPC)
+// on the low-latency slots, the hops between nodes bulk over the NIC, in the same calls;
+// every call on the step channels (GRADSYNC_GDR_MIN_BYTES=1). Every result exact.
+TEST_F(Gdr, LowLatencyInsideNodesBulkBetweenFlat) {
+  ::setenv("GRADSYNC_GPU_HIERARCHICAL", "0", 1);
+  ::setenv("GRADSYNC_PROTO", "ll", 1);
+  ::setenv("GRADSYNC_GDR_MIN_BYTES", "1", 1);
+  DaemonCluster cluster({.nodes = 2});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 2, 2, "gdr-2x2-ll", 20s, on_gpus);
+  for (const char* v : {"GRADSYNC_GPU_HIERARCHICAL", "GRADSYNC_PROTO", "GRADSYNC_GDR_MIN_BYTES"}) ::unsetenv(v);
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  auto d = cluster.describe("gdr-2x2-ll", 4);
+  for (const auto& p : d.paths()) {
+    EXPECT_NE(p.why().find("LL at every size (GRADSYNC_PROTO, on the hops inside a node)"), std::string::npos)
+        << p.why();
+  }
+  GpuWorld gpus(world);
+  testing::allreduce_matrix(gpus, Algorithm::kRing);
+  testing::allreduce_matrix(gpus, Algorithm::kTree);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
+}
+
 // Several nodes of several GPU ranks (all on this machine's GPUs; each "node" a daemon on its
 // own emulated RDMA device): allreduce hierarchical by default (CUDA IPC inside the node, a
 // GPUDirect ring per rail between), tree on request (host-staged tree), ring on request (the

@@ -1,0 +1,210 @@
+// The low-latency protocol of the step runner (gpu/step_runner.h) on the CPU: messages to and
+// from direct peers travel in their low-latency slots (GdrLink::ll_slot) as lines that carry
+// the message's flag beside every 4 bytes, and the receiver reads them as they land instead of
+// waiting for `arrived`; hops through a NIC or TCP stay bulk in the same call. The host stream
+// (gdr_link_world.h) writes and reads the lines in the kernels' format. Every collective
+// exact on the ring, the trees, one-shot and two-shot at 1x2 .. 1x8, in place too, with bulk
+// calls between low-latency ones on the same slots; the bytes are the bulk protocol's; no
+// low-latency receive waits for `arrived`.
+#include "gdr_link_world.h"
+#include "gpu/plan/schedule.h"
+
+namespace gradsync {
+namespace {
+
+using namespace std::chrono_literals;
+using namespace gdr_link_world;
+using plan::Algo;
+
+constexpr size_t kLlBytes = 128;  // 64 bytes of payload: a call of 2053 int64 is 257 messages a hop
+
+auto with_ll(size_t bytes) {
+  return [bytes](int, GdrLinkConfig& c, GdrLinkOps&) { c.ll_bytes = bytes; };
+}
+
+// One node of n direct peers, with the pairs (one-shot, two-shot) and low-latency slots.
+Ring ll_node(int n) {
+  return Ring(n, 2, 256, /*per_node=*/n, 10s, 1, /*direct=*/true, /*nic=*/false, /*tcp=*/false, with_ll(kLlBytes),
+              /*pairs=*/true);
+}
+
+// Counts what the runner asks of the stream: waits for `arrived`, and operands in low-latency slots.
+struct Seen {
+  std::atomic<int> arrival_waits{0}, ll_operands{0};
+};
+class WatchingStream final : public StepStream {
+ public:
+  WatchingStream(StepStream& inner, Seen* seen) : in_(inner), seen_(*seen) {}
+  Status begin_step() override { return in_.begin_step(); }
+  Status end_step() override { return in_.end_step(); }
+  Status end_call() override { return in_.end_call(); }
+  Status wait_arrived(int p, uint64_t v) override { return ++seen_.arrival_waits, in_.wait_arrived(p, v); }
+  Status wait_send_free(int p, uint64_t v) override { return in_.wait_send_free(p, v); }
+  Status signal_ready(int p, uint64_t v) override { return in_.signal_ready(p, v); }
+  Status signal_consumed(int p, uint64_t v) override { return in_.signal_consumed(p, v); }
+  Status copy(StepBuf d, StepBuf s, size_t b) override { return count({d, s}), in_.copy(d, s, b); }
+  Status reduce(StepBuf d, StepBuf a, StepBuf b, size_t n) override { return count({d, a, b}), in_.reduce(d, a, b, n); }
+  Status reduce_final(StepBuf d, StepBuf d2, StepBuf a, StepBuf b, size_t n) override {
+    return count({d, d2, a, b}), in_.reduce_final(d, d2, a, b, n);
+  }
+
+ private:
+  void count(std::initializer_list<StepBuf> bufs) {
+    for (const StepBuf& x : bufs) seen_.ll_operands += x.flag != 0 ? 1 : 0;
+  }
+  StepStream& in_;
+  Seen& seen_;
+};
+
+void watch(Ring& ring, Seen* seen) {
+  ring.wrap_stream = [seen](int, StepStream& hs) { return std::make_unique<WatchingStream>(hs, seen); };
+}
+
+class LowLatencySteps : public ::testing::TestWithParam<int> {};
+
+// Allreduce on the ring, the trees, one-shot and two-shot at counts 1, 7, 2053, low-latency,
+// then the same bulk on the same slots, then low-latency again: exact every time. Low-latency
+// calls read every payload from low-latency slots and never wait for `arrived`.
+TEST_P(LowLatencySteps, AllreduceExactOnEveryAlgorithmBetweenBulkCalls) {
+  const int n = GetParam();
+  Ring ring = ll_node(n);
+  ASSERT_EQ(ring.error(), "");
+  for (int r = 0; r < n; ++r) ASSERT_EQ(ring.link(r).ll_payload_bytes(), kLlBytes / 2);
+  Seen seen;
+  watch(ring, &seen);
+  for (bool ll : {true, false, true}) {
+    ring.low_latency = ll;
+    for (Algo algo : {Algo::kRing, Algo::kTree, Algo::kOneShot, Algo::kTwoShot}) {
+      for (size_t count : {size_t(1), size_t(7), size_t(2053)}) {
+        seen.arrival_waits = 0;
+        seen.ll_operands = 0;
+        expect_allreduce(ring, n, count, algo);
+        if (ll) {
+          EXPECT_EQ(seen.arrival_waits.load(), 0) << plan::to_string(algo) << " count " << count;
+          EXPECT_GT(seen.ll_operands.load(), 0) << plan::to_string(algo) << " count " << count;
+        } else {
+          EXPECT_GT(seen.arrival_waits.load(), 0) << plan::to_string(algo) << " count " << count;
+          EXPECT_EQ(seen.ll_operands.load(), 0) << plan::to_string(algo) << " count " << count;
+        }
+      }
+    }
+  }
+}
+
+// In place (one-shot and two-shot fold the own operand third or later through the first
+// receive slot, here a low-latency one), and the other collectives, low-latency.
+TEST_P(LowLatencySteps, InPlaceAndEveryCollectiveExact) {
+  const int n = GetParam();
+  Ring ring = ll_node(n);
+  ASSERT_EQ(ring.error(), "");
+  ring.low_latency = true;
+  for (Algo algo : {Algo::kOneShot, Algo::kTwoShot, Algo::kRing, Algo::kTree}) {
+    for (size_t count : {size_t(7), size_t(515)}) {
+      auto buf = inputs(n, count);
+      const auto want = buf;
+      auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, buf, buf, algo);
+      for (int r = 0; r < n; ++r) {
+        ASSERT_TRUE(st[r].ok()) << plan::to_string(algo) << " in place rank " << r << ": " << st[r].to_string();
+        for (size_t i = 0; i < count; ++i) ASSERT_EQ(buf[r][i], sum_at(want, i)) << plan::to_string(algo) << " rank " << r;
+      }
+    }
+  }
+  expect_reduce_scatter(ring, n, 33, Algo::kRing);
+  expect_reduce_scatter(ring, n, 33, Algo::kOneShot);
+  expect_all_gather_and_broadcast(ring, n, Algo::kRing);
+  expect_all_gather_and_broadcast(ring, n, Algo::kTwoShot, Algo::kOneShot);
+}
+
+// The same bytes as the bulk protocol: low-latency messages are shorter, not more.
+TEST_P(LowLatencySteps, BytesAreTheBulkProtocols) {
+  const int n = GetParam();
+  Ring ring = ll_node(n);
+  ASSERT_EQ(ring.error(), "");
+  for (Algo algo : {Algo::kRing, Algo::kTree, Algo::kOneShot}) {
+    std::vector<uint64_t> sent[2];
+    for (bool ll : {false, true}) {
+      ring.low_latency = ll;
+      std::vector<uint64_t> before(static_cast<size_t>(n), 0);
+      for (int r = 0; r < n; ++r) before[size_t(r)] = ring.bytes_sent(r);
+      expect_allreduce(ring, n, 2053, algo);
+      for (int r = 0; r < n; ++r) sent[ll].push_back(ring.bytes_sent(r) - before[size_t(r)]);
+    }
+    EXPECT_EQ(sent[0], sent[1]) << plan::to_string(algo);
+    if (algo == Algo::kRing) {
+      // 2 (n-1)/n S per rank, S = 2053 x 8 bytes (the ring's segments split at element bounds).
+      const double want = 2.0 * (n - 1) / n * 2053 * 8;
+      for (int r = 0; r < n; ++r) EXPECT_NEAR(double(sent[1][size_t(r)]), want, 2.0 * 8 * n) << "rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Nodes, LowLatencySteps, ::testing::Values(2, 3, 4, 8),
+                         [](const auto& info) { return "x1_" + std::to_string(info.param); });
+
+// Two nodes of two: the hops inside a node low-latency (direct), the hops between nodes bulk
+// over the NIC or TCP, in the same calls: exact on the ring and the trees.
+TEST(LowLatencyMixed, DirectHopsLowLatencyOthersBulk) {
+  for (bool tcp : {false, true}) {
+    Ring ring(4, 2, 256, /*per_node=*/2, 10s, 1, /*direct=*/true, /*nic=*/!tcp, tcp, with_ll(kLlBytes));
+    ASSERT_EQ(ring.error(), "") << (tcp ? "tcp" : "rdma");
+    for (int r = 0; r < 4; ++r) {
+      for (int p = 0; p < ring.link(r).peer_count(); ++p) {
+        EXPECT_EQ(ring.link(r).ll_slot(p, true, 0) != nullptr, ring.link(r).peer(p).direct && ring.link(r).peer(p).recv)
+            << "rank " << r << " peer " << ring.link(r).peer(p).rank;
+      }
+    }
+    Seen seen;
+    watch(ring, &seen);
+    ring.low_latency = true;
+    for (Algo algo : {Algo::kRing, Algo::kTree}) {
+      for (size_t count : {size_t(1), size_t(7), size_t(2053)}) expect_allreduce(ring, 4, count, algo);
+    }
+    expect_reduce_scatter(ring, 4, 33, Algo::kRing);
+    expect_all_gather_and_broadcast(ring, 4, Algo::kRing);
+    EXPECT_GT(seen.ll_operands.load(), 0) << "the hops inside a node";
+    EXPECT_GT(seen.arrival_waits.load(), 0) << "the hops between nodes";
+  }
+}
+
+// Without low-latency slots (ll_bytes 0) a low-latency call runs bulk: the runner only takes
+// the protocol where both ends have the slots.
+TEST(LowLatencyMixed, NoSlotsMeansBulk) {
+  Ring ring(3, 2, 256, /*per_node=*/3, 10s, 1, /*direct=*/true, /*nic=*/false);
+  ASSERT_EQ(ring.error(), "");
+  EXPECT_EQ(ring.link(0).ll_payload_bytes(), 0u);
+  EXPECT_EQ(ring.link(0).ll_slot(0, true, 0), nullptr);
+  Seen seen;
+  watch(ring, &seen);
+  ring.low_latency = true;
+  expect_allreduce(ring, 3, 2053, Algo::kRing);
+  EXPECT_EQ(seen.ll_operands.load(), 0);
+}
+
+// Low-latency slots must be whole lines: a link is refused with 100 bytes.
+TEST(LowLatencyMixed, SlotsNotWholeLinesAreRefused) {
+  Ring ring(2, 2, 256, /*per_node=*/2, 10s, 1, /*direct=*/true, /*nic=*/false, /*tcp=*/false, with_ll(100));
+  EXPECT_NE(ring.error().find("not a multiple of 16"), std::string::npos) << ring.error();
+}
+
+// The cost model's protocol per size on one node: low-latency for small calls, bulk for large
+// ones, on every algorithm; none across nodes (no low-latency slots on those hops).
+TEST(LowLatencyModel, SmallCallsLowLatencyOnOneNodeOnly) {
+  std::vector<std::string> hosts(8, "n0");
+  auto one = rdma_channels({0, 1, 2, 3, 4, 5, 6, 7}, hosts, 0, /*direct=*/true, /*pairs=*/true);
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  rdma_choose_algos(*one);
+  for (Algo a : {Algo::kRing, Algo::kTree, Algo::kOneShot, Algo::kTwoShot}) {
+    EXPECT_TRUE(rdma_auto_low_latency(*one, a, 8)) << plan::to_string(a) << ": " << rdma_protocol_summary(*one);
+    EXPECT_FALSE(rdma_auto_low_latency(*one, a, size_t(64) << 20)) << plan::to_string(a);
+  }
+  EXPECT_EQ(rdma_protocol_summary(*one).rfind("low-latency: ring up to ", 0), 0u) << rdma_protocol_summary(*one);
+  hosts = {"n0", "n0", "n1", "n1"};
+  auto two = rdma_channels({0, 1, 2, 3}, hosts, 0, /*direct=*/true);
+  ASSERT_TRUE(two.ok());
+  rdma_choose_algos(*two);
+  EXPECT_FALSE(rdma_auto_low_latency(*two, Algo::kRing, 8));
+  EXPECT_EQ(rdma_protocol_summary(*two), "bulk at every size");
+}
+
+}  // namespace
+}  // namespace gradsync
