@@ -70,6 +70,23 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
   return ch;
 }
 
+namespace {
+
+// The largest allreduce (bytes) on which the step kernel's low-latency protocol ran faster
+// than its bulk one, per plan::Algo, on the H200 at 1 node x 8 ranks sharing GPU 0 (ranks as
+// threads, 2026-12-03, docs/benchmarks.md "Low-latency steps"): the model alone (NCCL's LL
+// figures) chose it up to 8 MiB, where it took 1.8x bulk's time at 1 MiB. One-shot's lines go
+// to every peer, so its protocol pays the halved bandwidth soonest.
+constexpr size_t kLowLatencyMeasuredMax[plan::kNumAlgos] = {
+    size_t(64) << 10,   // ring: 130-141 us against 148-156 up to 64 KiB; 174 against 159 at 256 KiB
+    size_t(256) << 10,  // tree: 63-145 us against 210-284 up to 256 KiB; 579 against 487 at 1 MiB
+    size_t(8) << 10,    // one-shot: 56-65 us against 61-68 up to 8 KiB; 88 against 73 at 64 KiB
+    size_t(64) << 10,   // two-shot: as the ring (not measured apart)
+    0,                  // hierarchical: no low-latency slots between nodes
+};
+
+}  // namespace
+
 void rdma_choose_algos(RdmaChannels& ch) {
   ch.tree_faster.clear();
   if (ch.members.size() < 2) return;
@@ -108,16 +125,17 @@ void rdma_choose_algos(RdmaChannels& ch) {
     ch.tree_faster.push_back(predict(plan::Algo::kTree, bytes, plan::Protocol::kBulk) <
                              predict(plan::Algo::kRing, bytes, plan::Protocol::kBulk));
   }
-  // The low-latency protocol where every hop has its slots (every peer direct): per
-  // algorithm, up to the size where the model predicts it faster than bulk.
+  // The low-latency protocol where every hop has its slots, i.e. on one node with direct
+  // peers (a property of the shape, the same on every rank: a rank whose own peers happen to
+  // be all direct, inside a chain of a node of a larger job, must not choose alone): per
+  // algorithm, up to the size where the model predicts it faster than bulk, and at most the
+  // size where it was measured faster (kLowLatencyMeasuredMax).
   for (size_t& m : ch.ll_max_bytes) m = 0;
-  const bool all_direct = ch.direct && !ch.peers.empty() &&
-                          std::all_of(ch.peers.begin(), ch.peers.end(), [](const GdrPeer& p) { return p.direct; });
-  if (!all_direct) return;
+  if (!ch.direct || ch.shape.node_count() != 1 || ch.members.size() < 2) return;
   std::vector<plan::Algo> algos = {plan::Algo::kRing, plan::Algo::kTree};
   if (ch.pairs.size() > 0) algos.insert(algos.end(), {plan::Algo::kOneShot, plan::Algo::kTwoShot});
   for (plan::Algo a : algos) {
-    for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {
+    for (size_t bytes = 8; bytes <= kLowLatencyMeasuredMax[int(a)]; bytes *= 2) {
       if (predict(a, bytes, plan::Protocol::kLowLatency) >= predict(a, bytes, plan::Protocol::kBulk)) break;
       ch.ll_max_bytes[int(a)] = bytes;
     }
