@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
   for (int k = 0; k < s.nsteps; ++k) {
     const TableStep& st = s.steps[k];
     if (threadIdx.x == 0) {
-      alive = alive && (st.barrier == 0 || k == 0 || wait_blocks(s, k - 1)) && wait_all(s, st);
+      alive = alive && (st.barrier == 0 || k == 0 || gridDim.x == 1 || wait_blocks(s, k - 1)) && wait_all(s, st);
       go = alive ? 1 : 0;
     }
     __syncthreads();
@@ -188,11 +188,12 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
     // The signals, once every block's stores are visible to the peers and the host. Signals
     // go out after a failed wait too: the error is recorded and the job fails, and a peer's
     // wait then ends at once instead of spending its own timeout.
+    // A launch of one block (every small call) needs no count: its own fence orders its stores.
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();
-      if (atomicAdd(s.counters + k, 1u) == gridDim.x - 1) {
-        __threadfence_system();
+      if (gridDim.x == 1 || atomicAdd(s.counters + k, 1u) == gridDim.x - 1) {
+        if (gridDim.x > 1) __threadfence_system();  // the other blocks' stores, seen by their counts
         for (int i = st.signal; i < st.signal + st.nsignals; ++i) store_release(s.signals[i].word, s.signals[i].value);
       }
     }
