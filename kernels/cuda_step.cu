@@ -158,9 +158,14 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
     bool failed = false;  // a low-latency read of this block failed (the same in every thread)
     if (go && n > 0) {
       const NodeArgs args = wait_args(s);
-      for (int i = st.op; i < st.op + st.nops; ++i) {
+      // Every operation line by line: each thread then reads only lines it wrote itself in the
+      // step's earlier operations (the same lines of the same elements), so they need no
+      // barrier between them; plain operations split their ranges by alignment and do.
+      bool lines = true;
+      for (int i = st.op; i < st.op + st.nops; ++i) lines = lines && s.ops[i].low_latency();
+      bool mine = false;  // a read of this thread failed
+      for (int i = st.op; i < st.op + st.nops && !mine; ++i) {
         const StepOp& o = s.ops[i];
-        bool mine = false;  // this thread's read failed
         if (o.low_latency()) {
           mine = !low_latency_op<S>(args, o, lo, n, st.count, op, op_final);
         } else if (o.kind == StepOpKind::kCopy) {
@@ -178,11 +183,12 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
           }
         }
         // The next operation may read what this one wrote; after a failed read none runs.
-        if (__syncthreads_or(mine)) {
+        if (!lines && __syncthreads_or(mine)) {
           failed = true;
           break;
         }
       }
+      if (lines) failed = __syncthreads_or(mine);
     }
     if (threadIdx.x == 0) alive = alive && !failed;
     // The signals, once every block's stores are visible to the peers and the host. Signals
