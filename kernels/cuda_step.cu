@@ -219,16 +219,7 @@ void shrink(const From& f, To* t) {
   std::copy(f.waits, f.waits + f.nwaits, t->waits);
   std::copy(f.ops, f.ops + f.nops, t->ops);
   std::copy(f.signals, f.signals + f.nsignals, t->signals);
-  t->nsteps = f.nsteps;
-  t->nwaits = f.nwaits;
-  t->nops = f.nops;
-  t->nsignals = f.nsignals;
-  t->divisor = f.divisor;
-  t->abort = f.abort;
-  t->error = f.error;
-  t->timeout_ns = f.timeout_ns;
-  t->max_blocks = f.max_blocks;
-  t->counters = f.counters;
+  static_cast<StepTableHead&>(*t) = f;
 }
 template <class Table>
 bool fits(const StepTable& s) {

@@ -88,13 +88,8 @@ struct TableStep {
 // call's steps into a StepTable (about 15 KiB); a table that fits the small capacities
 // (SmallStepTable, under 4 KiB: a ring call of up to 8 ranks on one node) is launched as
 // one, since a launch's cost grows with its parameter's bytes.
-template <int Steps, int Waits, int Ops, int Signals>
-struct StepTableOf {
-  static constexpr int kSteps = Steps, kWaits = Waits, kOps = Ops, kSignals = Signals;
-  TableStep steps[Steps];
-  StepWait waits[Waits];
-  StepOp ops[Ops];
-  StepSignal signals[Signals];
+// What a table holds besides its parts: their counts and the launch's words.
+struct StepTableHead {
   int nsteps = 0, nwaits = 0, nops = 0, nsignals = 0;
   // kAvg: the divisor of kReduceFinal (kReduce sums).
   int divisor = 1;
@@ -106,6 +101,14 @@ struct StepTableOf {
   // Device memory, kStepCounterWords words, zero between launches (the last block to end
   // zeroes them). Launches that use them must not overlap (one stream).
   uint32_t* counters = nullptr;
+};
+template <int Steps, int Waits, int Ops, int Signals>
+struct StepTableOf : StepTableHead {
+  static constexpr int kSteps = Steps, kWaits = Waits, kOps = Ops, kSignals = Signals;
+  TableStep steps[Steps];
+  StepWait waits[Waits];
+  StepOp ops[Ops];
+  StepSignal signals[Signals];
 };
 using StepTable = StepTableOf<kTableMaxSteps, kTableMaxWaits, kTableMaxOps, kTableMaxSignals>;
 using SmallStepTable = StepTableOf<16, 24, 24, 32>;

@@ -73,14 +73,14 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
 namespace {
 
 // The largest allreduce (bytes) on which the step kernel's low-latency protocol ran faster
-// than its bulk one, per plan::Algo, on the H200 at 1 node x 8 ranks sharing GPU 0 (ranks as
-// threads, 2026-12-03, docs/benchmarks.md "Low-latency steps"): the model alone (NCCL's LL
-// figures) chose it up to 8 MiB, where it took 1.8x bulk's time at 1 MiB. One-shot's lines go
-// to every peer, so its protocol pays the halved bandwidth soonest.
+// than its bulk one, per plan::Algo, on the H200 at 1 node x 8 ranks sharing GPU 0
+// (docs/benchmarks.md, "Low-latency steps"): the model alone (NCCL's LL figures) chose it up
+// to 8 MiB, where it took 1.8x bulk's time at 1 MiB. One-shot's lines go to every peer, so it
+// pays the halved bandwidth soonest.
 constexpr size_t kLowLatencyMeasuredMax[plan::kNumAlgos] = {
-    size_t(64) << 10,   // ring: 130-141 us against 148-156 up to 64 KiB; 174 against 159 at 256 KiB
-    size_t(256) << 10,  // tree: 63-145 us against 210-284 up to 256 KiB; 579 against 487 at 1 MiB
-    size_t(8) << 10,    // one-shot: 56-65 us against 61-68 up to 8 KiB; 88 against 73 at 64 KiB
+    size_t(64) << 10,   // ring
+    size_t(256) << 10,  // tree
+    size_t(8) << 10,    // one-shot
     size_t(64) << 10,   // two-shot: as the ring (not measured apart)
     0,                  // hierarchical: no low-latency slots between nodes
 };
@@ -97,7 +97,7 @@ void rdma_choose_algos(RdmaChannels& ch) {
   auto predict = [&](plan::Algo algo, size_t bytes, plan::Protocol proto) {
     plan::PlanRequest r;
     r.algo = algo;
-    r.count = std::max<size_t>(1, bytes / 4);
+    r.count = bytes / 4;
     const plan::ChannelSet& set = algo == plan::Algo::kTree ? ch.tree
                                   : algo == plan::Algo::kOneShot || algo == plan::Algo::kTwoShot ? ch.pairs
                                                                                                   : ch.ring;
