@@ -18,7 +18,8 @@ using node::fail;
 using node::host_word;
 using node::load_acquire;
 using node::now_ns;
-using node::store_release;
+using node::fence_acq_rel_gpu;
+using node::fence_acq_rel_sys;
 
 constexpr int kThreads = 512;
 constexpr size_t kBytesPerBlock = size_t(64) << 10;
@@ -140,9 +141,13 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
   using S = typename Tr::S;
   __shared__ int go;
   // Thread 0: false once a wait of this block failed, or when an earlier launch's had when
-  // this one started (the rest of the stream's queue then drains at once).
+  // this one started (the rest of the stream's queue then drains at once). That is read from
+  // the device word a failed launch sets, not the error in host memory: a read of mapped host
+  // memory took 0.9 us on the H200, and 8 us with 8 blocks reading at once, at every launch.
+  // An error recorded by anything else is seen at the waits' next look at the host words.
+  volatile uint32_t* failed_before = s.counters + kStepFailed;
   bool alive = true;
-  if (threadIdx.x == 0) alive = host_word(&s.error->code) == 0;
+  if (threadIdx.x == 0) alive = *failed_before == 0;
   for (int k = 0; k < s.nsteps; ++k) {
     const TableStep& st = s.steps[k];
     if (threadIdx.x == 0) {
@@ -191,24 +196,39 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
       if (lines) failed = __syncthreads_or(mine);
     }
     if (threadIdx.x == 0) alive = alive && !failed;
-    // The signals, once every block's stores are visible to the peers and the host. Signals
-    // go out after a failed wait too: the error is recorded and the job fails, and a peer's
-    // wait then ends at once instead of spending its own timeout.
-    // A launch of one block (every small call) needs no count: its own fence orders its stores.
+    // The signals, once every block is done with the step. Signals go out after a failed wait
+    // too: the error is recorded and the job fails, and a peer's wait then ends at once
+    // instead of spending its own timeout. A step marked `release` stores them after one
+    // system-scope fence, so that a peer that sees a signal sees the block's stores (the
+    // block barrier before makes every thread's stores thread 0's to release); any other step
+    // only read its receive slots (done by now) and wrote what no peer reads by a signal, and
+    // stores them as they are. A fence is a round trip of its own: one per signal, as
+    // release stores each are, measured a third of a ring step's time on the H200.
+    // A launch of one block (every small call) needs no count.
     __syncthreads();
     if (threadIdx.x == 0) {
-      __threadfence_system();
-      if (gridDim.x == 1 || atomicAdd(s.counters + k, 1u) == gridDim.x - 1) {
-        if (gridDim.x > 1) __threadfence_system();  // the other blocks' stores, seen by their counts
-        for (int i = st.signal; i < st.signal + st.nsignals; ++i) store_release(s.signals[i].word, s.signals[i].value);
+      bool last = true;
+      if (gridDim.x > 1) {
+        // The block's stores before its count: at system scope for the signals, at least at
+        // the GPU's for the later steps' blocks that wait for the counts (wait_blocks).
+        if (st.release) fence_acq_rel_sys();
+        else fence_acq_rel_gpu();
+        last = atomicAdd(s.counters + k, 1u) == gridDim.x - 1;
+        if (last && st.release) fence_acq_rel_sys();  // the other blocks' stores, seen by their counts
+      } else if (st.release) {
+        fence_acq_rel_sys();
+      }
+      if (last) {
+        for (int i = st.signal; i < st.signal + st.nsignals; ++i) node::store_relaxed(s.signals[i].word, s.signals[i].value);
       }
     }
   }
+  if (threadIdx.x == 0 && !alive) *failed_before = 1;
   // The last block to end zeroes the counters for the stream's next launch (launches on one
   // stream do not overlap); every other block has stopped reading them by then.
-  if (threadIdx.x == 0 && atomicAdd(s.counters + kTableMaxSteps, 1u) == gridDim.x - 1) {
+  if (threadIdx.x == 0 && atomicAdd(s.counters + kStepBlocksEnded, 1u) == gridDim.x - 1) {
     for (int k = 0; k < s.nsteps; ++k) s.counters[k] = 0;
-    s.counters[kTableMaxSteps] = 0;
+    s.counters[kStepBlocksEnded] = 0;
   }
 }
 

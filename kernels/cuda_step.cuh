@@ -9,8 +9,10 @@
 // operations over its own range of the step's elements, in order, with a block barrier between
 // them: an operation that reads what the one before wrote (a fold into a slot, then that slot
 // copied on) reads only what its own block wrote. The last block to finish a step (a counter
-// per step in device memory) stores the step's signals after every block's fence: a peer that
-// sees a signal sees the whole message. Blocks go on to the next step without waiting for each
+// per step in device memory) stores the step's signals; after every block's system-scope
+// fence where the step is marked `release` (a message in plain memory, or a write into a
+// receive slot: a peer that sees the signal then sees the whole message), as they are
+// otherwise (low-latency lines are read by their flags, and reads are done before). Blocks go on to the next step without waiting for each
 // other, except before a step marked `barrier`: there every block first waits until every
 // block has finished the steps before it. The stream marks a step so when it touches memory
 // that an earlier step of the table touched through another partition (a range written by one
@@ -48,9 +50,11 @@ constexpr int kTableMaxWaits = 128;
 constexpr int kTableMaxOps = 128;
 constexpr int kTableMaxSignals = 128;
 constexpr unsigned kStepMaxBlocks = 32;
-// Device memory words a communicator keeps for the launches (zero between them): a counter
-// per step and one of the blocks that ended.
-constexpr size_t kStepCounterWords = size_t(kTableMaxSteps) + 1;
+// Device memory words a communicator keeps for the launches: a counter per step and one of the
+// blocks that ended (zero between launches), then one that a failed launch sets for good.
+constexpr size_t kStepBlocksEnded = size_t(kTableMaxSteps);
+constexpr size_t kStepFailed = kStepBlocksEnded + 1;
+constexpr size_t kStepCounterWords = kStepFailed + 1;
 
 struct StepWait {
   const uint64_t* word = nullptr;  // device view: GPU memory, a peer's by CUDA IPC, or mapped host memory
@@ -81,7 +85,10 @@ struct StepSignal {
 struct TableStep {
   size_t count = 0;  // elements of every operation of the step
   uint16_t wait = 0, nwaits = 0, op = 0, nops = 0, signal = 0, nsignals = 0;
-  uint32_t barrier = 0;  // nonzero: every block finishes the steps before this one first
+  uint16_t barrier = 0;  // nonzero: every block finishes the steps before this one first
+  // Nonzero: the signals are stored after a system-scope fence (StepStream::order_signals);
+  // otherwise as they are (relaxed), after the loads and stores that came before them.
+  uint16_t release = 0;
 };
 
 // A kernel parameter (by value, read in place: __grid_constant__). The stream collects a
@@ -98,8 +105,9 @@ struct StepTableHead {
   uint64_t timeout_ns = 0;
   // The most blocks (1 .. kStepMaxBlocks): ranks that share a GPU divide its multiprocessors.
   unsigned max_blocks = kStepMaxBlocks;
-  // Device memory, kStepCounterWords words, zero between launches (the last block to end
-  // zeroes them). Launches that use them must not overlap (one stream).
+  // Device memory, kStepCounterWords words, zero at first (the last block to end zeroes the
+  // steps' and kStepBlocksEnded; kStepFailed stays). Launches that use them must not overlap
+  // (one stream).
   uint32_t* counters = nullptr;
 };
 template <int Steps, int Waits, int Ops, int Signals>

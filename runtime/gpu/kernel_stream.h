@@ -43,6 +43,7 @@ class KernelStream final : public StepStream {
                Launch launch = nullptr);
 
   Status begin_step() override;
+  void order_signals() override { step_.release = 1; }
   Status end_step() override;
   Status end_call() override;
   Status wait_arrived(int p, uint64_t v) override;

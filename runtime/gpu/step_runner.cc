@@ -309,7 +309,10 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
       // (its `consumed` comes after the step), and only the last one to `dst`. A low-latency
       // slot keeps its format: the partial folds are written there with its flag.
       StepBuf acc_at = dst;
-      if (own_p == dst.p && k > 2 && st.self_pos >= 2) acc_at = payload[0];
+      if (own_p == dst.p && k > 2 && st.self_pos >= 2) {
+        acc_at = payload[0];
+        stream.order_signals();  // a write into this rank's receive slot
+      }
       for (int j = 1; j < k; ++j) {
         const StepBuf acc = j == 1 ? x[0] : acc_at;
         const StepBuf to = j == k - 1 ? dst : acc_at;
@@ -362,7 +365,11 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
       }
     }
     if (!s.ok()) break;
-    // Signals: the messages written and the slots read.
+    // Signals: the messages written and the slots read; after the step's stores where a
+    // message is in plain memory.
+    for (int j = 0; j < st.nsend; ++j) {
+      if (slot_out[j].flag == 0) stream.order_signals();
+    }
     for (int j = 0; j < st.nsend && s.ok(); ++j) s = stream.signal_ready(sp[j], ++sent_[size_t(sp[j])]);
     for (int j = 0; j < st.nrecv && s.ok(); ++j) s = stream.signal_consumed(rp[j], ++received_[size_t(rp[j])]);
     if (s.ok()) s = stream.end_step();

@@ -121,6 +121,12 @@ class StepStream {
   // the steps queued before it): a stream may collect a step's waits, operations and signals,
   // and a call's steps, and queue them as one (the GPU's step kernel, kernels/cuda_step.cuh).
   virtual Status begin_step() { return Status::Ok(); }
+  // Called within a step (before end_step) whose signals must be ordered after its stores: it
+  // wrote a message in plain memory, which the peer (or its NIC, or the worker) reads once it
+  // sees `ready`, or wrote into one of its own receive slots, which the peer overwrites once it
+  // sees `consumed`. A step without it only read its receive slots (its loads done before its
+  // signals) and wrote low-latency lines, each read by its flag, and plain memory no peer reads.
+  virtual void order_signals() {}
   virtual Status end_step() { return Status::Ok(); }
   virtual Status end_call() { return Status::Ok(); }
 };

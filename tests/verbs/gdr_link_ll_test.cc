@@ -28,19 +28,38 @@ Ring ll_node(int n) {
               /*pairs=*/true);
 }
 
-// Counts what the runner asks of the stream: waits for `arrived`, and operands in low-latency slots.
+// Counts what the runner asks of the stream: waits for `arrived`, operands in low-latency
+// slots, and steps whose signals it orders after their stores (StepStream::order_signals):
+// those that send, and those that send with their signals unordered.
 struct Seen {
   std::atomic<int> arrival_waits{0}, ll_operands{0};
+  std::atomic<int> ordered_steps{0}, sending_steps{0}, unordered_sends{0};
+  void clear() {
+    for (auto* c : {&arrival_waits, &ll_operands, &ordered_steps, &sending_steps, &unordered_sends}) *c = 0;
+  }
 };
 class WatchingStream final : public StepStream {
  public:
   WatchingStream(StepStream& inner, Seen* seen) : in_(inner), seen_(*seen) {}
-  Status begin_step() override { return in_.begin_step(); }
-  Status end_step() override { return in_.end_step(); }
+  Status begin_step() override {
+    ordered_ = false;
+    readies_ = 0;
+    return in_.begin_step();
+  }
+  void order_signals() override {
+    ordered_ = true;
+    in_.order_signals();
+  }
+  Status end_step() override {
+    seen_.ordered_steps += ordered_ ? 1 : 0;
+    seen_.sending_steps += readies_ > 0 ? 1 : 0;
+    seen_.unordered_sends += readies_ > 0 && !ordered_ ? 1 : 0;
+    return in_.end_step();
+  }
   Status end_call() override { return in_.end_call(); }
   Status wait_arrived(int p, uint64_t v) override { return ++seen_.arrival_waits, in_.wait_arrived(p, v); }
   Status wait_send_free(int p, uint64_t v) override { return in_.wait_send_free(p, v); }
-  Status signal_ready(int p, uint64_t v) override { return in_.signal_ready(p, v); }
+  Status signal_ready(int p, uint64_t v) override { return ++readies_, in_.signal_ready(p, v); }
   Status signal_consumed(int p, uint64_t v) override { return in_.signal_consumed(p, v); }
   Status copy(StepBuf d, StepBuf s, size_t b) override { return count({d, s}), in_.copy(d, s, b); }
   Status reduce(StepBuf d, StepBuf a, StepBuf b, size_t n) override { return count({d, a, b}), in_.reduce(d, a, b, n); }
@@ -54,6 +73,8 @@ class WatchingStream final : public StepStream {
   }
   StepStream& in_;
   Seen& seen_;
+  bool ordered_ = false;
+  int readies_ = 0;
 };
 
 void watch(Ring& ring, Seen* seen) {
@@ -76,8 +97,7 @@ TEST_P(LowLatencySteps, AllreduceExactOnEveryAlgorithmBetweenBulkCalls) {
     ring.low_latency = ll;
     for (Algo algo : {Algo::kRing, Algo::kTree, Algo::kOneShot, Algo::kTwoShot}) {
       for (size_t count : {size_t(1), size_t(7), size_t(2053)}) {
-        seen.arrival_waits = 0;
-        seen.ll_operands = 0;
+        seen.clear();
         expect_allreduce(ring, n, count, algo);
         if (ll) {
           EXPECT_EQ(seen.arrival_waits.load(), 0) << plan::to_string(algo) << " count " << count;
@@ -88,6 +108,40 @@ TEST_P(LowLatencySteps, AllreduceExactOnEveryAlgorithmBetweenBulkCalls) {
         }
       }
     }
+  }
+}
+
+// The step kernel fences before a step's signals only where a peer reads what the step stored
+// by that signal (StepStream::order_signals): every bulk step that sends (its message is plain
+// memory); no step of a low-latency call out of place (its messages are lines, read by their
+// flags, and its reads are done before its signals); in place, the one-shot and two-shot folds
+// through the first receive slot (written, then overwritten by the peer after `consumed`).
+TEST_P(LowLatencySteps, SignalsOrderedAfterStoresOnlyWhereAPeerReadsThem) {
+  const int n = GetParam();
+  Ring ring = ll_node(n);
+  ASSERT_EQ(ring.error(), "");
+  Seen seen;
+  watch(ring, &seen);
+  for (Algo algo : {Algo::kRing, Algo::kTree, Algo::kOneShot, Algo::kTwoShot}) {
+    const std::string what = plan::to_string(algo);
+    ring.low_latency = false;
+    seen.clear();
+    expect_allreduce(ring, n, 2053, algo);
+    EXPECT_GT(seen.sending_steps.load(), 0) << what;
+    EXPECT_EQ(seen.unordered_sends.load(), 0) << what << ": a bulk message signalled before its stores";
+    ring.low_latency = true;
+    seen.clear();
+    expect_allreduce(ring, n, 2053, algo);
+    EXPECT_GT(seen.sending_steps.load(), 0) << what;
+    EXPECT_EQ(seen.ordered_steps.load(), 0) << what << ": a low-latency call out of place fenced";
+    // In place: the folds of the own operand third or later go through a receive slot.
+    seen.clear();
+    auto buf = inputs(n, 515);
+    auto st = ring.collective(CollectiveKind::kAllreduce, {515}, 0, buf, buf, algo);
+    for (int r = 0; r < n; ++r) ASSERT_TRUE(st[r].ok()) << what << " rank " << r << ": " << st[r].to_string();
+    const bool through_slot = n > 2 && (algo == Algo::kOneShot || algo == Algo::kTwoShot);
+    if (through_slot) EXPECT_GT(seen.ordered_steps.load(), 0) << what << " in place";
+    else EXPECT_EQ(seen.ordered_steps.load(), 0) << what << " in place";
   }
 }
 

@@ -53,6 +53,24 @@ TEST(KernelStream, DisjointChunksOfAnOutOfPlaceRingNeedNoBarrier) {
   EXPECT_EQ(ks.launches(), 1);
 }
 
+// A step whose signals the runner orders after its stores is marked `release` in the table
+// (the kernel fences before its signals); only that step, and the mark does not leak into the next.
+TEST(KernelStream, OrderedSignalsMarkTheirStepOnly) {
+  KernelStreamWords w;
+  Recorder rec;
+  KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
+  for (int k = 0; k < 3; ++k) {
+    ASSERT_TRUE(ks.begin_step().ok());
+    ASSERT_TRUE(ks.copy(slot_b, in + 256 * k, 256 * 4).ok());
+    if (k == 1) ks.order_signals();
+    ASSERT_TRUE(ks.end_step().ok());
+  }
+  ASSERT_TRUE(ks.end_call().ok());
+  ASSERT_EQ(rec.tables.size(), 1u);
+  ASSERT_EQ(rec.tables[0].nsteps, 3);
+  for (int k = 0; k < 3; ++k) EXPECT_EQ(rec.tables[0].steps[k].release, k == 1 ? 1 : 0) << "step " << k;
+}
+
 TEST(KernelStream, ARangeTouchedThroughAnotherPartitionGetsABarrier) {
   KernelStreamWords w;
   Recorder rec;

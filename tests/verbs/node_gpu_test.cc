@@ -7,9 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../unit/collective_matrix.h"
@@ -67,13 +70,22 @@ INSTANTIATE_TEST_SUITE_P(Shapes, OneNode,
 struct Measured {
   std::vector<uint64_t> sent;
   double us = 0;
+  double host_us = 0;  // the slowest rank's time inside the calls (queueing them), per call
 };
+// NODE_BENCH_GATE=1: every rank's stream is held by a host function until every rank has
+// queued all its calls, so the time per call is the GPU's alone (no host queueing in it).
+void gate_wait(void* open) {
+  while (!__atomic_load_n(static_cast<int*>(open), __ATOMIC_ACQUIRE)) std::this_thread::yield();
+}
 Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorithm algo) {
   const CallOptions opts{algo};
   const int n = world.size();
   Measured m;
   m.sent.assign(size_t(n), 0);
-  std::vector<double> us(size_t(n), 0);
+  std::vector<double> us(size_t(n), 0), host_us(size_t(n), 0);
+  static const bool gated = std::getenv("NODE_BENCH_GATE") != nullptr;
+  int open = 0;
+  std::atomic<int> queued{0};
   auto st = world.run([&](int r) -> Status {
     Communicator& comm = world.comm(r);
     GS_RETURN_IF_ERROR(testing::cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
@@ -95,15 +107,32 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorith
     if (s.ok()) s = comm.barrier();
     auto before = comm.gpu_bytes_sent();
     if (!before.ok()) s = before.status();
-    const auto t0 = std::chrono::steady_clock::now();
+    using clock = std::chrono::steady_clock;
+    if (gated) cudaLaunchHostFunc(stream, gate_wait, &open);
+    auto t0 = clock::now();
     // NODE_BENCH_SYNC=1: wait for each call before the next (back to back otherwise).
     static const bool sync_each = std::getenv("NODE_BENCH_SYNC") != nullptr;
+    clock::duration in_calls{};
     for (int i = 0; i < iters && s.ok(); ++i) {
+      const auto c0 = clock::now();
       s = comm.allreduce(in, out, count, DataType::kFloat32, ReduceOp::kSum, stream, opts);
+      in_calls += clock::now() - c0;
       if (sync_each) cudaStreamSynchronize(stream);
     }
+    if (gated) {
+      // The last rank to have queued everything opens every gate; the clock starts there.
+      if (queued.fetch_add(1) + 1 == n) __atomic_store_n(&open, 1, __ATOMIC_RELEASE);
+      // Bounded: a rank that failed before queueing still gets here, one that returned early
+      // does not, and the gates then open after 30 s (the figures are then worthless; the
+      // error says why).
+      const auto deadline = clock::now() + std::chrono::seconds(30);
+      while (!__atomic_load_n(&open, __ATOMIC_ACQUIRE) && clock::now() < deadline) std::this_thread::yield();
+      __atomic_store_n(&open, 1, __ATOMIC_RELEASE);
+      t0 = clock::now();
+    }
     cudaStreamSynchronize(stream);
-    us[r] = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+    us[r] = std::chrono::duration<double, std::micro>(clock::now() - t0).count() / iters;
+    host_us[r] = std::chrono::duration<double, std::micro>(in_calls).count() / iters;
     if (s.ok()) s = comm.async_error();
     auto after = comm.gpu_bytes_sent();
     if (s.ok() && !after.ok()) s = after.status();
@@ -128,6 +157,7 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorith
   });
   for (int r = 0; r < n; ++r) EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
   m.us = *std::max_element(us.begin(), us.end());
+  m.host_us = *std::max_element(host_us.begin(), host_us.end());
   return m;
 }
 
@@ -339,7 +369,7 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
                          {"tree-bulk", "tree", "bulk"},   {"tree-ll", "tree", "ll"},
                          {"1shot-bulk", "oneshot", "bulk"}, {"1shot-ll", "oneshot", "ll"}};
   constexpr int kCols = int(sizeof(cols) / sizeof(cols[0]));
-  std::vector<std::vector<double>> us(kCols);
+  std::vector<std::vector<Measured>> us(kCols);
   for (int c = 0; c < kCols; ++c) {
     for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS"}) ::unsetenv(v);
     if (cols[c].algo) ::setenv("GRADSYNC_ALGO", cols[c].algo, 1);
@@ -353,16 +383,20 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
       auto d = cluster.describe(std::string("node-llbench-") + cols[c].name, n);
       if (d.paths_size() > 0) std::printf("# ring-auto: %s\n", d.paths(0).why().c_str());
     }
-    for (size_t b : sizes) us[size_t(c)].push_back(allreduce_on_gpus(world, b / 4, 50, Algorithm::kAuto).us);
+    for (size_t b : sizes) us[size_t(c)].push_back(allreduce_on_gpus(world, b / 4, 50, Algorithm::kAuto));
   }
   for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS"}) ::unsetenv(v);
-  std::printf("# float32 sum allreduce, 1 node x %d ranks as threads on GPU 0, us per call\n# %8s", n, "bytes");
-  for (const Column& c : cols) std::printf(" %10s", c.name);
-  std::printf("\n");
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    std::printf("  %8zu", sizes[i]);
-    for (int c = 0; c < kCols; ++c) std::printf(" %10.1f", us[size_t(c)][i]);
+  // The time per call, then the slowest rank's time inside the calls (the host's queueing).
+  for (const bool host : {false, true}) {
+    std::printf("# float32 sum allreduce, 1 node x %d ranks as threads on GPU 0, %s\n# %8s", n,
+                host ? "us per call in the calls (host)" : "us per call", "bytes");
+    for (const Column& c : cols) std::printf(" %10s", c.name);
     std::printf("\n");
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      std::printf("  %8zu", sizes[i]);
+      for (int c = 0; c < kCols; ++c) std::printf(" %10.1f", host ? us[size_t(c)][i].host_us : us[size_t(c)][i].us);
+      std::printf("\n");
+    }
   }
 }
 
