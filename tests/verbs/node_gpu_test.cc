@@ -351,7 +351,7 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
 
 // Time per call of the step channels' protocols beside the node kernels, small calls, 8 ranks
 // as threads sharing GPU 0: the kernels' default (low-latency lines, one-shot), the ring, the
-// trees and one-shot as steps each with GRADSYNC_PROTO=bulk and =ll, and the ring with the
+// trees, one-shot and two-shot as steps each with GRADSYNC_PROTO=bulk and =ll, and the ring with the
 // model's choice. A measurement, not a test: --gtest_also_run_disabled_tests.
 TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
@@ -367,14 +367,17 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
   const Column cols[] = {{"kernels", nullptr, nullptr},   {"ring-bulk", "ring", "bulk"},
                          {"ring-ll", "ring", "ll"},       {"ring-auto", "ring", nullptr},
                          {"tree-bulk", "tree", "bulk"},   {"tree-ll", "tree", "ll"},
-                         {"1shot-bulk", "oneshot", "bulk"}, {"1shot-ll", "oneshot", "ll"}};
+                         {"1shot-bulk", "oneshot", "bulk"}, {"1shot-ll", "oneshot", "ll"},
+                         {"2shot-bulk", "twoshot", "bulk"}, {"2shot-ll", "twoshot", "ll"}};
   constexpr int kCols = int(sizeof(cols) / sizeof(cols[0]));
   std::vector<std::vector<Measured>> us(kCols);
   for (int c = 0; c < kCols; ++c) {
     for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS"}) ::unsetenv(v);
     if (cols[c].algo) ::setenv("GRADSYNC_ALGO", cols[c].algo, 1);
     if (cols[c].proto) ::setenv("GRADSYNC_PROTO", cols[c].proto, 1);
-    if (cols[c].algo && std::string(cols[c].algo) == "oneshot") ::setenv("GRADSYNC_GPU_NODE_STEPS", "1", 1);
+    if (cols[c].algo && std::string(cols[c].algo).find("shot") != std::string::npos) {
+      ::setenv("GRADSYNC_GPU_NODE_STEPS", "1", 1);
+    }
     DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
     ASSERT_TRUE(cluster.ok()) << cluster.error();
     DaemonWorld world(cluster, 1, n, std::string("node-llbench-") + cols[c].name, 120s, on_gpu0);
