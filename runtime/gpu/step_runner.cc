@@ -74,14 +74,15 @@ namespace {
 
 // The largest allreduce (bytes) on which the step kernel's low-latency protocol ran faster
 // than its bulk one, per plan::Algo, on the H200 at 1 node x 8 ranks sharing GPU 0
-// (docs/benchmarks.md, "Low-latency steps"): the model alone (NCCL's LL figures) chose it up
-// to 8 MiB, where it took 1.8x bulk's time at 1 MiB. One-shot's lines go to every peer, so it
-// pays the halved bandwidth soonest.
+// (docs/benchmarks.md, "Low-latency steps", the caps as measured on 2026-12-04): the model
+// alone (NCCL's LL figures) chose it up to 8 MiB, where it took 1.1-1.4x bulk's time at 1 MiB
+// on the ring and one-shot and two-shot steps. One-shot's lines go to every peer, so it pays
+// the halved bandwidth soonest.
 constexpr size_t kLowLatencyMeasuredMax[plan::kNumAlgos] = {
-    size_t(64) << 10,   // ring
-    size_t(256) << 10,  // tree
-    size_t(8) << 10,    // one-shot
-    size_t(64) << 10,   // two-shot: as the ring (not measured apart)
+    size_t(256) << 10,  // ring
+    size_t(1) << 20,    // tree
+    size_t(64) << 10,   // one-shot
+    size_t(64) << 10,   // two-shot
     0,                  // hierarchical: no low-latency slots between nodes
 };
 

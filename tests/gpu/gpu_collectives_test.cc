@@ -186,16 +186,18 @@ TEST(GpuCollectives, FourRanksTwoNodesHostStaged) {
   EXPECT_EQ(bad, "") << c.report(ranks);
 }
 
-// The host-staged shapes 2 nodes x 4 and 3 x 2, each rank a process of its own (the real
+// The host-staged shapes 2 nodes x 1, 2 x 2, 2 x 4 and 3 x 2, each rank a process of its own (the real
 // layout: a CUDA context per rank): allreduce with GPU calls forced to the host ring and to
 // the host tree (GRADSYNC_ALGO), and reduce_scatter, all_gather and broadcast. With the ranks
-// as threads of one process (verbs_gdr_gpu_test's StagedShapes) 6 to 8 streams of one context
+// as threads of one process (as verbs_gdr_gpu_test ran them until 2026-12-04) 6 to 8 streams of one context
 // each hold a wait kernel, and one rank's copy to host memory waited behind them past the op
 // timeout: an artefact of sharing a context, so these shapes run as processes. 2x2 joined them
-// after it failed that way once as threads (2026-12-02, 1 of 9 whole runs on the H200).
+// after it failed that way once as threads (2026-12-02, 1 of 9 whole runs on the H200), 2x1
+// after it did (2026-12-04).
 TEST(GpuCollectives, StagedShapesAsProcesses) {
   REQUIRE_GPU();
-  for (const std::vector<int>& layout : {std::vector<int>{2, 2}, std::vector<int>{4, 4}, std::vector<int>{2, 2, 2}}) {
+  for (const std::vector<int>& layout :
+       {std::vector<int>{1, 1}, std::vector<int>{2, 2}, std::vector<int>{4, 4}, std::vector<int>{2, 2, 2}}) {
     Cluster c({.daemons = int(layout.size())});
     ASSERT_TRUE(c.ok()) << c.error();
     const int world = layout[0] * int(layout.size());

@@ -54,7 +54,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, VerbsCollectives,
                                   "_" + to_string(std::get<2>(p)) + "_rings" + std::to_string(std::get<3>(p));
                          });
 
-// The shapes of the host-staged GPU path (verbs_gdr_gpu_test's StagedShapes) on the CPU: the
+// The shapes of the host-staged GPU path (gpu_collectives_test's StagedShapesAsProcesses) on the CPU: the
 // same daemons as objects, channels over TCP, ring and tree, every collective.
 class TcpCollectives : public ::testing::TestWithParam<std::pair<int, int>> {};
 
