@@ -44,12 +44,22 @@ __device__ inline NodeArgs wait_args(const Table& s) {
 // device view); the error and abort words, in host memory, only every 128 polls, as the node
 // kernels' waits do: a read of host memory per poll from every block of every rank on a GPU
 // queued enough reads on its PCIe link to slow every wait.
+// A relative count made absolute: the base's word (loaded into shared memory at the launch's
+// start) plus it.
+__device__ inline int64_t absolute(const uint64_t* base, int b, int64_t v) { return b >= 0 ? int64_t(base[b]) + v : v; }
+__device__ inline uint32_t flag_of(const uint64_t* base, int b, uint32_t f) {
+  if (f == 0 || b < 0) return f;
+  const uint32_t x = uint32_t(base[b] + f);
+  return x == 0 ? 1u : x;
+}
+
 template <class Table>
-__device__ bool wait_all(const Table& s, const TableStep& st) {
+__device__ bool wait_all(const Table& s, const TableStep& st, const uint64_t* base) {
   const NodeArgs a = wait_args(s);
   for (int w = st.wait; w < st.wait + st.nwaits; ++w) {
     const StepWait& x = s.waits[w];
-    if (!node::wait_at_least(x.word, x.value, a, x.peer, x.what)) return false;
+    const int64_t v = absolute(base, x.base, x.value);
+    if (v > 0 && !node::wait_at_least(x.word, uint64_t(v), a, x.peer, x.what)) return false;
   }
   return true;
 }
@@ -115,22 +125,24 @@ __device__ void store_io(void* p, uint32_t flag, size_t u, size_t bytes, const n
 // each. A final line's elements beyond the count are zero from plain memory, or whatever the
 // writer's were: they are reduced but never stored to plain memory. False when a read failed.
 template <class S, class Op, class OpF>
-__device__ bool low_latency_op(const NodeArgs& a, const StepOp& o, size_t lo, size_t n, size_t count, Op op,
-                               OpF op_final) {
+__device__ bool low_latency_op(const NodeArgs& a, const StepOp& o, const uint64_t* base, size_t lo, size_t n,
+                               size_t count, Op op, OpF op_final) {
   using U = node::Unit<S>;
   const size_t bytes = count * sizeof(S);
+  const uint32_t fa = flag_of(base, o.a_base, o.a_flag), fb = flag_of(base, o.b_base, o.b_flag),
+                 fd = flag_of(base, o.dst_base, o.dst_flag), fd2 = flag_of(base, o.dst2_base, o.dst2_flag);
   const size_t u1 = ((lo + n) * sizeof(S) + 7) / 8;
   for (size_t u = lo * sizeof(S) / 8 + threadIdx.x; u < u1; u += blockDim.x) {
     U x;
-    if (!load_io<S>(a, o.a, o.a_flag, o.a_peer, u, bytes, &x)) return false;
+    if (!load_io<S>(a, o.a, fa, o.a_peer, u, bytes, &x)) return false;
     if (o.kind != StepOpKind::kCopy) {
       U y;
-      if (!load_io<S>(a, o.b, o.b_flag, o.b_peer, u, bytes, &y)) return false;
+      if (!load_io<S>(a, o.b, fb, o.b_peer, u, bytes, &y)) return false;
 #pragma unroll
       for (int e = 0; e < U::kN; ++e) x.e[e] = o.kind == StepOpKind::kReduce ? op(x.e[e], y.e[e]) : op_final(x.e[e], y.e[e]);
     }
-    store_io<S>(o.dst, o.dst_flag, u, bytes, x);
-    if (o.dst2 != nullptr) store_io<S>(o.dst2, o.dst2_flag, u, bytes, x);
+    store_io<S>(o.dst, fd, u, bytes, x);
+    if (o.dst2 != nullptr) store_io<S>(o.dst2, fd2, u, bytes, x);
   }
   return true;
 }
@@ -140,6 +152,10 @@ template <class Table, class Tr, class Op, class OpF>
 __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ Table s, Op op, OpF op_final) {
   using S = typename Tr::S;
   __shared__ int go;
+  // The bases of the table's relative counts, as they were when the launch started.
+  __shared__ uint64_t base[kStepMaxBases];
+  if (threadIdx.x < unsigned(kStepMaxBases)) base[threadIdx.x] = s.bases != nullptr ? s.bases[threadIdx.x] : 0;
+  __syncthreads();
   // Thread 0: false once a wait of this block failed, or when an earlier launch's had when
   // this one started (the rest of the stream's queue then drains at once). That is read from
   // the device word a failed launch sets, not the error in host memory: a read of mapped host
@@ -151,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
   for (int k = 0; k < s.nsteps; ++k) {
     const TableStep& st = s.steps[k];
     if (threadIdx.x == 0) {
-      alive = alive && (st.barrier == 0 || k == 0 || gridDim.x == 1 || wait_blocks(s, k - 1)) && wait_all(s, st);
+      alive = alive && (st.barrier == 0 || k == 0 || gridDim.x == 1 || wait_blocks(s, k - 1)) && wait_all(s, st, base);
       go = alive ? 1 : 0;
     }
     __syncthreads();
@@ -172,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
       for (int i = st.op; i < st.op + st.nops && !mine; ++i) {
         const StepOp& o = s.ops[i];
         if (o.low_latency()) {
-          mine = !low_latency_op<S>(args, o, lo, n, st.count, op, op_final);
+          mine = !low_latency_op<S>(args, o, base, lo, n, st.count, op, op_final);
         } else if (o.kind == StepOpKind::kCopy) {
           copy_range(static_cast<uint8_t*>(o.dst) + lo * sizeof(S), static_cast<const uint8_t*>(o.a) + lo * sizeof(S),
                      n * sizeof(S));
@@ -219,16 +235,25 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
         fence_acq_rel_sys();
       }
       if (last) {
-        for (int i = st.signal; i < st.signal + st.nsignals; ++i) node::store_relaxed(s.signals[i].word, s.signals[i].value);
+        for (int i = st.signal; i < st.signal + st.nsignals; ++i) {
+          const StepSignal& g = s.signals[i];
+          node::store_relaxed(g.word, g.base >= 0 ? base[g.base] + g.value : g.value);
+        }
       }
     }
   }
   if (threadIdx.x == 0 && !alive) *failed_before = 1;
   // The last block to end zeroes the counters for the stream's next launch (launches on one
-  // stream do not overlap); every other block has stopped reading them by then.
+  // stream do not overlap) and moves the bases on; every other block has stopped reading them
+  // by then (each read the bases at its start).
   if (threadIdx.x == 0 && atomicAdd(s.counters + kStepBlocksEnded, 1u) == gridDim.x - 1) {
     for (int k = 0; k < s.nsteps; ++k) s.counters[k] = 0;
     s.counters[kStepBlocksEnded] = 0;
+    if (s.bases != nullptr) {
+      for (int b = 0; b < kStepMaxBases; ++b) {
+        if (s.advance[b] != 0) s.bases[b] = base[b] + s.advance[b];
+      }
+    }
   }
 }
 
@@ -295,14 +320,21 @@ cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStr
     if (st.wait + st.nwaits > s.nwaits || st.op + st.nops > s.nops || st.signal + st.nsignals > s.nsignals)
       return cudaErrorInvalidValue;
   }
+  // A base is -1 (absolute) or one of the table's words.
+  auto bad_base = [&](int b) { return b < -1 || b >= kStepMaxBases || (b >= 0 && s.bases == nullptr); };
   for (int i = 0; i < s.nwaits; ++i)
-    if (s.waits[i].word == nullptr) return cudaErrorInvalidValue;
+    if (s.waits[i].word == nullptr || bad_base(s.waits[i].base)) return cudaErrorInvalidValue;
   for (int i = 0; i < s.nsignals; ++i)
-    if (s.signals[i].word == nullptr) return cudaErrorInvalidValue;
+    if (s.signals[i].word == nullptr || bad_base(s.signals[i].base)) return cudaErrorInvalidValue;
+  if (s.bases == nullptr)
+    for (uint32_t a : s.advance)
+      if (a != 0) return cudaErrorInvalidValue;
   for (int i = 0; i < s.nops; ++i) {
     const StepOp& o = s.ops[i];
     const bool binary = o.kind != StepOpKind::kCopy;
     if (o.dst == nullptr || o.a == nullptr || (binary && o.b == nullptr)) return cudaErrorInvalidValue;
+    if (bad_base(o.dst_base) || bad_base(o.dst2_base) || bad_base(o.a_base) || bad_base(o.b_base))
+      return cudaErrorInvalidValue;
     if (!aligned(o.dst, es) || !aligned(o.dst2, es) || !aligned(o.a, es) || !aligned(o.b, es))
       return cudaErrorInvalidValue;
     // Low-latency slots are lines of 16 bytes.

@@ -31,6 +31,13 @@
 // must be resident at once (the barriers wait for each other), as must every rank's kernel on
 // one GPU: the communicator caps the blocks at the multiprocessors over the ranks sharing it.
 //
+// Message counts relative to bases (a table with `bases`): a wait's or signal's value, and a
+// low-latency operand's flag, may name one of kStepMaxBases words in device memory that the
+// stream keeps (per peer and direction), and is then that word plus the value, read when the
+// launch starts. The last block to end adds the table's `advance` to the words. So a table
+// whose counts are relative is the same table on every replay of a CUDA graph that holds it:
+// the counts move on in device memory, not in the launch's parameters (gpu/kernel_stream.h).
+//
 // Numeric results are the loops of cuda_reduce_body.cuh, the same bytes as launch_reduce and
 // launch_reduce_final for the same operands in the same order.
 #pragma once
@@ -50,6 +57,8 @@ constexpr int kTableMaxWaits = 128;
 constexpr int kTableMaxOps = 128;
 constexpr int kTableMaxSignals = 128;
 constexpr unsigned kStepMaxBlocks = 32;
+// Bases of relative counts (two per peer: its sends and its receives).
+constexpr int kStepMaxBases = 32;
 // Device memory words a communicator keeps for the launches: a counter per step and one of the
 // blocks that ended (zero between launches), then one that a failed launch sets for good.
 constexpr size_t kStepBlocksEnded = size_t(kTableMaxSteps);
@@ -58,17 +67,22 @@ constexpr size_t kStepCounterWords = kStepFailed + 1;
 
 struct StepWait {
   const uint64_t* word = nullptr;  // device view: GPU memory, a peer's by CUDA IPC, or mapped host memory
-  uint64_t value = 0;              // wait until *word >= value
-  int32_t peer = -1;               // for NodeError
-  uint32_t what = 0;
+  // Wait until *word >= value (plus the base's word, with `base` >= 0); none when that is <= 0.
+  int64_t value = 0;
+  int32_t peer = -1;  // for NodeError
+  uint16_t what = 0;
+  int16_t base = -1;  // -1: value is absolute
 };
-enum class StepOpKind : uint32_t { kCopy, kReduce, kReduceFinal };
+enum class StepOpKind : uint8_t { kCopy, kReduce, kReduceFinal };
 // An operand with a flag is a low-latency slot (cuda_node_ll.cuh's lines: 8 bytes of payload
 // and the flag twice per 16 bytes): read line by line as each line's flags match (bounded,
 // as the waits), written line by line with the flag. `a_peer`/`b_peer`: the world rank that
 // writes that source, for NodeError.
 struct StepOp {
   StepOpKind kind = StepOpKind::kCopy;
+  // Each flag's base (-1: the flag is absolute): the flag is the base's word plus it, as a
+  // 32-bit count, 0 taken as 1.
+  int8_t dst_base = -1, dst2_base = -1, a_base = -1, b_base = -1;
   void* dst = nullptr;
   void* dst2 = nullptr;  // kReduceFinal only; may be null
   const void* a = nullptr;
@@ -79,7 +93,8 @@ struct StepOp {
 };
 struct StepSignal {
   uint64_t* word = nullptr;
-  uint64_t value = 0;
+  uint64_t value = 0;  // plus the base's word, with `base` >= 0
+  int32_t base = -1;
 };
 // A step: its parts are [wait, wait + nwaits) of the table's waits, and so on.
 struct TableStep {
@@ -109,6 +124,10 @@ struct StepTableHead {
   // steps' and kStepBlocksEnded; kStepFailed stays). Launches that use them must not overlap
   // (one stream).
   uint32_t* counters = nullptr;
+  // Device memory, kStepMaxBases words: the bases of relative counts (null: every count is
+  // absolute), and what the last block to end adds to each (a call's last table).
+  uint64_t* bases = nullptr;
+  uint32_t advance[kStepMaxBases] = {};
 };
 template <int Steps, int Waits, int Ops, int Signals>
 struct StepTableOf : StepTableHead {
@@ -124,7 +143,8 @@ static_assert(sizeof(SmallStepTable) < 4096, "a small table is a parameter of un
 
 // Queues the table's steps on `stream`: type and op apply to every reduction.
 // cudaErrorInvalidValue (nothing queued) for a bad type or op, pointers not aligned to the
-// element size, parts outside the table, or a missing counter, error word or abort word.
+// element size, parts outside the table, a missing counter, error word or abort word, or a
+// base outside [-1, kStepMaxBases) or named without `bases`.
 cudaError_t launch_steps(const StepTable& table, DataType type, ReduceOp op, cudaStream_t stream);
 
 // Loads every instantiation of the step kernel now (load_reduce_kernels says why).

@@ -563,18 +563,19 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       // GRADSYNC_GPU_NODE_STEPS=1 (agreed at set-up): oneshot and twoshot as steps too.
       const bool pair_steps = m.node_pair_steps && (forced == plan::Algo::kOneShot || forced == plan::Algo::kTwoShot);
       if (m.gdr && (forced == plan::Algo::kRing || forced == plan::Algo::kTree || pair_steps)) {
+        // The steps' message counts are relative to bases in device memory where every hop is
+        // by CUDA IPC, so the call replays from a CUDA graph; through the NIC
+        // (GRADSYNC_GDR_DIRECT=0) the worker numbers them at the call.
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         GS_CUDA(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
-        if (capture != cudaStreamCaptureStatusNone) {
+        if (capture != cudaStreamCaptureStatusNone && !m.gdr->capturable()) {
           // Every rank must take the same path, so no quiet fall-back to the kernels here.
           return refused({Code::kFailedPrecondition,
                           std::string("the ") + plan::to_string(*forced) +
-                              " on one node runs the planner's steps, whose message numbers are counted when "
-                              "the call is made, so it cannot be captured in a CUDA graph (a replay would "
-                              "reuse them); captured calls take auto" +
-                              (m.node_pair_steps ? std::string(" (GRADSYNC_GPU_NODE_STEPS=1 runs oneshot and "
-                                                               "twoshot as steps)")
-                                                 : std::string(", oneshot or twoshot"))});
+                              " on one node runs the planner's steps, here through the NIC (no CUDA IPC "
+                              "between this node's ranks, or GRADSYNC_GDR_DIRECT=0), whose worker numbers "
+                              "the messages when the call is made, so it cannot be captured in a CUDA graph; "
+                              "captured calls take auto, oneshot or twoshot"});
         }
         Status s = Status::Ok();
         if (pair_steps) {

@@ -149,8 +149,10 @@ struct GdrChannels::Impl {
   GdrWords* words = nullptr;       // one per peer, mapped pinned host memory: host view
   GdrWords* words_dev = nullptr;   // device view
   size_t nwords = 0;
-  // The step kernels' counters (kernels/cuda_step.cuh), in device memory.
+  // The step kernels' counters (kernels/cuda_step.cuh), in device memory, and on one node the
+  // bases of the calls' relative counts (gpu/step_runner.h).
   uint32_t* step_counters = nullptr;
+  uint64_t* step_bases = nullptr;
   KernelStreamWords stream_words;  // what the calls' KernelStreams read (gpu/kernel_stream.h)
 };
 
@@ -189,6 +191,7 @@ GdrChannels::~GdrChannels() {
   impl_->link.reset();  // stops the worker before the words go
   if (impl_->words) (void)cudaFreeHost(impl_->words);
   if (impl_->step_counters) (void)cudaFree(impl_->step_counters);
+  if (impl_->step_bases) (void)cudaFree(impl_->step_bases);
 }
 
 uint64_t GdrChannels::slot_region_bytes(const GdrConfig& cfg) {
@@ -288,6 +291,20 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
       }
     }
   }
+  // One node with every hop direct: every call's counts relative to these (so that a call
+  // captured in a CUDA graph replays). Both are the same on every rank (direct is agreed).
+  const bool relative = m.channels.shape.node_count() == 1 && cfg.direct;
+  if (local_why.empty() && relative && m.step_bases == nullptr) {
+    const size_t bytes = kernels::kStepMaxBases * sizeof(uint64_t);
+    void* p = nullptr;
+    if (Status a = cuda(cudaMalloc(&p, bytes), "cudaMalloc of the step bases"); !a.ok()) {
+      local_why = a.message();
+    } else {
+      m.step_bases = static_cast<uint64_t*>(p);
+      if (Status z = cuda(cudaMemset(p, 0, bytes), "cudaMemset of the step bases"); !z.ok()) local_why = z.message();
+      else if (Status y = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); !y.ok()) local_why = y.message();
+    }
+  }
   // Design §3: GPUDirect only within GRADSYNC_GDR_LEVEL of the NIC (the PCIe distance from
   // sysfs, as gradsyncctl doctor shows it); farther, this rank's slots go to pinned host
   // memory (host-staged RDMA), as they do when the NIC cannot register GPU memory or
@@ -368,7 +385,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
     return false;
   }
   m.link = std::move(link).value();
-  m.runner = std::make_unique<StepRunner>(m.link.get());
+  m.runner = std::make_unique<StepRunner>(m.link.get(), relative);
   KernelStreamWords& sw = m.stream_words;
   sw.link = m.link.get();
   sw.host = reinterpret_cast<const uint8_t*>(m.words);
@@ -377,6 +394,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   sw.abort = cfg.abort_dev;
   sw.error = cfg.error_dev;
   sw.counters = m.step_counters;
+  sw.bases = relative ? m.step_bases : nullptr;
   sw.timeout_ns = uint64_t(cfg.link.op_timeout.count()) * 1'000'000ull;
   sw.max_blocks = cfg.max_blocks;
   sw.who = cfg.link.who;
@@ -410,6 +428,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
 
 bool GdrChannels::gpu_slots() const { return impl_->gpu_slots; }
 bool GdrChannels::tcp() const { return impl_->cfg.tcp; }
+bool GdrChannels::capturable() const { return impl_->stream_words.bases != nullptr; }
 bool GdrChannels::one_node() const { return impl_->channels.shape.node_count() == 1; }
 
 DeviceComm::MemoryUse GdrChannels::memory() const {

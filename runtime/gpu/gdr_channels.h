@@ -113,6 +113,10 @@ class GdrChannels {
   bool one_node() const;
   // The hops between nodes are TCP connections (GdrConfig::tcp).
   bool tcp() const;
+  // One node with every hop direct: every call's message counts are relative to bases in
+  // device memory (gpu/step_runner.h), so a call captured in a CUDA graph replays. Elsewhere
+  // the queue pairs' and TCP peers' worker numbers the messages as the calls are made.
+  bool capturable() const;
   // Adds the payload bytes this rank wrote over its queue pairs so far to `b`: to peers on
   // its own node (GdrConfig::nodes) and to peers on other nodes.
   void add_bytes_sent(Communicator::GpuBytesSent& b) const;

@@ -25,6 +25,15 @@ Status KernelStream::error(const std::string& why) const {
   return {Code::kInternal, w_.who + ": step kernel: " + why};
 }
 
+static_assert(2 * kMaxGdrPeers <= kernels::kStepMaxBases, "a base per peer and direction");
+
+Status KernelStream::begin_call(bool relative) {
+  if (relative && w_.bases == nullptr) return error("a relative call without bases");
+  relative_ = relative;
+  for (uint64_t& v : last_signal_) v = 0;
+  return Status::Ok();
+}
+
 Status KernelStream::begin_step() {
   step_ = kernels::TableStep{};
   waits_.clear();
@@ -55,7 +64,7 @@ Status KernelStream::end_step() {
            t.nops + int(ops_.size()) <= kernels::kTableMaxOps &&
            t.nsignals + int(signals_.size()) <= kernels::kTableMaxSignals;
   };
-  if (!fits()) GS_RETURN_IF_ERROR(flush());
+  if (!fits()) GS_RETURN_IF_ERROR(flush(false));
   if (!fits()) return error("a step larger than a table");
   const size_t es = element_size(type_);
   std::vector<Range> ranges;
@@ -89,11 +98,17 @@ Status KernelStream::end_step() {
   return Status::Ok();
 }
 
-Status KernelStream::end_call() { return flush(); }
+Status KernelStream::end_call() { return flush(true); }
 
-Status KernelStream::flush() {
+// `last`: the call's last table, which moves the bases on.
+Status KernelStream::flush(bool last) {
   kernels::StepTable& t = *table_;
   if (t.nsteps == 0) return Status::Ok();
+  t.bases = relative_ ? w_.bases : nullptr;
+  for (int b = 0; b < kernels::kStepMaxBases; ++b) {
+    if (last_signal_[b] > UINT32_MAX) return error("a call of over 2^32 messages to one peer");
+    t.advance[b] = relative_ && last ? uint32_t(last_signal_[b]) : 0;
+  }
   t.divisor = divisor_;
   t.abort = w_.abort;
   t.error = w_.error;
@@ -116,25 +131,31 @@ const uint64_t* KernelStream::dev(const uint64_t* w) const {
   return w;
 }
 
-Status KernelStream::wait_arrived(int p, uint64_t v) {
+Status KernelStream::wait_arrived(int p, int64_t v) {
   if (waits_.size() == size_t(kernels::kTableMaxWaits)) return error("too many waits in one step");
-  waits_.push_back({dev(w_.link->stream_words(p).arrived), v, w_.link->peer(p).rank, kWaitArrival});
+  if (!relative_ && v <= 0) return Status::Ok();
+  waits_.push_back({dev(w_.link->stream_words(p).arrived), v, w_.link->peer(p).rank, kWaitArrival,
+                    int16_t(relative_ ? step_base(p, true) : -1)});
   return Status::Ok();
 }
-Status KernelStream::wait_send_free(int p, uint64_t v) {
+Status KernelStream::wait_send_free(int p, int64_t v) {
   if (waits_.size() == size_t(kernels::kTableMaxWaits)) return error("too many waits in one step");
-  waits_.push_back({dev(w_.link->stream_words(p).send_free), v, w_.link->peer(p).rank, kWaitSendSlot});
+  if (!relative_ && v <= 0) return Status::Ok();
+  waits_.push_back({dev(w_.link->stream_words(p).send_free), v, w_.link->peer(p).rank, kWaitSendSlot,
+                    int16_t(relative_ ? step_base(p, false) : -1)});
+  return Status::Ok();
+}
+Status KernelStream::signal(uint64_t* word, int base, uint64_t v) {
+  if (signals_.size() == size_t(kernels::kTableMaxSignals)) return error("too many signals in one step");
+  signals_.push_back({const_cast<uint64_t*>(dev(word)), v, relative_ ? base : -1});
+  if (relative_) last_signal_[base] = v;
   return Status::Ok();
 }
 Status KernelStream::signal_ready(int p, uint64_t v) {
-  if (signals_.size() == size_t(kernels::kTableMaxSignals)) return error("too many signals in one step");
-  signals_.push_back({const_cast<uint64_t*>(dev(w_.link->stream_words(p).ready)), v});
-  return Status::Ok();
+  return signal(w_.link->stream_words(p).ready, step_base(p, false), v);
 }
 Status KernelStream::signal_consumed(int p, uint64_t v) {
-  if (signals_.size() == size_t(kernels::kTableMaxSignals)) return error("too many signals in one step");
-  signals_.push_back({const_cast<uint64_t*>(dev(w_.link->stream_words(p).consumed)), v});
-  return Status::Ok();
+  return signal(w_.link->stream_words(p).consumed, step_base(p, true), v);
 }
 
 // Every operation of a step covers the step's elements (the step runner's bodies do). Copies
@@ -156,7 +177,9 @@ Status KernelStream::reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf 
 }
 Status KernelStream::add_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b,
                             size_t count) {
-  const kernels::StepOp op{kind, dst.p, dst2.p, a.p, b.p, dst.flag, dst2.flag, a.flag, b.flag, a.peer, b.peer};
+  auto base = [&](const StepBuf& x) { return int8_t(x.flag != 0 && relative_ ? x.base : -1); };
+  kernels::StepOp op{kind, base(dst), base(dst2), base(a), base(b), dst.p, dst2.p, a.p, b.p,
+                     dst.flag, dst2.flag, a.flag, b.flag, a.peer, b.peer};
   if (count == 0) return Status::Ok();
   if (!ops_.empty() && step_.count != count) {
     return error("operations of " + std::to_string(step_.count) + " and " + std::to_string(count) +

@@ -30,6 +30,9 @@ struct KernelStreamWords {
   const uint32_t* abort = nullptr;          // device views
   kernels::NodeError* error = nullptr;
   uint32_t* counters = nullptr;             // device memory, kernels::kStepCounterWords
+  // Device memory, kernels::kStepMaxBases words, zero at first: the bases of relative calls'
+  // counts (step_base); null where no call is relative.
+  uint64_t* bases = nullptr;
   uint64_t timeout_ns = 0;
   unsigned max_blocks = kernels::kStepMaxBlocks;
   std::string who;                          // "rank 3 (host a)", for errors
@@ -42,12 +45,13 @@ class KernelStream final : public StepStream {
   KernelStream(const KernelStreamWords& w, cudaStream_t stream, DataType type, ReduceOp op, int divisor,
                Launch launch = nullptr);
 
+  Status begin_call(bool relative) override;
   Status begin_step() override;
   void order_signals() override { step_.release = 1; }
   Status end_step() override;
   Status end_call() override;
-  Status wait_arrived(int p, uint64_t v) override;
-  Status wait_send_free(int p, uint64_t v) override;
+  Status wait_arrived(int p, int64_t v) override;
+  Status wait_send_free(int p, int64_t v) override;
   Status signal_ready(int p, uint64_t v) override;
   Status signal_consumed(int p, uint64_t v) override;
   Status copy(StepBuf dst, StepBuf src, size_t bytes) override;
@@ -64,10 +68,11 @@ class KernelStream final : public StepStream {
     bool write;
   };
   Status error(const std::string& why) const;
-  Status flush();
+  Status flush(bool last);
   Status add_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count);
   bool needs_barrier(const std::vector<Range>& step) const;
   const uint64_t* dev(const uint64_t* w) const;
+  Status signal(uint64_t* word, int base, uint64_t v);
 
   const KernelStreamWords& w_;
   cudaStream_t stream_;
@@ -84,6 +89,9 @@ class KernelStream final : public StepStream {
   // The memory the table's steps touched since its last barrier.
   std::vector<Range> touched_;
   int launches_ = 0;
+  // A relative call: per base, its last signal so far (what end_call moves the base on by).
+  bool relative_ = false;
+  uint64_t last_signal_[kernels::kStepMaxBases] = {};
 };
 
 }  // namespace gradsync

@@ -11,6 +11,13 @@
 // `consumed` for each one read; tell the link the messages' lengths. Messages are numbered per
 // peer and direction across calls, as the link numbers them.
 //
+// Relative counts (StepRunner's `relative`: one node, every peer direct): each call numbers its
+// messages from 0 per peer and direction, on top of bases the stream keeps (StepStream::
+// begin_call), and the last signal of a call to or from a peer is rounded up to a multiple of
+// the slots, on both ends alike: each call then starts at slot 0 of every peer, its waits,
+// signals, slots and low-latency flags are the same whichever call it is, and so a call
+// captured in a CUDA graph replays. No worker reads these counts (direct peers have none).
+//
 // Bodies (fold: the payloads in step order with the own operand at self_pos, folded left; the
 // final fold divides kAvg once, unless the step is `partial`):
 //   send / copy-send            send slots (and output) <- own operand
@@ -101,17 +108,28 @@ struct StepBuf {
   void* p = nullptr;
   uint32_t flag = 0;  // 0: plain memory
   int peer = -1;      // a low-latency receive slot: the world rank that writes it (for errors)
+  // A relative flag's base (step_base of its peer and direction): the flag is that base plus
+  // `flag`, as a 32-bit count (0 taken as 1); -1: `flag` is the flag.
+  int base = -1;
 };
+// The base of a relative count: peer index p's sends (ready, send_free, the send slots' flags)
+// or receives (arrived, consumed, the receive slots' flags).
+inline int step_base(int p, bool receive) { return 2 * p + (receive ? 1 : 0); }
 
 // What a step asks of the stream that runs it. Peers are link indices; values are message
-// counts (monotonic, as GdrWords holds them). `reduce`: dst = op(a, b) (kAvg sums);
+// counts (monotonic, as GdrWords holds them), relative to the stream's bases in a relative
+// call (a wait for a count <= 0 there is none). `reduce`: dst = op(a, b) (kAvg sums);
 // `reduce_final`: the same, kAvg divided, written to dst and, when dst2.p is not null, dst2.
 // dst may be a or b exactly.
 class StepStream {
  public:
   virtual ~StepStream() = default;
-  virtual Status wait_arrived(int peer, uint64_t value) = 0;
-  virtual Status wait_send_free(int peer, uint64_t value) = 0;
+  // Before a call's first step: whether its counts are relative (to step_base(p, receive) of
+  // the peer and direction: ready and send_free the sends', arrived and consumed the
+  // receives'); then end_call moves each base on by the call's last signal of it.
+  virtual Status begin_call(bool relative) = 0;
+  virtual Status wait_arrived(int peer, int64_t value) = 0;
+  virtual Status wait_send_free(int peer, int64_t value) = 0;
   virtual Status signal_ready(int peer, uint64_t value) = 0;
   virtual Status signal_consumed(int peer, uint64_t value) = 0;
   virtual Status copy(StepBuf dst, StepBuf src, size_t bytes) = 0;
@@ -133,7 +151,8 @@ class StepStream {
 
 class StepRunner {
  public:
-  explicit StepRunner(GdrLink* link);
+  // `relative`: every call's counts relative (the header says when); every peer must be direct.
+  explicit StepRunner(GdrLink* link, bool relative = false);
   // Runs `steps` (ranks in them are positions in `members`, the world ranks of the plan's
   // shape) on `stream`. `input` and `output` are the call's buffers, `esize` bytes per element.
   // Every message must fit a slot. On an error the steps already queued stay queued, and the
@@ -145,7 +164,9 @@ class StepRunner {
 
  private:
   GdrLink& link_;
-  std::vector<uint64_t> sent_, received_;  // per peer index: messages queued so far
+  bool relative_;
+  std::vector<uint64_t> sent_, received_;  // per peer index: messages queued so far (this call's, relative)
+  std::vector<uint64_t> sends_, receives_;  // relative: per peer index, this call's messages
 };
 
 }  // namespace gradsync

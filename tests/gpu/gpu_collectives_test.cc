@@ -235,6 +235,26 @@ TEST(GpuCollectives, AllFourLowLatencyCapturedInOneCudaGraphReplay) {
   EXPECT_EQ(bad, "") << c.report(ranks);
 }
 
+// The one-node step channels (the planner's ring and trees over CUDA IPC, and one-shot and
+// two-shot as steps) captured in a CUDA graph: their message counts are relative to bases in
+// device memory, so the four collectives replay, with uncaptured calls between the replays.
+// 4 ranks on one node, bulk (300001 floats) and low-latency (1001) calls.
+TEST(GpuCollectives, StepChannelsCapturedInOneCudaGraphReplay) {
+  REQUIRE_GPU();
+  Cluster c({.daemons = 1});
+  ASSERT_TRUE(c.ok()) << c.error();
+  for (const char* algo : {"ring", "tree", "oneshot", "twoshot"}) {
+    for (const char* count : {"300001", "1001"}) {
+      JobSpec spec = gpu_job(std::string("graph-steps-") + algo + "-" + count, 4, {4}, {"graph", count, "all"});
+      spec.env["GRADSYNC_ALGO"] = algo;
+      if (std::string(algo) == "oneshot" || std::string(algo) == "twoshot") spec.env["GRADSYNC_GPU_NODE_STEPS"] = "1";
+      auto ranks = c.spawn_ranks(spec);
+      std::string bad = all_succeeded(ranks, Millis(120'000));
+      EXPECT_EQ(bad, "") << algo << " " << count << ": " << c.report(ranks);
+    }
+  }
+}
+
 // GRADSYNC_GPU_TIMELINE=1: a 64 MiB float32 allreduce on 2 ranks (chunked protocol, 2 chunks a
 // block with the default 128 blocks of 256 KiB) records a well-formed in-kernel timeline on
 // every rank (gpu_worker timeline: intervals ordered, the expected chunks, nothing dropped,

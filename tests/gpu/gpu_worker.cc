@@ -15,7 +15,8 @@
 //   graph COUNT [all]
 //                   captures one allreduce (all: allreduce, reduce_scatter, all_gather and a
 //                   broadcast from the last rank) in a CUDA graph and replays it 4 times with
-//                   new inputs, checking each result; prints "PASS"
+//                   new inputs, checking each result (all: with uncaptured allreduces
+//                   between the replays, checked too); prints "PASS"
 //   absent          rank 1 joins but never calls; rank 0's allreduce must fail by its
 //                   deadline: prints "async_error: STATUS" and "PASS" when it did; rank 1's
 //                   barrier afterwards must fail with rank 0's reason (the job aborted)
@@ -423,6 +424,20 @@ int graph_all(gradsync::Communicator& comm, size_t count) {
         compare("all_gather in a " + what, "recv", f32, got_ag.data(), bytes(w_ag), total) ||
         compare("broadcast root=" + std::to_string(root) + " in a " + what, "buffer", f32,
                 got_bc.data(), bytes(w_bc), count)) {
+      return 1;
+    }
+    // A call outside the graph between replays (of another length, so that the channels'
+    // message counts move on by other amounts than a replay's), then the graph's allreduce
+    // once more outside it: both exact.
+    const size_t odd = count / 3 + 1;
+    if (finish(comm, stream, "an uncaptured allreduce after " + what,
+               comm.allreduce(ar_in, ar_out, odd, DataType::kFloat32, ReduceOp::kSum, stream),
+               ar_out, odd * 4, &got_ar) ||
+        compare("uncaptured allreduce after " + what, "recv", f32, got_ar.data(), bytes(w_ar), odd) ||
+        finish(comm, stream, "an uncaptured allreduce after " + what,
+               comm.allreduce(ar_in, ar_out, count, DataType::kFloat32, ReduceOp::kSum, stream),
+               ar_out, count * 4, &got_ar) ||
+        compare("uncaptured allreduce after " + what, "recv", f32, got_ar.data(), bytes(w_ar), count)) {
       return 1;
     }
     std::printf("replay %d ok\n", replay);

@@ -155,9 +155,10 @@ class CountingStream final : public StepStream {
     most_.signals = std::max(most_.signals, now_.signals);
     return in_.end_step();
   }
+  Status begin_call(bool relative) override { return in_.begin_call(relative); }
   Status end_call() override { return in_.end_call(); }
-  Status wait_arrived(int p, uint64_t v) override { return ++now_.waits, in_.wait_arrived(p, v); }
-  Status wait_send_free(int p, uint64_t v) override { return ++now_.waits, in_.wait_send_free(p, v); }
+  Status wait_arrived(int p, int64_t v) override { return ++now_.waits, in_.wait_arrived(p, v); }
+  Status wait_send_free(int p, int64_t v) override { return ++now_.waits, in_.wait_send_free(p, v); }
   Status signal_ready(int p, uint64_t v) override { return ++now_.signals, in_.signal_ready(p, v); }
   Status signal_consumed(int p, uint64_t v) override { return ++now_.signals, in_.signal_consumed(p, v); }
   Status copy(StepBuf d, StepBuf s, size_t b) override { return ++now_.ops, in_.copy(d, s, b); }

@@ -141,19 +141,35 @@ class HostStream final : public StepStream {
  public:
   HostStream(const GdrLink& link, std::function<Status()> stop, DataType type, ReduceOp op, int world)
       : link_(link), stop_(std::move(stop)), type_(type), op_(op), world_(world) {}
-  Status wait_arrived(int p, uint64_t v) override { return wait(link_.stream_words(p).arrived, v, "an arrival"); }
-  Status wait_send_free(int p, uint64_t v) override {
-    return wait(link_.stream_words(p).send_free, v, "a send slot");
+  // A relative call's bases are the words this stream signals, as the last call left them
+  // (it ran to its end before this one starts; its last signals were rounded up to them).
+  Status begin_call(bool relative) override {
+    base_.assign(2 * size_t(link_.peer_count()), 0);
+    if (relative) {
+      for (int p = 0; p < link_.peer_count(); ++p) {
+        base_[size_t(step_base(p, false))] = load(link_.stream_words(p).ready);
+        base_[size_t(step_base(p, true))] = load(link_.stream_words(p).consumed);
+      }
+    }
+    return Status::Ok();
+  }
+  Status wait_arrived(int p, int64_t v) override {
+    return wait(link_.stream_words(p).arrived, at(step_base(p, true), v), "an arrival");
+  }
+  Status wait_send_free(int p, int64_t v) override {
+    return wait(link_.stream_words(p).send_free, at(step_base(p, false), v), "a send slot");
   }
   Status signal_ready(int p, uint64_t v) override {
-    store(link_.stream_words(p).ready, v);
+    store(link_.stream_words(p).ready, uint64_t(at(step_base(p, false), int64_t(v))));
     return Status::Ok();
   }
   Status signal_consumed(int p, uint64_t v) override {
-    store(link_.stream_words(p).consumed, v);
+    store(link_.stream_words(p).consumed, uint64_t(at(step_base(p, true), int64_t(v))));
     return Status::Ok();
   }
   Status copy(StepBuf dst, StepBuf src, size_t bytes) override {
+    dst = flagged(dst);
+    src = flagged(src);
     if (dst.flag == 0 && src.flag == 0) {
       if (dst.p != src.p) std::memcpy(dst.p, src.p, bytes);
       return Status::Ok();
@@ -209,6 +225,10 @@ class HostStream final : public StepStream {
     }
   }
   Status binary(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count, bool final) {
+    dst = flagged(dst);
+    dst2 = flagged(dst2);
+    a = flagged(a);
+    b = flagged(b);
     const size_t bytes = count * element_size(type_);
     std::vector<uint8_t> x, y;
     GS_RETURN_IF_ERROR(unpack(a, bytes, &x));
@@ -223,9 +243,20 @@ class HostStream final : public StepStream {
     pack(dst2, r, bytes);
     return Status::Ok();
   }
-  Status wait(const uint64_t* word, uint64_t value, const char* what) {
+  // A count made absolute (the base is 0 in a call that is not relative).
+  int64_t at(int base, int64_t v) const { return int64_t(base_[size_t(base)]) + v; }
+  // A relative flag made absolute, as the step kernel makes it.
+  StepBuf flagged(StepBuf b) const {
+    if (b.flag == 0 || b.base < 0) return b;
+    const uint32_t f = uint32_t(base_[size_t(b.base)] + b.flag);
+    b.flag = f == 0 ? 1u : f;
+    b.base = -1;
+    return b;
+  }
+  Status wait(const uint64_t* word, int64_t value, const char* what) {
+    if (value <= 0) return Status::Ok();
     const auto deadline = Clock::now() + 10s;
-    while (load(word) < value) {
+    while (int64_t(load(word)) < value) {
       if (Status s = stop_(); !s.ok()) return s;
       if (Clock::now() > deadline) return {Code::kDeadlineExceeded, std::string("stream waited for ") + what};
       std::this_thread::yield();
@@ -237,6 +268,7 @@ class HostStream final : public StepStream {
   DataType type_;
   ReduceOp op_;
   int world_;
+  std::vector<uint64_t> base_;  // per step_base
 };
 
 // n ranks, each with its link and its channels; the job's abort is one shared flag.
@@ -311,7 +343,9 @@ class Ring {
         if (!link.ok()) st[r] = link.status();
         else if (!*link) st[r] = Status(Code::kUnavailable, why[r]);
         else links_[r] = std::move(link).value();
-        if (links_[r]) runners_[r] = std::make_unique<StepRunner>(links_[r].get());
+        // Relative counts where the GPU communicator has them: one node, every hop direct.
+        const bool relative = direct && channels_[r].shape.node_count() == 1;
+        if (links_[r]) runners_[r] = std::make_unique<StepRunner>(links_[r].get(), relative);
       });
     }
     for (auto& t : threads) t.join();
