@@ -276,35 +276,24 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
     if (!f.ok()) local_why = f.status().message();
     else flush_needed = *f;
   }
-  // The step kernels' counters. Allocated here, while every rank is in this collective
-  // set-up: a cudaMalloc may wait for the kernels of the context, which for ranks sharing a
-  // GPU could be a peer's first step waiting for this rank.
-  if (local_why.empty() && m.step_counters == nullptr) {
-    const size_t bytes = kernels::kStepCounterWords * sizeof(uint32_t);
-    void* p = nullptr;
-    if (Status a = cuda(cudaMalloc(&p, bytes), "cudaMalloc of the step counters"); !a.ok()) {
-      local_why = a.message();
-    } else {
-      m.step_counters = static_cast<uint32_t*>(p);
-      if (Status z = cuda(cudaMemset(p, 0, bytes), "cudaMemset of the step counters"); !z.ok()) {
-        local_why = z.message();
-      }
-    }
-  }
-  // One node with every hop direct: every call's counts relative to these (so that a call
-  // captured in a CUDA graph replays). Both are the same on every rank (direct is agreed).
+  // The step kernels' counters, and on one node with every hop direct the bases of relative
+  // counts (every call's counts relative to them, so that a call captured in a CUDA graph
+  // replays; both conditions are the same on every rank: direct is agreed). Allocated here,
+  // while every rank is in this collective set-up: a cudaMalloc may wait for the kernels of
+  // the context, which for ranks sharing a GPU could be a peer's first step waiting for this rank.
   const bool relative = m.channels.shape.node_count() == 1 && cfg.direct;
-  if (local_why.empty() && relative && m.step_bases == nullptr) {
-    const size_t bytes = kernels::kStepMaxBases * sizeof(uint64_t);
-    void* p = nullptr;
-    if (Status a = cuda(cudaMalloc(&p, bytes), "cudaMalloc of the step bases"); !a.ok()) {
+  auto zeroed = [&](void** at, size_t bytes, const std::string& what) {
+    if (!local_why.empty() || *at != nullptr) return;
+    if (Status a = cuda(cudaMalloc(at, bytes), "cudaMalloc of the " + what); !a.ok()) {
       local_why = a.message();
-    } else {
-      m.step_bases = static_cast<uint64_t*>(p);
-      if (Status z = cuda(cudaMemset(p, 0, bytes), "cudaMemset of the step bases"); !z.ok()) local_why = z.message();
-      else if (Status y = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); !y.ok()) local_why = y.message();
+    } else if (Status z = cuda(cudaMemset(*at, 0, bytes), "cudaMemset of the " + what); !z.ok()) {
+      local_why = z.message();
+    } else if (Status y = cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize"); !y.ok()) {
+      local_why = y.message();
     }
-  }
+  };
+  zeroed(reinterpret_cast<void**>(&m.step_counters), kernels::kStepCounterWords * sizeof(uint32_t), "step counters");
+  if (relative) zeroed(reinterpret_cast<void**>(&m.step_bases), kernels::kStepMaxBases * sizeof(uint64_t), "step bases");
   // Design §3: GPUDirect only within GRADSYNC_GDR_LEVEL of the NIC (the PCIe distance from
   // sysfs, as gradsyncctl doctor shows it); farther, this rank's slots go to pinned host
   // memory (host-staged RDMA), as they do when the NIC cannot register GPU memory or
