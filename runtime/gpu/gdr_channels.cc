@@ -14,6 +14,7 @@
 #include "gpu/gpu_memory_registration.h"
 #include "gpu/ipc_memory.h"
 #include "gpu/kernel_stream.h"
+#include "gpu/step_table_cache.h"
 #include "kernels/cuda_reduce.cuh"
 #include "kernels/cuda_step.cuh"
 #include "topology/gpudirect.h"
@@ -154,6 +155,10 @@ struct GdrChannels::Impl {
   uint32_t* step_counters = nullptr;
   uint64_t* step_bases = nullptr;
   KernelStreamWords stream_words;  // what the calls' KernelStreams read (gpu/kernel_stream.h)
+  // One node (relative counts): the tables of recent calls, relaunched when a call repeats
+  // (gpu/step_table_cache.h); off with GRADSYNC_GPU_STEP_CACHE=0.
+  bool cache_tables = false;
+  StepTableCache cache;
 };
 
 namespace {
@@ -384,6 +389,8 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   sw.error = cfg.error_dev;
   sw.counters = m.step_counters;
   sw.bases = relative ? m.step_bases : nullptr;
+  const char* cache_env = std::getenv("GRADSYNC_GPU_STEP_CACHE");
+  m.cache_tables = relative && (cache_env == nullptr || std::strcmp(cache_env, "0") != 0);
   sw.timeout_ns = uint64_t(cfg.link.op_timeout.count()) * 1'000'000ull;
   sw.max_blocks = cfg.max_blocks;
   sw.who = cfg.link.who;
@@ -464,14 +471,55 @@ Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int av
   const bool ll = payload >= es && (m.cfg.protocol ? *m.cfg.protocol == plan::Protocol::kLowLatency
                                                    : rdma_auto_low_latency(m.channels, algo, c.count * es));
   const size_t chunk = ll ? std::min(m.cfg.link.slot_bytes, payload) : m.cfg.link.slot_bytes;
-  auto steps = rdma_steps(m.channels, c.kind, algo, c.count, es, c.root, chunk);
-  if (!steps.ok()) return Status(steps.status().code(), m.cfg.link.who + ": " + steps.status().message());
   // Broadcast has one buffer (the recv buffer), read on the root and written elsewhere.
   const void* input = c.kind == CollectiveKind::kBroadcast ? c.recv : c.send;
-  KernelStream ks(m.stream_words, stream, c.type, c.op, divisor);
+  const StepCallKey key{c.kind, algo, ll, c.count, c.type, c.op, c.root, divisor, input, c.recv};
+  if (m.cache_tables) {
+    if (const StepTableCache::Entry* e = m.cache.find(key)) return replay(*e, c, stream);
+  }
+  auto steps = rdma_steps(m.channels, c.kind, algo, c.count, es, c.root, chunk);
+  if (!steps.ok()) return Status(steps.status().code(), m.cfg.link.who + ": " + steps.status().message());
+  // A planned call keeps a copy of each table it launches, and its bytes per peer, for the
+  // calls that repeat it.
+  std::vector<std::unique_ptr<kernels::StepTable>> tables;
+  std::vector<uint64_t> before(size_t(m.link->peer_count()));
+  for (int p = 0; p < m.link->peer_count(); ++p) before[size_t(p)] = m.link->bytes_sent(p);
+  KernelStream::Launch launch;
+  if (m.cache_tables) {
+    launch = [&](const kernels::StepTable& t) {
+      if (tables.size() <= StepTableCache::kMaxTables) tables.push_back(std::make_unique<kernels::StepTable>(t));
+      return kernels::launch_steps(t, c.type, c.op, stream);
+    };
+  }
+  KernelStream ks(m.stream_words, stream, c.type, c.op, divisor, std::move(launch));
   Status s = m.runner->run(*steps, m.channels.members, input, c.recv, es, ks, ll);
   if (!s.ok()) return Status(s.code(), m.cfg.link.who + ": " + s.message());
+  if (m.cache_tables) {
+    for (int p = 0; p < m.link->peer_count(); ++p) before[size_t(p)] = m.link->bytes_sent(p) - before[size_t(p)];
+    m.cache.put(key, std::move(tables), std::move(before));
+  }
   return s;
+}
+
+// A repeated one-node call: its tables as planned the first time, and its bytes counted.
+Status GdrChannels::replay(const StepTableCache::Entry& e, const CollectiveCall& c, cudaStream_t stream) {
+  Impl& m = *impl_;
+  for (const auto& t : e.tables) {
+    if (const cudaError_t err = kernels::launch_steps(*t, c.type, c.op, stream); err != cudaSuccess) {
+      return {Code::kInternal, m.cfg.link.who + ": step kernel: launch: " + cudaGetErrorName(err) + " (" +
+                                   cudaGetErrorString(err) + ")"};
+    }
+  }
+  std::vector<GdrLink::Message> sent;
+  for (size_t p = 0; p < e.bytes_sent.size(); ++p) {
+    for (uint64_t left = e.bytes_sent[p]; left > 0;) {
+      const uint32_t b = uint32_t(std::min<uint64_t>(left, uint64_t(1) << 31));
+      sent.push_back({int(p), true, b});
+      left -= b;
+    }
+  }
+  m.link->plan(sent);
+  return Status::Ok();
 }
 
 }  // namespace gradsync

@@ -32,6 +32,7 @@
 #include "gpu/plan/channels.h"
 #include "gpu/plan/cost_model.h"
 #include "gpu/plan/schedule.h"
+#include "gpu/step_table_cache.h"
 #include "kernels/cuda_node.cuh"
 
 namespace gradsync {
@@ -129,6 +130,7 @@ class GdrChannels {
  private:
   explicit GdrChannels(std::unique_ptr<Impl> impl);
   static Result<bool> set_up(Impl& m, const HostOps& ops, std::string* why_not, std::string* refused);
+  Status replay(const StepTableCache::Entry& e, const CollectiveCall& c, cudaStream_t stream);
   std::unique_ptr<Impl> impl_;
 };
 

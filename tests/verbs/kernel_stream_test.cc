@@ -4,6 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+
+#include "gpu/step_table_cache.h"
+
 #include <vector>
 
 namespace gradsync {
@@ -147,6 +151,72 @@ TEST(KernelStream, OperationsOfDifferentLengthsInOneStepAreRefused) {
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message().find("rank 2 (host a)"), std::string::npos) << s.message();
   EXPECT_FALSE(ks.copy(out, slot_a, 6).ok());  // not whole elements
+}
+
+// The tables of repeated one-node calls (gpu/step_table_cache.h): found by every field of the
+// call, the least recently used dropped when full, calls of too many tables never kept.
+std::vector<std::unique_ptr<kernels::StepTable>> tables_of(int n, int nsteps) {
+  std::vector<std::unique_ptr<kernels::StepTable>> t;
+  for (int i = 0; i < n; ++i) {
+    t.push_back(std::make_unique<kernels::StepTable>());
+    t.back()->nsteps = nsteps + i;
+  }
+  return t;
+}
+
+TEST(StepTableCache, FindsACallByEveryFieldOfItsKey) {
+  StepTableCache cache;
+  StepCallKey k{CollectiveKind::kAllreduce, plan::Algo::kRing, true, 1001, DataType::kFloat32, ReduceOp::kSum,
+                0, 4, in, out};
+  EXPECT_EQ(cache.find(k), nullptr);
+  cache.put(k, tables_of(2, 7), {10, 20, 30});
+  const StepTableCache::Entry* e = cache.find(k);
+  ASSERT_NE(e, nullptr);
+  ASSERT_EQ(e->tables.size(), 2u);
+  EXPECT_EQ(e->tables[0]->nsteps, 7);
+  EXPECT_EQ(e->tables[1]->nsteps, 8);
+  EXPECT_EQ(e->bytes_sent, (std::vector<uint64_t>{10, 20, 30}));
+  // A call that differs in any one field is another call.
+  std::vector<StepCallKey> others(10, k);
+  others[0].kind = CollectiveKind::kBroadcast;
+  others[1].algo = plan::Algo::kTree;
+  others[2].low_latency = false;
+  others[3].count = 1002;
+  others[4].type = DataType::kInt32;
+  others[5].op = ReduceOp::kMax;
+  others[6].root = 1;
+  others[7].divisor = 8;
+  others[8].input = out;
+  others[9].output = in;
+  for (size_t i = 0; i < others.size(); ++i) EXPECT_EQ(cache.find(others[i]), nullptr) << "field " << i;
+  EXPECT_EQ(cache.hits(), 1u);
+  // The same key again replaces the entry.
+  cache.put(k, tables_of(1, 3), {1});
+  EXPECT_EQ(cache.size(), 1u);
+  EXPECT_EQ(cache.find(k)->tables.size(), 1u);
+}
+
+TEST(StepTableCache, DropsTheLeastRecentlyUsedAndNeverKeepsLargeCalls) {
+  StepTableCache cache;
+  StepCallKey k{};
+  auto key = [&](size_t count) {
+    StepCallKey c = k;
+    c.count = count;
+    return c;
+  };
+  for (size_t i = 1; i <= StepTableCache::kEntries; ++i) cache.put(key(i), tables_of(1, 1), {});
+  EXPECT_EQ(cache.size(), StepTableCache::kEntries);
+  ASSERT_NE(cache.find(key(1)), nullptr);  // 1 is now the most recently used, 2 the least
+  cache.put(key(1000), tables_of(1, 1), {});
+  EXPECT_EQ(cache.size(), StepTableCache::kEntries);
+  EXPECT_EQ(cache.find(key(2)), nullptr);
+  EXPECT_NE(cache.find(key(1)), nullptr);
+  EXPECT_NE(cache.find(key(1000)), nullptr);
+  // Too many tables, or none: not kept.
+  cache.put(key(5000), tables_of(int(StepTableCache::kMaxTables) + 1, 1), {});
+  EXPECT_EQ(cache.find(key(5000)), nullptr);
+  cache.put(key(5001), tables_of(0, 1), {});
+  EXPECT_EQ(cache.find(key(5001)), nullptr);
 }
 
 }  // namespace

@@ -194,6 +194,108 @@ TEST_P(OneNodeSteps, RingAndTreeMatrixOverCudaIpc) {
 INSTANTIATE_TEST_SUITE_P(Shapes, OneNodeSteps, ::testing::Values(2, 4, 8),
                          [](const auto& info) { return "x" + std::to_string(info.param); });
 
+// A one-node call that repeats an earlier one relaunches its step tables instead of planning
+// again (gpu/step_table_cache.h). In-place int32 allreduces on one buffer, each feeding the
+// next, with counts, ops and protocols (low-latency at 37 and 1001 elements, bulk at 300001)
+// interleaved so that most calls are replays of an earlier one: the buffer at the end is
+// exact against the host's sequence only if every replay ran its own call, and each replay
+// counts the bytes its planned call counted.
+class OneNodeStepReplay : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+    ::setenv("GRADSYNC_GPU_NODE_STEPS", "1", 1);
+    ::setenv("GRADSYNC_ALGO", GetParam(), 1);
+  }
+  void TearDown() override {
+    for (const char* v : {"GRADSYNC_GPU_NODE_STEPS", "GRADSYNC_ALGO"}) ::unsetenv(v);
+  }
+};
+
+TEST_P(OneNodeStepReplay, RepeatedCallsOnOneBufferAreExact) {
+  const int n = 4;
+  struct Call {
+    size_t count;
+    ReduceOp op;
+  };
+  const Call calls[] = {{1001, ReduceOp::kSum}, {1001, ReduceOp::kSum},     {37, ReduceOp::kMax},
+                        {1001, ReduceOp::kSum}, {300001, ReduceOp::kMax},   {37, ReduceOp::kMax},
+                        {300001, ReduceOp::kMax}, {1001, ReduceOp::kSum},   {37, ReduceOp::kMax}};
+  const size_t cap = 300001;
+  auto initial = [](int r, size_t i) { return int32_t(r + int(i % 5)); };
+  // The host's sequence: after each call every rank holds the reduction of the prefix.
+  std::vector<int32_t> want(cap);
+  {
+    auto v = std::vector<std::vector<int32_t>>(size_t(n), std::vector<int32_t>(cap));
+    for (int r = 0; r < n; ++r)
+      for (size_t i = 0; i < cap; ++i) v[size_t(r)][i] = initial(r, i);
+    for (const Call& c : calls) {
+      for (size_t i = 0; i < c.count; ++i) {
+        int32_t x = v[0][i];
+        for (int r = 1; r < n; ++r) x = c.op == ReduceOp::kSum ? x + v[size_t(r)][i] : std::max(x, v[size_t(r)][i]);
+        for (int r = 0; r < n; ++r) v[size_t(r)][i] = x;
+      }
+    }
+    want = v[0];
+  }
+  DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 1, n, std::string("node-replay-") + GetParam(), 60s, on_gpu0);
+  ASSERT_EQ(world.join_error(), "");
+  auto st = world.run([&](int r) -> Status {
+    Communicator& comm = world.comm(r);
+    GS_RETURN_IF_ERROR(testing::cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
+    std::vector<int32_t> host(cap);
+    for (size_t i = 0; i < cap; ++i) host[i] = initial(r, i);
+    int32_t* buf = nullptr;
+    cudaStream_t stream = nullptr;
+    GS_RETURN_IF_ERROR(testing::cuda_status(cudaMalloc(reinterpret_cast<void**>(&buf), cap * 4), "cudaMalloc"));
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    cudaMemcpyAsync(buf, host.data(), cap * 4, cudaMemcpyHostToDevice, stream);
+    cudaStreamSynchronize(stream);
+    Status s = comm.barrier();
+    // The bytes of the first call of each (count, op), which its replays must count again.
+    std::vector<std::pair<size_t, uint64_t>> first;
+    for (size_t k = 0; k < sizeof(calls) / sizeof(calls[0]) && s.ok(); ++k) {
+      auto before = comm.gpu_bytes_sent();
+      s = before.status();
+      if (s.ok()) s = comm.allreduce(buf, buf, calls[k].count, DataType::kInt32, calls[k].op, stream);
+      auto after = comm.gpu_bytes_sent();
+      if (s.ok()) s = after.status();
+      if (!s.ok()) break;
+      const uint64_t bytes = *after - *before;
+      const size_t id = calls[k].count * 2 + (calls[k].op == ReduceOp::kSum ? 1 : 0);
+      auto seen = std::find_if(first.begin(), first.end(), [&](const auto& f) { return f.first == id; });
+      if (seen == first.end()) {
+        first.emplace_back(id, bytes);
+      } else if (seen->second != bytes) {
+        s = {Code::kInternal, "call " + std::to_string(k) + " (a repeat) counted " + std::to_string(bytes) +
+                                  " bytes, its first " + std::to_string(seen->second)};
+      }
+      if (s.ok() && bytes == 0) s = {Code::kInternal, "call " + std::to_string(k) + " counted no bytes"};
+    }
+    cudaStreamSynchronize(stream);
+    if (s.ok()) s = comm.async_error();
+    if (s.ok()) {
+      cudaMemcpy(host.data(), buf, cap * 4, cudaMemcpyDeviceToHost);
+      for (size_t i = 0; i < cap && s.ok(); ++i) {
+        if (host[i] != want[i])
+          s = {Code::kInternal, "element " + std::to_string(i) + " = " + std::to_string(host[i]) + ", want " +
+                                    std::to_string(want[i])};
+      }
+    }
+    if (Status b = comm.barrier(); s.ok()) s = b;
+    cudaStreamDestroy(stream);
+    cudaFree(buf);
+    if (Status b = comm.barrier(); s.ok()) s = b;
+    return s;
+  });
+  for (int r = 0; r < n; ++r) EXPECT_TRUE(st[r].ok()) << "rank " << r << ": " << st[r].to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Algos, OneNodeStepReplay, ::testing::Values("ring", "tree", "oneshot", "twoshot"),
+                         [](const auto& info) { return std::string(info.param); });
+
 // The step channels' low-latency protocol (GRADSYNC_PROTO=ll: every message in the peers'
 // low-latency slots, read as its lines land) on the ring, the trees, and one-shot and two-shot
 // as steps (GRADSYNC_GPU_NODE_STEPS=1, forced by GRADSYNC_ALGO): every type, op and odd count
@@ -352,7 +454,8 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
 // Time per call of the step channels' protocols beside the node kernels, small calls, 8 ranks
 // as threads sharing GPU 0: the kernels' default (low-latency lines, one-shot), the ring, the
 // trees, one-shot and two-shot as steps each with GRADSYNC_PROTO=bulk and =ll, and the ring with the
-// model's choice. A measurement, not a test: --gtest_also_run_disabled_tests.
+// model's choice; the "-p" columns plan every call (GRADSYNC_GPU_STEP_CACHE=0), the others
+// replay the first call's step tables. A measurement, not a test: --gtest_also_run_disabled_tests.
 TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
   const char* env = std::getenv("NODE_BENCH_RANKS");
@@ -363,16 +466,21 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
     const char* name;
     const char* algo;   // GRADSYNC_ALGO (null: unset)
     const char* proto;  // GRADSYNC_PROTO (null: unset)
+    bool planned = false;  // GRADSYNC_GPU_STEP_CACHE=0: every call planned, no table replayed
   };
   const Column cols[] = {{"kernels", nullptr, nullptr},   {"ring-bulk", "ring", "bulk"},
                          {"ring-ll", "ring", "ll"},       {"ring-auto", "ring", nullptr},
                          {"tree-bulk", "tree", "bulk"},   {"tree-ll", "tree", "ll"},
                          {"1shot-bulk", "oneshot", "bulk"}, {"1shot-ll", "oneshot", "ll"},
-                         {"2shot-bulk", "twoshot", "bulk"}, {"2shot-ll", "twoshot", "ll"}};
+                         {"2shot-bulk", "twoshot", "bulk"}, {"2shot-ll", "twoshot", "ll"},
+                         {"ring-auto-p", "ring", nullptr, true}, {"1shot-ll-p", "oneshot", "ll", true},
+                         {"2shot-ll-p", "twoshot", "ll", true}};
   constexpr int kCols = int(sizeof(cols) / sizeof(cols[0]));
   std::vector<std::vector<Measured>> us(kCols);
   for (int c = 0; c < kCols; ++c) {
-    for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS"}) ::unsetenv(v);
+    for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS", "GRADSYNC_GPU_STEP_CACHE"})
+      ::unsetenv(v);
+    if (cols[c].planned) ::setenv("GRADSYNC_GPU_STEP_CACHE", "0", 1);
     if (cols[c].algo) ::setenv("GRADSYNC_ALGO", cols[c].algo, 1);
     if (cols[c].proto) ::setenv("GRADSYNC_PROTO", cols[c].proto, 1);
     if (cols[c].algo && std::string(cols[c].algo).find("shot") != std::string::npos) {
@@ -388,7 +496,8 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
     }
     for (size_t b : sizes) us[size_t(c)].push_back(allreduce_on_gpus(world, b / 4, 50, Algorithm::kAuto));
   }
-  for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS"}) ::unsetenv(v);
+  for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS", "GRADSYNC_GPU_STEP_CACHE"})
+    ::unsetenv(v);
   // The time per call, then the slowest rank's time inside the calls (the host's queueing).
   for (const bool host : {false, true}) {
     std::printf("# float32 sum allreduce, 1 node x %d ranks as threads on GPU 0, %s\n# %8s", n,
