@@ -194,6 +194,45 @@ TEST_P(OneNodeSteps, RingAndTreeMatrixOverCudaIpc) {
 INSTANTIATE_TEST_SUITE_P(Shapes, OneNodeSteps, ::testing::Values(2, 4, 8),
                          [](const auto& info) { return "x" + std::to_string(info.param); });
 
+// A node of more ranks than the node kernels serve (12 > 8): the step channels over CUDA IPC
+// take every call (path cuda-ipc-steps). With GRADSYNC_GDR_MIN_BYTES=1 no call is host-staged:
+// the ring, the trees and the model's choice on the allreduce matrix, the other collectives on
+// the ring, and the ring's 2 (n-1)/n S per rank; then, at the threshold measured at join, a
+// small and a large call, exact either side of it.
+TEST(OneNodeOfTwelve, StepChannelsTakeEveryCall) {
+  if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
+  const int n = 12;
+  DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  {
+    ::setenv("GRADSYNC_GDR_MIN_BYTES", "1", 1);
+    DaemonWorld world(cluster, 1, n, "node-twelve", 60s, on_gpu0);
+    ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
+    ASSERT_EQ(world.join_error(), "");
+    for (int r = 0; r < n; ++r) ASSERT_EQ(world.comm(r).gpu_path(), "cuda-ipc-steps") << "rank " << r;
+    {
+      GpuWorld gpus(world);
+      testing::allreduce_matrix(gpus, Algorithm::kRing);
+      testing::allreduce_matrix(gpus, Algorithm::kTree);
+      testing::allreduce_matrix(gpus, Algorithm::kAuto);
+      testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
+    }
+    const size_t count = 4096 * size_t(n);
+    const std::vector<uint64_t> sent = allreduce_on_gpus(world, count, 2, Algorithm::kRing).sent;
+    for (int r = 0; r < n; ++r) EXPECT_EQ(sent[r], 2 * uint64_t(n - 1) * count * 4 / n) << "rank " << r;
+  }
+  DaemonWorld world(cluster, 1, n, "node-twelve-measured", 60s, on_gpu0);
+  ASSERT_EQ(world.join_error(), "");
+  ASSERT_EQ(world.comm(0).gpu_path(), "cuda-ipc-steps");
+  // Bytes by the step channels per call (a host-staged call counts none).
+  const uint64_t small = allreduce_on_gpus(world, 3, 2, Algorithm::kAuto).sent[0];
+  const uint64_t large = allreduce_on_gpus(world, (size_t(1) << 20) + 5, 2, Algorithm::kAuto).sent[0];
+  EXPECT_GT(large, 0u) << "a 4 MiB allreduce was host-staged";
+  std::printf("12 ranks on one node, threshold measured at join: rank 0 sent %llu bytes by the steps "
+              "for 3 floats, %llu for 1048581\n",
+              static_cast<unsigned long long>(small), static_cast<unsigned long long>(large));
+}
+
 // A one-node call that repeats an earlier one relaunches its step tables instead of planning
 // again (gpu/step_table_cache.h). In-place int32 allreduces on one buffer, each feeding the
 // next, with counts, ops and protocols (low-latency at 37 and 1001 elements, bulk at 300001)
