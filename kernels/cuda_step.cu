@@ -53,13 +53,42 @@ __device__ inline uint32_t flag_of(const uint64_t* base, int b, uint32_t f) {
   return x == 0 ? 1u : x;
 }
 
+// Warp 0 of a block: every wait of a step of several, a lane per wait (32 at a time), polled
+// together, so a step that waits for several peers (one-shot and two-shot: every other rank
+// of the node) pays one round trip to memory for all of them, not one each in turn. The
+// lanes leave together: when every word has its value, or when lane 0, every 128 polls, finds
+// an error recorded, the abort word set or the op timeout past; a timeout names the first
+// peer still waited for. Every lane returns the same.
 template <class Table>
 __device__ bool wait_all(const Table& s, const TableStep& st, const uint64_t* base) {
-  const NodeArgs a = wait_args(s);
-  for (int w = st.wait; w < st.wait + st.nwaits; ++w) {
-    const StepWait& x = s.waits[w];
-    const int64_t v = absolute(base, x.base, x.value);
-    if (v > 0 && !node::wait_at_least(x.word, uint64_t(v), a, x.peer, x.what)) return false;
+  constexpr unsigned kAll = 0xffffffffu;
+  const unsigned lane = threadIdx.x & 31u;
+  for (int w0 = st.wait; w0 < st.wait + st.nwaits; w0 += 32) {
+    const int w = w0 + int(lane);
+    const StepWait* x = w < st.wait + st.nwaits ? &s.waits[w] : nullptr;
+    const int64_t v = x != nullptr ? absolute(base, x->base, x->value) : 0;
+    bool done = v <= 0 || load_acquire(x->word) >= uint64_t(v);
+    if (__all_sync(kAll, done)) continue;
+    const uint64_t start = now_ns();
+    for (uint32_t n = 1;; ++n) {
+      done = done || load_acquire(x->word) >= uint64_t(v);
+      const unsigned waiting = __ballot_sync(kAll, !done);
+      if (waiting == 0) break;
+      if (n > 64) __nanosleep(n > 4096 ? 1000 : 32);
+      if ((n & 127) == 0) {
+        // 0 go on, 1 another wait failed, 2 aborted, 3 past the timeout.
+        int why = 0;
+        if (lane == 0) {
+          why = host_word(&s.error->code) != 0 ? 1 : host_word(s.abort) != 0 ? 2 : now_ns() - start > s.timeout_ns ? 3 : 0;
+        }
+        why = __shfl_sync(kAll, why, 0);
+        if (why != 0) {
+          const StepWait& first = s.waits[w0 + __ffs(waiting) - 1];
+          if (lane == 0 && why > 1) fail(s.error, why == 2 ? 2u : 1u, first.peer, first.what);
+          return false;
+        }
+      }
+    }
   }
   return true;
 }
@@ -154,22 +183,36 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
   __shared__ int go;
   // The bases of the table's relative counts, as they were when the launch started.
   __shared__ uint64_t base[kStepMaxBases];
-  if (threadIdx.x < unsigned(kStepMaxBases)) base[threadIdx.x] = s.bases != nullptr ? s.bases[threadIdx.x] : 0;
-  __syncthreads();
   // Thread 0: false once a wait of this block failed, or when an earlier launch's had when
   // this one started (the rest of the stream's queue then drains at once). That is read from
   // the device word a failed launch sets, not the error in host memory: a read of mapped host
   // memory took 0.9 us on the H200, and 8 us with 8 blocks reading at once, at every launch.
   // An error recorded by anything else is seen at the waits' next look at the host words.
+  // Read beside the bases, before the barrier (one round trip for both).
   volatile uint32_t* failed_before = s.counters + kStepFailed;
   bool alive = true;
   if (threadIdx.x == 0) alive = *failed_before == 0;
+  if (threadIdx.x < unsigned(kStepMaxBases)) base[threadIdx.x] = s.bases != nullptr ? s.bases[threadIdx.x] : 0;
+  __syncthreads();
   for (int k = 0; k < s.nsteps; ++k) {
     const TableStep& st = s.steps[k];
-    if (threadIdx.x == 0) {
-      alive = alive && (st.barrier == 0 || k == 0 || gridDim.x == 1 || wait_blocks(s, k - 1)) && wait_all(s, st, base);
-      go = alive ? 1 : 0;
+    if (st.nwaits > 1) {
+      // Thread 0's barrier first, then warp 0's waits (every lane learns thread 0's state).
+      if (threadIdx.x < 32) {
+        bool ok = threadIdx.x != 0 || (alive && (st.barrier == 0 || k == 0 || gridDim.x == 1 || wait_blocks(s, k - 1)));
+        ok = __all_sync(0xffffffffu, ok) && wait_all(s, st, base);
+        if (threadIdx.x == 0) alive = ok;
+      }
+    } else if (threadIdx.x == 0) {
+      // One wait or none (a ring's step): thread 0 alone, as a lane per word gains nothing.
+      alive = alive && (st.barrier == 0 || k == 0 || gridDim.x == 1 || wait_blocks(s, k - 1));
+      if (alive && st.nwaits == 1) {
+        const StepWait& x = s.waits[st.wait];
+        const int64_t v = absolute(base, x.base, x.value);
+        alive = v <= 0 || node::wait_at_least(x.word, uint64_t(v), wait_args(s), x.peer, x.what);
+      }
     }
+    if (threadIdx.x == 0) go = alive ? 1 : 0;
     __syncthreads();
     // This block's elements: a multiple of 16 of them from the start, so every pointer keeps
     // its offset modulo 16 and the block's loops vectorise as a whole-step kernel's would.

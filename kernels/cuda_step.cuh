@@ -4,8 +4,9 @@
 // the steps (StepTable) and launches once per table; a call of more steps than a table holds
 // takes several launches in order.
 //
-// Every block runs every step: its thread 0 waits for the step's words (each wait bounded by
-// the op timeout and the abort word, as launch_wait_host's), then the block runs the step's
+// Every block runs every step: its warp 0 waits for the step's words, a lane per word (thread
+// 0 alone where there is one; each wait bounded by the op timeout and the abort word, as
+// launch_wait_host's), then the block runs the step's
 // operations over its own range of the step's elements, in order, with a block barrier between
 // them: an operation that reads what the one before wrote (a fold into a slot, then that slot
 // copied on) reads only what its own block wrote. The last block to finish a step (a counter
