@@ -171,17 +171,16 @@ class OneNodeSteps : public ::testing::TestWithParam<int> {
   }
 };
 
-TEST_P(OneNodeSteps, RingAndTreeMatrixOverCudaIpc) {
-  const int n = GetParam();
-  DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
-  ASSERT_TRUE(cluster.ok()) << cluster.error();
-  DaemonWorld world(cluster, 1, n, "node-steps", 60s, on_gpu0);
-  ASSERT_EQ(world.join_error(), "");
-  for (int r = 0; r < n; ++r) ASSERT_EQ(world.comm(r).gpu_path(), "cuda-ipc") << "rank " << r;
+// Every rank's path, the allreduce matrix on the ring and the trees (and on the model's
+// choice: `with_auto`), the other collectives on the ring, and the ring's bytes per rank.
+void steps_matrix(DaemonWorld& world, const std::string& path, bool with_auto) {
+  const int n = world.size();
+  for (int r = 0; r < n; ++r) ASSERT_EQ(world.comm(r).gpu_path(), path) << "rank " << r;
   {
     GpuWorld gpus(world);
     testing::allreduce_matrix(gpus, Algorithm::kRing);
     testing::allreduce_matrix(gpus, Algorithm::kTree);
+    if (with_auto) testing::allreduce_matrix(gpus, Algorithm::kAuto);
     testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
   }
   // The steps ran, not the kernels: a ring allreduce sends 2 (n-1)/n S per rank (the kernels'
@@ -189,6 +188,14 @@ TEST_P(OneNodeSteps, RingAndTreeMatrixOverCudaIpc) {
   const size_t count = 4096 * size_t(n);
   const std::vector<uint64_t> sent = allreduce_on_gpus(world, count, 2, Algorithm::kRing).sent;
   for (int r = 0; r < n; ++r) EXPECT_EQ(sent[r], 2 * uint64_t(n - 1) * count * 4 / n) << "rank " << r;
+}
+
+TEST_P(OneNodeSteps, RingAndTreeMatrixOverCudaIpc) {
+  DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  DaemonWorld world(cluster, 1, GetParam(), "node-steps", 60s, on_gpu0);
+  ASSERT_EQ(world.join_error(), "");
+  steps_matrix(world, "cuda-ipc", false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, OneNodeSteps, ::testing::Values(2, 4, 8),
@@ -209,17 +216,8 @@ TEST(OneNodeOfTwelve, StepChannelsTakeEveryCall) {
     DaemonWorld world(cluster, 1, n, "node-twelve", 60s, on_gpu0);
     ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
     ASSERT_EQ(world.join_error(), "");
-    for (int r = 0; r < n; ++r) ASSERT_EQ(world.comm(r).gpu_path(), "cuda-ipc-steps") << "rank " << r;
-    {
-      GpuWorld gpus(world);
-      testing::allreduce_matrix(gpus, Algorithm::kRing);
-      testing::allreduce_matrix(gpus, Algorithm::kTree);
-      testing::allreduce_matrix(gpus, Algorithm::kAuto);
-      testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kRing);
-    }
-    const size_t count = 4096 * size_t(n);
-    const std::vector<uint64_t> sent = allreduce_on_gpus(world, count, 2, Algorithm::kRing).sent;
-    for (int r = 0; r < n; ++r) EXPECT_EQ(sent[r], 2 * uint64_t(n - 1) * count * 4 / n) << "rank " << r;
+    steps_matrix(world, "cuda-ipc-steps", true);
+    if (HasFatalFailure()) return;
   }
   DaemonWorld world(cluster, 1, n, "node-twelve-measured", 60s, on_gpu0);
   ASSERT_EQ(world.join_error(), "");
