@@ -46,10 +46,13 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
   ch.ring = plan::plan_channels(ch.shape, req);
   req.algo = plan::Algo::kTree;
   ch.tree = plan::plan_channels(ch.shape, req);
-  // One-shot and two-shot share the direct channels (plan_channels gives both the same).
+  // One-shot and two-shot share the direct channels (plan_channels gives both the same); across
+  // nodes the hierarchical channels hold each node's pairs.
   req.algo = plan::Algo::kOneShot;
   if (pairs && k >= 2 && plan::check_request(ch.shape, req).empty()) ch.pairs = plan::plan_channels(ch.shape, req);
-  for (const plan::ChannelSet* set : {&ch.ring, &ch.tree, &ch.pairs}) {
+  req.algo = plan::Algo::kHierarchical;
+  if (pairs && plan::check_request(ch.shape, req).empty()) ch.hier = plan::plan_channels(ch.shape, req);
+  for (const plan::ChannelSet* set : {&ch.ring, &ch.tree, &ch.pairs, &ch.hier}) {
     for (const plan::Channel& c : set->channels()) {
       for (const plan::Hop& h : c.hops) {
         if (h.src != ch.position && h.dst != ch.position) continue;
@@ -86,10 +89,21 @@ constexpr size_t kLowLatencyMeasuredMax[plan::kNumAlgos] = {
     0,                  // hierarchical: no low-latency slots between nodes
 };
 
+// The channels an algorithm runs over (rdma_steps').
+const plan::ChannelSet& channels_of(const RdmaChannels& ch, plan::Algo algo) {
+  switch (algo) {
+    case plan::Algo::kTree: return ch.tree;
+    case plan::Algo::kOneShot:
+    case plan::Algo::kTwoShot: return ch.pairs;
+    case plan::Algo::kHierarchical: return ch.hier;
+    default: return ch.ring;
+  }
+}
+
 }  // namespace
 
 void rdma_choose_algos(RdmaChannels& ch) {
-  ch.tree_faster.clear();
+  ch.auto_algo.clear();
   if (ch.members.size() < 2) return;
   // The model's hop counts; as the bytes, the most any rank of its sample sends. Without direct
   // peers, inside its node and out of it together: every hop goes through the rank's NIC
@@ -99,9 +113,7 @@ void rdma_choose_algos(RdmaChannels& ch) {
     plan::PlanRequest r;
     r.algo = algo;
     r.count = bytes / 4;
-    const plan::ChannelSet& set = algo == plan::Algo::kTree ? ch.tree
-                                  : algo == plan::Algo::kOneShot || algo == plan::Algo::kTwoShot ? ch.pairs
-                                                                                                  : ch.ring;
+    const plan::ChannelSet& set = channels_of(ch, algo);
     plan::ScheduleFigures fig = plan::schedule_hops(ch.shape, r, set);
     plan::LinkBytes b(ch.shape);
     for (int x : plan::sample_nodes(ch.shape, algo)) {
@@ -121,10 +133,18 @@ void rdma_choose_algos(RdmaChannels& ch) {
     // tree, ring). The protocol is chosen for the algorithm afterwards.
     return plan::predict_us(ch.shape.links, fig, algo, proto);
   };
-  // 8 B .. 64 MiB: the model's terms are linear in the bytes beyond.
+  // 8 B .. 64 MiB: the model's terms are linear in the bytes beyond. Ties keep the earlier
+  // of ring, tree, hierarchical.
+  std::vector<plan::Algo> algos = {plan::Algo::kRing, plan::Algo::kTree};
+  if (ch.hier.size() > 0) algos.push_back(plan::Algo::kHierarchical);
   for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {
-    ch.tree_faster.push_back(predict(plan::Algo::kTree, bytes, plan::Protocol::kBulk) <
-                             predict(plan::Algo::kRing, bytes, plan::Protocol::kBulk));
+    plan::Algo best = algos[0];
+    double best_us = predict(best, bytes, plan::Protocol::kBulk);
+    for (size_t a = 1; a < algos.size(); ++a) {
+      const double us = predict(algos[a], bytes, plan::Protocol::kBulk);
+      if (us < best_us) best = algos[a], best_us = us;
+    }
+    ch.auto_algo.push_back(best);
   }
   // The low-latency protocol where every hop has its slots, i.e. on one node with direct
   // peers (a property of the shape, the same on every rank: a rank whose own peers happen to
@@ -133,7 +153,7 @@ void rdma_choose_algos(RdmaChannels& ch) {
   // size where it was measured faster (kLowLatencyMeasuredMax).
   for (size_t& m : ch.ll_max_bytes) m = 0;
   if (!ch.direct || ch.shape.node_count() != 1 || ch.members.size() < 2) return;
-  std::vector<plan::Algo> algos = {plan::Algo::kRing, plan::Algo::kTree};
+  algos = {plan::Algo::kRing, plan::Algo::kTree};
   if (ch.pairs.size() > 0) algos.insert(algos.end(), {plan::Algo::kOneShot, plan::Algo::kTwoShot});
   for (plan::Algo a : algos) {
     for (size_t bytes = 8; bytes <= kLowLatencyMeasuredMax[int(a)]; bytes *= 2) {
@@ -158,20 +178,20 @@ std::string rdma_protocol_summary(const RdmaChannels& ch) {
 }
 
 plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes) {
-  if (ch.tree_faster.empty()) return plan::Algo::kRing;
+  if (ch.auto_algo.empty()) return plan::Algo::kRing;
   size_t i = 0;
-  while (i + 1 < ch.tree_faster.size() && (size_t(8) << i) < bytes) ++i;
-  return ch.tree_faster[i] ? plan::Algo::kTree : plan::Algo::kRing;
+  while (i + 1 < ch.auto_algo.size() && (size_t(8) << i) < bytes) ++i;
+  return ch.auto_algo[i];
 }
 
 std::string rdma_auto_summary(const RdmaChannels& ch) {
-  const auto& t = ch.tree_faster;
+  const auto& t = ch.auto_algo;
   std::string out;
   for (size_t i = 0; i < t.size(); ++i) {
     if (i + 1 < t.size() && t[i + 1] == t[i]) continue;  // not the end of a run of one choice
     const bool last = i + 1 == t.size();
-    if (last && out.empty()) return t[i] ? "tree at every size" : "ring at every size";
-    out += (out.empty() ? "" : ", ") + std::string(t[i] ? "tree" : "ring") +
+    if (last && out.empty()) return std::string(plan::to_string(t[i])) + " at every size";
+    out += (out.empty() ? "" : ", ") + std::string(plan::to_string(t[i])) +
            (last ? " above" : " up to " + std::to_string(size_t(8) << i) + " B");
   }
   return out.empty() ? "ring at every size" : out;
@@ -180,11 +200,13 @@ std::string rdma_auto_summary(const RdmaChannels& ch) {
 Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
                                            size_t count, size_t esize, int root, size_t slot_bytes) {
   const bool direct_pushes = algo == plan::Algo::kOneShot || algo == plan::Algo::kTwoShot;
+  const bool allreduce = kind == CollectiveKind::kAllreduce;
+  // The sets that exist only when asked for: one-shot and two-shot (every collective), and
+  // hierarchical (allreduce; the others take the ring).
+  const bool asked = direct_pushes || (algo == plan::Algo::kHierarchical && allreduce);
   plan::PlanRequest req;
   req.kind = kind;
-  req.algo = direct_pushes ? algo
-             : algo == plan::Algo::kTree && kind == CollectiveKind::kAllreduce ? plan::Algo::kTree
-                                                                              : plan::Algo::kRing;
+  req.algo = asked ? algo : algo == plan::Algo::kTree && allreduce ? plan::Algo::kTree : plan::Algo::kRing;
   req.count = count;
   req.esize = esize;
   req.chunk_bytes = slot_bytes / esize * esize;
@@ -194,19 +216,20 @@ Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKin
     return Status(Code::kInternal, "broadcast root " + std::to_string(root) + " is no member of the RDMA channels");
   }
   if (req.chunk_bytes == 0) return Status(Code::kInternal, "RDMA slots smaller than one element");
-  const plan::ChannelSet* set = req.algo == plan::Algo::kTree ? &ch.tree : &ch.ring;
-  if (direct_pushes) {
+  const plan::ChannelSet* set = &channels_of(ch, req.algo);
+  if (asked) {
     const std::string who = "rank " + std::to_string(ch.position >= 0 ? ch.members[size_t(ch.position)] : -1) + ": ";
-    if (ch.pairs.size() == 0) {
+    const char* needs = direct_pushes ? " needs the direct pairs of one node, and "
+                                      : " needs the pairs of every node and a ring per local index, and ";
+    if (set->size() == 0) {
       std::string why = plan::check_request(ch.shape, req);
       if (why.empty()) why = ch.members.size() < 2 ? "one member has no pair" : "the channels were set up without them";
-      return Status(Code::kInvalidArgument, who + plan::to_string(algo) + " needs the direct pairs of one node, and " +
-                                                "these step channels have none (" + why + ")");
+      return Status(Code::kInvalidArgument,
+                    who + plan::to_string(algo) + needs + "these step channels have none (" + why + ")");
     }
     if (std::string why = plan::check_request(ch.shape, req); !why.empty()) {
       return Status(Code::kInvalidArgument, who + plan::to_string(algo) + ": " + why);
     }
-    set = &ch.pairs;
   }
   std::vector<plan::Step> steps = plan::rank_steps(ch.shape, *set, req, ch.position);
   std::stable_sort(steps.begin(), steps.end(),

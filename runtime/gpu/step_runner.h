@@ -43,8 +43,8 @@ namespace gradsync {
 
 // The channels of a set of members over RDMA links: the plan's shape (members grouped into
 // nodes by host, in member order; plan rank i is members[i]), its ring and tree channels, the
-// direct pairs of one node when asked (one-shot and two-shot), and the peers this rank needs
-// for them (every hop to or from it).
+// direct pairs of each node when asked (one-shot and two-shot on one node, hierarchical
+// across nodes), and the peers this rank needs for them (every hop to or from it).
 struct RdmaChannels {
   std::vector<int> members;  // world ranks
   int position = -1;         // this rank's plan rank; -1 when it is not a member
@@ -54,15 +54,20 @@ struct RdmaChannels {
   // planned only when asked (rdma_channels' `pairs`) and the shape is one node of 2 to
   // plan::kMaxPeers + 1 ranks; empty otherwise.
   plan::ChannelSet pairs;
+  // The hierarchical channels (every ordered pair inside each node, and a ring per local index
+  // across the nodes, each on its rank's own NIC): planned only when asked (`pairs`) and the
+  // shape has 2 or more nodes of the same rank count, at most plan::kMaxPeers + 1; empty
+  // otherwise. Allreduce only (plan/schedule.h).
+  plan::ChannelSet hier;
   std::vector<GdrPeer> peers;
   // Hops inside a node go through the peers' mapped memory (GdrPeer::direct), not the NIC.
   bool direct = false;
   // The GPU cost model's choice for an allreduce that forces no algorithm, per power of two
-  // of its bytes (index i: up to 8 << i bytes; the last entry holds above): true where the
-  // trees are predicted faster than the ring (the GPU cost model on this shape; without
-  // `direct`, the hops and bytes inside a node costed as the NIC's, since they loop through it).
-  // Filled by rdma_choose_algos; empty: the ring.
-  std::vector<bool> tree_faster;
+  // of its bytes (index i: up to 8 << i bytes; the last entry holds above): the ring, the
+  // trees or, where planned, hierarchical, whichever is predicted fastest (the GPU cost model
+  // on this shape; without `direct`, the hops and bytes inside a node costed as the NIC's,
+  // since they loop through it). Filled by rdma_choose_algos; empty: the ring.
+  std::vector<plan::Algo> auto_algo;
   // Per plan::Algo, the largest call (bytes, a power of two) for which the cost model
   // predicts the low-latency protocol faster than bulk on these channels; 0: never. Only
   // where every peer is direct (one node): the hops through a NIC or TCP have no
@@ -72,15 +77,16 @@ struct RdmaChannels {
 // `hosts`: every world rank's node (its host, or any grouping key). An error when `me` is not among `members` once, or the
 // peers exceed kMaxGdrPeers. `direct`: the peers on this rank's node are direct peers (their
 // GPU memory mapped, CUDA IPC) rather than queue pairs through the NIC. `pairs`: also the
-// direct channels of one node (RdmaChannels::pairs) and their peers, every other rank of the
-// node (each peer costs slots, so only the one-node communicator asks).
+// direct channels of one node (RdmaChannels::pairs), or across nodes the hierarchical ones
+// (RdmaChannels::hier), and their peers: every other rank of the node, and the rank's rail
+// neighbours (each peer costs slots).
 Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::vector<std::string>& hosts, int me,
                                    bool direct = false, bool pairs = false);
 
-// Fills `tree_faster` (once per set of channels, at set-up: it plans every size).
+// Fills `auto_algo` (once per set of channels, at set-up: it plans every size).
 void rdma_choose_algos(RdmaChannels& ch);
 // The algorithm an allreduce of `bytes` takes on these channels when none is forced:
-// kTree or kRing, from `tree_faster`.
+// kRing, kTree or kHierarchical, from `auto_algo`.
 plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes);
 // That choice in words, for logs and describe: "tree up to 65536 B, ring above".
 std::string rdma_auto_summary(const RdmaChannels& ch);
@@ -92,8 +98,9 @@ std::string rdma_protocol_summary(const RdmaChannels& ch);
 // The steps of one call on those channels, ordered channel by channel (so that every peer
 // connection carries one channel's messages after another's on both ends), with messages of at
 // most `slot_bytes`. kTree applies to allreduce; kOneShot and kTwoShot (every collective the
-// planner has them for) run on `pairs`, and are an error (kInvalidArgument) where it is empty;
-// every other call takes the ring. `root` is a world rank.
+// planner has them for) run on `pairs`, and kHierarchical (allreduce) on `hier`, each an error
+// (kInvalidArgument) where that set is empty; every other call takes the ring. `root` is a
+// world rank.
 Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
                                            size_t count, size_t esize, int root, size_t slot_bytes);
 

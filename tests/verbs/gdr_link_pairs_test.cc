@@ -210,8 +210,8 @@ INSTANTIATE_TEST_SUITE_P(OneNode, PairSteps, ::testing::Values(2, 3, 4, 8),
                          [](const auto& info) { return "x1_" + std::to_string(info.param); });
 
 // The pairs' peers: every other rank of one node, symmetric (a sends to b exactly where b
-// receives from a), only when asked; none across nodes or beyond 8 ranks, where one-shot and
-// two-shot fail clearly, naming the rank and why.
+// receives from a), only when asked; no one-shot or two-shot across nodes (the hierarchical
+// channels instead) or beyond 8 ranks, where they fail clearly, naming the rank and why.
 TEST(PairSteps, OnlyWhenAskedOnOneNodeOfAtMostEight) {
   auto channels = [](int nodes, int per, int me, bool pairs) {
     std::vector<int> members;
@@ -248,7 +248,11 @@ TEST(PairSteps, OnlyWhenAskedOnOneNodeOfAtMostEight) {
 
   const RdmaChannels two_nodes = channels(2, 2, 1, true);
   EXPECT_EQ(two_nodes.pairs.size(), 0);
-  EXPECT_EQ(two_nodes.peers.size(), channels(2, 2, 1, false).peers.size()) << "no peer added across nodes";
+  // Across nodes the pairs are the hierarchical channels' (gdr_link_hier_test.cc): rank 1 gains
+  // its rail neighbour on the other node, rank 3, and no one-shot or two-shot.
+  EXPECT_GT(two_nodes.hier.size(), 0);
+  EXPECT_EQ(two_nodes.peers.size(), channels(2, 2, 1, false).peers.size() + 1);
+  EXPECT_TRUE(std::any_of(two_nodes.peers.begin(), two_nodes.peers.end(), [](const GdrPeer& p) { return p.rank == 3; }));
   steps = rdma_steps(two_nodes, CollectiveKind::kAllreduce, Algo::kTwoShot, 100, 8, 0, 256);
   ASSERT_FALSE(steps.ok());
   EXPECT_EQ(steps.status().code(), Code::kInvalidArgument);

@@ -99,7 +99,7 @@ TEST(RdmaChannels, TheCostModelTakesTheTreesForSmallCallsAcrossManyNodes) {
   auto ch = rdma_channels(members, hosts, 5);
   ASSERT_TRUE(ch.ok()) << ch.status().to_string();
   rdma_choose_algos(*ch);
-  ASSERT_FALSE(ch->tree_faster.empty());
+  ASSERT_FALSE(ch->auto_algo.empty());
   EXPECT_EQ(rdma_auto_algo(*ch, 8), plan::Algo::kTree);
   EXPECT_EQ(rdma_auto_algo(*ch, 4096), plan::Algo::kTree);
   EXPECT_EQ(rdma_auto_algo(*ch, size_t(1) << 30), plan::Algo::kRing);
@@ -138,7 +138,7 @@ TEST(RdmaChannels, DirectHopsAreCostedAtTheLinkInsideTheNode) {
   for (const GdrPeer& p : direct.peers) EXPECT_EQ(p.direct, p.rank == 1) << "peer " << p.rank;
   for (const RdmaChannels& ch : {shape(4, 2, true), shape(2, 4, false), shape(4, 8, false)}) {
     size_t switches = 0;
-    for (size_t i = 1; i < ch.tree_faster.size(); ++i) switches += ch.tree_faster[i] != ch.tree_faster[i - 1];
+    for (size_t i = 1; i < ch.auto_algo.size(); ++i) switches += ch.auto_algo[i] != ch.auto_algo[i - 1];
     EXPECT_LE(switches, 1u) << rdma_auto_summary(ch);
   }
   for (const GdrPeer& p : nic.peers) EXPECT_FALSE(p.direct) << "peer " << p.rank;
