@@ -10,6 +10,9 @@
 //                  so every rank makes the same calls; "PASS")
 //   idle           rank 0 enters a 1-element allreduce at once; the other ranks first read
 //                  stdin to EOF, then enter it too (so the test decides how long rank 0 idles)
+//   hold PATH      every rank waits (at most 60 s) until the file PATH exists, then makes a
+//                  1-element allreduce: the test decides how long the ranks live (a rank
+//                  started by gradsyncrun has /dev/null as stdin, so `idle` cannot hold it)
 //   badinput       allreduce calls the library must refuse with INVALID_ARGUMENT before
 //                  sending anything (null pointers, overflowing count, misaligned buffer,
 //                  unknown type/op), each printed as "refused WHAT: STATUS"; then `check 1000`
@@ -274,7 +277,7 @@ int abort_job(gradsync::Communicator& comm) {
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: allreduce_worker check COUNTS | loop COUNT ITERS | paced COUNT | idle | badinput | rawjoin\n");
+                 "usage: allreduce_worker check COUNTS | loop COUNT ITERS | paced COUNT | idle | hold PATH | badinput | rawjoin\n");
     return 2;
   }
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -301,6 +304,22 @@ int main(int argc, char** argv) {
   else if (mode == "odd" && argc >= 4) rc = odd_call(*comm, std::atoi(argv[2]), std::atoi(argv[3]));
   else if (mode == "stall" && argc >= 5) rc = stall(*comm, std::stoull(argv[2]), std::atoi(argv[3]), std::atoi(argv[4]));
   else if (mode == "abort") rc = abort_job(*comm);
+  else if (mode == "hold" && argc >= 3) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (;;) {
+      if (std::FILE* f = std::fopen(argv[2], "r")) {
+        std::fclose(f);
+        break;
+      }
+      if (std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    float x = 1;
+    gradsync::Status s = comm->allreduce(&x, 1, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
+    rc = s.ok() && x == static_cast<float>(comm->world_size()) ? 0 : 1;
+    if (rc == 0) std::printf("PASS\n");
+    else std::fprintf(stderr, "hold allreduce: %s, got %g\n", s.to_string().c_str(), x);
+  }
   else if (mode == "idle") {
     // Rank 0 enters a 1-element allreduce that nobody else joins until stdin closes.
     if (comm->rank() != 0) {

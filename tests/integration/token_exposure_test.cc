@@ -58,14 +58,16 @@ TEST(TokenExposure, NotInArgvLogsOrDescribe) {
   }
   ::chmod(token_file.c_str(), 0600);
 
-  // One gradsyncrun per node, on the cluster's daemons, token from the file.
+  // One gradsyncrun per node, on the cluster's daemons, token from the file; the ranks live
+  // until the test creates `release`.
+  const std::string release = c.dir() + "/release";
   std::vector<Process> launchers;
   for (int node = 0; node < 2; ++node) {
     launchers.push_back(c.spawn(
         "gradsyncrun " + std::to_string(node),
         {binary("gradsyncrun"), "--daemon", c.socket(node), "--coordinator", c.coordinator_address(), "--nnodes",
          "2", "--node-rank", std::to_string(node), "-n", "2", "--job-id", "exposure", "--token-file", token_file,
-         "--log-level", "debug", binary("allreduce_worker"), "idle"},
+         "--log-level", "debug", binary("allreduce_worker"), "hold", release},
         {{"GRADSYNC_JOB_TOKEN", ""}, {"GRADSYNC_LOG_LEVEL", "debug"}}, /*stdin_pipe=*/true));
   }
   ASSERT_TRUE(launchers[0].wait_for_output("[rank 0] JOINED", 60s)) << c.report(launchers);
@@ -75,7 +77,7 @@ TEST(TokenExposure, NotInArgvLogsOrDescribe) {
   EXPECT_TRUE(shown.empty()) << "the token is in a command line: " << shown.front();
   // The ranks did get it (through the environment), or the check above proves nothing.
   std::string pid;
-  for (const std::string& line : command_lines_with("allreduce_worker idle")) {
+  for (const std::string& line : command_lines_with("allreduce_worker hold")) {
     const std::string cmd = line.substr(line.find(": ") + 2);
     if (cmd.rfind(binary("allreduce_worker"), 0) == 0) pid = line.substr(0, line.find(':'));
   }
@@ -90,6 +92,7 @@ TEST(TokenExposure, NotInArgvLogsOrDescribe) {
   EXPECT_NE(describe.output().find("exposure"), std::string::npos) << describe.output();
   EXPECT_EQ(describe.output().find(kToken), std::string::npos) << describe.output();
 
+  std::ofstream(release) << "go\n";
   for (auto& l : launchers) l.close_stdin();
   std::string problems = all_succeeded(launchers, 60s);
   EXPECT_EQ(problems, "") << c.report(launchers);
