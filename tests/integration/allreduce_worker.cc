@@ -274,6 +274,22 @@ int abort_job(gradsync::Communicator& comm) {
   return 1;
 }
 
+// `idle` and `hold` after their wait: a 1-element sum of 1 per rank, checked ("PASS").
+int one_element_sum(gradsync::Communicator& comm, const char* mode) {
+  float x = 1;
+  gradsync::Status s = comm.allreduce(&x, 1, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s allreduce failed: %s\n", mode, s.to_string().c_str());
+    return 1;
+  }
+  if (x != static_cast<float>(comm.world_size())) {
+    std::fprintf(stderr, "%s allreduce: got %g, expected %d\n", mode, x, comm.world_size());
+    return 1;
+  }
+  std::printf("PASS\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
@@ -314,11 +330,7 @@ int main(int argc, char** argv) {
       if (std::chrono::steady_clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
-    float x = 1;
-    gradsync::Status s = comm->allreduce(&x, 1, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
-    rc = s.ok() && x == static_cast<float>(comm->world_size()) ? 0 : 1;
-    if (rc == 0) std::printf("PASS\n");
-    else std::fprintf(stderr, "hold allreduce: %s, got %g\n", s.to_string().c_str(), x);
+    rc = one_element_sum(*comm, "hold");
   }
   else if (mode == "idle") {
     // Rank 0 enters a 1-element allreduce that nobody else joins until stdin closes.
@@ -326,18 +338,7 @@ int main(int argc, char** argv) {
       char c;
       while (std::fread(&c, 1, 1, stdin) == 1) {}
     }
-    float x = 1;
-    gradsync::Status s = comm->allreduce(&x, 1, gradsync::DataType::kFloat32, gradsync::ReduceOp::kSum);
-    if (!s.ok()) {
-      std::fprintf(stderr, "idle allreduce failed: %s\n", s.to_string().c_str());
-      rc = 1;
-    } else if (x != static_cast<float>(comm->world_size())) {
-      std::fprintf(stderr, "idle allreduce: got %g, expected %d\n", x, comm->world_size());
-      rc = 1;
-    } else {
-      std::printf("PASS\n");
-      rc = 0;
-    }
+    rc = one_element_sum(*comm, "idle");
   }
   gradsync::Status s = comm->leave();
   if (!s.ok() && rc == 0) {
