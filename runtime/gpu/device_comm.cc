@@ -77,9 +77,7 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
     bool ipc = false;
     if (cfg.local_world_size == cfg.world_size && cfg.world_size <= kernels::kMaxNodeRanks &&
         std::getenv("GRADSYNC_GPU_STAGED") == nullptr) {
-      std::vector<int> every(size_t(cfg.world_size));
-      for (int r = 0; r < cfg.world_size; ++r) every[size_t(r)] = r;
-      GS_RETURN_IF_ERROR(d->setup_ipc(every, &ipc));
+      GS_RETURN_IF_ERROR(d->setup_ipc(&ipc));
     }
     if (ipc) {
       m.path = Impl::Path::kIpc;
@@ -104,7 +102,6 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
                         std::to_string(kernels::kMaxNodeRanks) + ")"
                   : "CUDA IPC between this node's GPUs is not possible";
       GS_RETURN_IF_ERROR(d->setup_gdr());
-      GS_RETURN_IF_ERROR(d->setup_hierarchical());
     }
   }
   log::get("gpu")->info("{}: GPU collectives by {}", d->who(), d->path());
@@ -143,15 +140,12 @@ Status DeviceComm::count_gpu_shares() {
   return Status::Ok();
 }
 
-// Collective over the whole world (every rank calls it at the same point): the CUDA IPC
-// kernels among the ranks of `group` (world ranks in rank order, this rank among them: every
-// rank on one node, or this node's ranks on the hierarchical path). *usable is agreed.
-Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
+// Collective over the whole world, every rank on one node (every rank calls it at the same
+// point): the CUDA IPC kernels among them. *usable is agreed.
+Status DeviceComm::setup_ipc(bool* usable) {
   Impl& m = *impl_;
   *usable = false;
-  const int n = int(group.size());
-  const int me = int(std::find(group.begin(), group.end(), cfg_.rank) - group.begin());
-  const int world = cfg_.world_size;
+  const int n = cfg_.world_size, me = cfg_.rank;
   cudaDeviceProp prop{};
   GS_CUDA(cudaGetDeviceProperties(&prop, cfg_.device), "cudaGetDeviceProperties");
   // Every rank's kernel must be resident at once (the blocks wait on each other): ranks that
@@ -179,9 +173,7 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
                                     : uint64_t(env_positive("GRADSYNC_GPU_TWOSHOT_MIN", kTwoShotMinBytes));
   // The region is most of the communicator's GPU memory, which stays within
   // GRADSYNC_GPU_MEMORY_MAX MiB (default 320, above the defaults at every rank count: 264 MiB
-  // at 2 ranks, 288 at 8, plus 8 MiB of GPUDirect slots on the hierarchical path); the region
-  // gets what the GPUDirect slots left, and a smaller budget shrinks the chunk, then the
-  // low-latency lines.
+  // at 2 ranks, 288 at 8); a smaller budget shrinks the chunk, then the low-latency lines.
   const uint64_t limit = gpu_memory_budget(), used = memory().gpu_bytes;
   const uint64_t budget = limit > used ? limit - used : 0;
   while (m.layout.region_bytes() > budget && m.layout.chunk_bytes > 4096)
@@ -206,11 +198,6 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
                              " MiB with " + std::to_string(blocks) + " blocks and " + std::to_string(n) +
                              " ranks, over the " + std::to_string(budget >> 20) + " MiB left on some rank of " +
                              "GRADSYNC_GPU_MEMORY_MAX = " + std::to_string(limit >> 20) + " MiB";
-    // The hierarchical path (the node's ranks only) goes without; one node has no other path.
-    if (n < world) {
-      m.ipc_why = over;
-      return Status::Ok();
-    }
     return {Code::kInvalidArgument, who() + ": " + over + ": raise it, or lower GRADSYNC_GPU_BLOCKS"};
   }
   if (!m.layout.valid()) {
@@ -230,7 +217,7 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
   m.held.gpu_bytes += m.layout.region_bytes() + progress_bytes;
   GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 
-  std::vector<IpcEntry> table(static_cast<size_t>(world));
+  std::vector<IpcEntry> table(static_cast<size_t>(n));
   std::memset(table.data(), 0, table.size() * sizeof(IpcEntry));
   IpcEntry& mine = table[size_t(cfg_.rank)];
   auto exported = ipc_export(m.region, cfg_.device);
@@ -242,17 +229,16 @@ Status DeviceComm::setup_ipc(const std::vector<int>& group, bool* usable) {
 
   std::string why;
   m.args.me = me;
-  m.group = group;
   for (int p = 0; p < n; ++p) {
     if (p == me) {
       m.args.region[p] = static_cast<uint8_t*>(m.region);
       continue;
     }
-    const IpcEntry& e = table[size_t(group[size_t(p)])];
+    const IpcEntry& e = table[size_t(p)];
     bool opened = false;
     auto ptr = ipc_open(e.ipc, cfg_.device, &opened);
     if (!ptr.ok()) {
-      why = "the region of rank " + std::to_string(group[size_t(p)]) + " (GPU " + e.bus_id + "): " +
+      why = "the region of rank " + std::to_string(p) + " (GPU " + e.bus_id + "): " +
             ptr.status().message();
       break;
     }
@@ -287,7 +273,6 @@ void DeviceComm::release_ipc() {
   if (m.progress) m.held.gpu_bytes -= m.layout.region_bytes() + (2 * m.layout.blocks + 1) * sizeof(uint64_t);
   m.region = nullptr;
   m.progress = nullptr;
-  m.group.clear();
 }
 
 // GRADSYNC_ALGO for GPU calls (ring, tree, oneshot, twoshot, hierarchical, auto), read by
@@ -315,7 +300,6 @@ Status DeviceComm::agree_algorithm() {
 void DeviceComm::quiesce() {
 #if GRADSYNC_HAVE_GDR
   if (impl_->gdr) impl_->gdr->quiesce();
-  if (impl_->rail) impl_->rail->quiesce();
 #endif
 }
 
@@ -325,7 +309,6 @@ DeviceComm::~DeviceComm() {
   Impl& m = *impl_;
 #if GRADSYNC_HAVE_GDR
   m.gdr.reset();
-  m.rail.reset();
 #endif
   (void)cudaSetDevice(cfg_.device);
   release_ipc();
@@ -359,7 +342,6 @@ DeviceComm::MemoryUse DeviceComm::memory() const {
   MemoryUse u = impl_->held;
 #if GRADSYNC_HAVE_GDR
   if (impl_->gdr) u += impl_->gdr->memory();
-  if (impl_->rail) u += impl_->rail->memory();
 #endif
   return u;
 }
@@ -369,9 +351,8 @@ Result<Communicator::GpuBytesSent> DeviceComm::bytes_sent() {
   Communicator::GpuBytesSent b;
 #if GRADSYNC_HAVE_GDR
   if (m.gdr) m.gdr->add_bytes_sent(b);
-  if (m.rail) m.rail->add_bytes_sent(b);
 #endif
-  if (m.path != Impl::Path::kIpc && m.path != Impl::Path::kHierarchical) return b;
+  if (m.path != Impl::Path::kIpc) return b;
   DeviceScope scope;
   if (Status e = scope.enter(cfg_.device); !e.ok()) return e;
   // A private non-blocking stream: no legacy-stream call (ranks may share the GPU).
@@ -398,8 +379,6 @@ const char* DeviceComm::path() const {
       if (impl_->gdr) return impl_->gdr->gpu_slots() ? "gpudirect-rdma" : "rdma-host-memory";
 #endif
       return "host-staged";
-    case Impl::Path::kHierarchical:
-      return "hierarchical";
   }
   return "?";
 }
@@ -412,9 +391,8 @@ DeviceComm::StagedTiming DeviceComm::last_staged_timing() const {
 Status DeviceComm::fail_from_error_word() {
   Impl& m = *impl_;
 #if GRADSYNC_HAVE_GDR
-  for (const auto* ring : {m.gdr.get(), m.rail.get()}) {
-    if (ring == nullptr) continue;
-    if (Status s = ring->error(); !s.ok()) {
+  if (m.gdr) {
+    if (Status s = m.gdr->error(); !s.ok()) {
       failed_ = {s.code(), who() + ": " + s.message()};
       return failed_;
     }
@@ -446,10 +424,9 @@ Status DeviceComm::fail_from_error_word() {
                        : std::string("the stream waited for a free ") + channel + " send slot (" + peer +
                              " frees them)";
   } else {
-    // The node kernels name a peer by its place among the node's ranks.
-    const int peer = size_t(e.peer) < m.group.size() ? m.group[size_t(e.peer)] : int(e.peer);
+    // The node kernels name a peer by its place among the node's ranks: its rank (one node).
     what = std::string("block ") + std::to_string(e.block) + " waited for rank " +
-           std::to_string(peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
+           std::to_string(e.peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
   }
   if (e.code == 1) {
     failed_ = {Code::kDeadlineExceeded, who() + ": a GPU collective did not finish: " + what +
@@ -546,8 +523,9 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   // one node: oneshot and twoshot pick the kernels' protocol (with GRADSYNC_GPU_NODE_STEPS=1 the
   // planner's one-shot and two-shot steps), ring and tree run the planner's steps over CUDA IPC
   // (setup_node_steps; the kernels when those channels were left out);
-  // several nodes: ring and tree (allreduce) on the GPUDirect RDMA channels, else the
-  // host-staged ring and tree; hierarchical (the default for allreduce where the path exists).
+  // several nodes: ring, tree and hierarchical (allreduce) on the step channels (GPUDirect RDMA
+  // or TCP peers) above their threshold, else the host-staged ring and tree; unforced, the
+  // step channels' cost model chooses among those it has.
   const std::optional<plan::Algo> forced = plan::forced_algo(call.algorithm, m.env_algo);
   switch (m.path) {
     case Impl::Path::kSingle:
@@ -579,7 +557,7 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
         }
         Status s = Status::Ok();
         if (pair_steps) {
-          s = m.gdr->enqueue(c, stream, 0, forced);
+          s = m.gdr->enqueue(c, stream, forced);
         } else {
           c.algorithm = forced == plan::Algo::kTree ? Algorithm::kTree : Algorithm::kRing;
           s = m.gdr->enqueue(c, stream);
@@ -635,7 +613,6 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       return Status::Ok();
     }
     case Impl::Path::kStaged:
-    case Impl::Path::kHierarchical:
       break;
   }
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -649,13 +626,16 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   if (forced == plan::Algo::kRing) c.algorithm = Algorithm::kRing;
 #if GRADSYNC_HAVE_GDR
   const bool rdma = c.count * element_size(c.type) >= m.gdr_min_bytes;
-  if (m.rail && rdma && c.kind == CollectiveKind::kAllreduce && forced != plan::Algo::kRing &&
-      forced != plan::Algo::kTree) {
-    if (Status s = run_hierarchical(c, stream); !s.ok()) return failed_to_queue(c, number, s);
-    return Status::Ok();
+  // Hierarchical forced (an allreduce; the other collectives take the ring): refused before
+  // anything is queued where the channels have no hierarchical set, on every rank alike.
+  const bool hier = forced == plan::Algo::kHierarchical && c.kind == CollectiveKind::kAllreduce;
+  if (hier && (m.gdr == nullptr || !m.gdr->hierarchical())) {
+    return refused({Code::kInvalidArgument, "hierarchical needs the step channels' pairs of every node and a ring per "
+                                            "local index, and this communicator has none (" + path_why() + ")"});
   }
   if (m.gdr && rdma) {
-    if (Status s = m.gdr->enqueue(c, stream); !s.ok()) return failed_to_queue(c, number, s);
+    const std::optional<plan::Algo> algo = hier ? forced : std::nullopt;
+    if (Status s = m.gdr->enqueue(c, stream, algo); !s.ok()) return failed_to_queue(c, number, s);
     return Status::Ok();
   }
 #endif

@@ -4,8 +4,9 @@
 //
 // The path is chosen once at join and agreed by every rank (gradsyncctl describe shows it and
 // why): cuda-ipc and host-staged below; between nodes, calls from a measured size take a
-// GPUDirect RDMA ring (gpu/gdr_channels.h) where every rank has one, and allreduce the
-// hierarchical path (device_comm_hierarchical.cc) where nodes hold L >= 2 ranks each:
+// the step channels (gpu/gdr_channels.h: GPUDirect RDMA, or TCP peers where a daemon runs no
+// verbs), whose allreduce is hierarchical where nodes hold L >= 2 ranks each and the cost model
+// predicts it faster (CUDA IPC pairs inside each node, a ring per local index between them):
 // - cuda-ipc: every rank on one node (and at most kernels::kMaxNodeRanks of them). Each rank
 //   allocates one region of its GPU's memory (flags + slots, kernels/cuda_node.cuh), exports
 //   it with cudaIpcGetMemHandle, and opens every peer's; one kernel per call pushes into the
@@ -158,23 +159,22 @@ class DeviceComm {
 
  private:
   DeviceComm(DeviceCommConfig cfg, HostOps ops);
-  Status setup_ipc(const std::vector<int>& group, bool* usable);
+  Status setup_ipc(bool* usable);
   Status count_gpu_shares();
   void release_ipc();
   Status setup_staged();
   Status setup_gdr();
   Status setup_node_steps();
-  Status setup_hierarchical();
   Status agree_algorithm();
   GdrConfig gdr_config() const;  // gpu/gdr_channels.h, with GPUDirect RDMA only
   std::string slots_over_budget(const GdrConfig& g) const;
-  Status run_hierarchical(const CollectiveCall& call, cudaStream_t stream);
+  Status plan_hierarchical(GdrConfig& g, std::string* why_not) const;
   Status measure_gdr_min_bytes();
   Status setup_timeline();
   Status check_call(const CollectiveCall& call) const;
   Status check_device_buffer(const char* name, const void* p) const;
   Status run_staged(const CollectiveCall& call, cudaStream_t stream, uint64_t number);
-  // A call that could not be queued whole on the step channels or the rails: part of it may be
+  // A call that could not be queued whole on the step channels: part of it may be
   // on the stream, so the abort word ends its waits and the job is aborted (the peers wait for
   // its messages); the communicator is failed from here on.
   Status failed_to_queue(const CollectiveCall& call, uint64_t number, const Status& s);

@@ -4,6 +4,7 @@
 // does not give it; on one node the same channels with every hop by CUDA IPC.
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "common/log.h"
 #include "gpu/device_comm.h"
@@ -85,6 +86,62 @@ std::string DeviceComm::slots_over_budget(const GdrConfig& g) const {
 }
 #endif
 
+#if GRADSYNC_HAVE_GDR
+namespace {
+
+// The world's ranks by node: nodes in the order of their lowest rank, each node's ranks in
+// rank order. Empty when the configuration does not say where every rank is.
+std::vector<std::vector<int>> nodes_of(const DeviceCommConfig& cfg) {
+  const std::vector<std::string>& ids = cfg.rank_nodes.size() == size_t(cfg.world_size) ? cfg.rank_nodes : cfg.hosts;
+  if (ids.size() != size_t(cfg.world_size)) return {};
+  std::vector<std::vector<int>> nodes;
+  std::map<std::string, size_t> index;
+  for (int r = 0; r < cfg.world_size; ++r) {
+    auto [it, fresh] = index.emplace(ids[size_t(r)], nodes.size());
+    if (fresh) nodes.emplace_back();
+    nodes[it->second].push_back(r);
+  }
+  return nodes;
+}
+
+}  // namespace
+
+// Collective over the whole world (setup_gdr): sets g.pairs when the step channels also get
+// the hierarchical channels, and otherwise *why_not. Every input is the same on every rank
+// but the memory budget and GRADSYNC_GPU_HIERARCHICAL, whose outcome is agreed.
+Status DeviceComm::plan_hierarchical(GdrConfig& g, std::string* why_not) const {
+  const std::vector<std::vector<int>> nodes = nodes_of(cfg_);
+  const size_t per = nodes.empty() ? 0 : nodes[0].size();
+  std::string why;
+  if (nodes.size() < 2) {
+    why = nodes.empty() ? "the nodes of the ranks are not known" : "one node";
+  } else if (!std::all_of(nodes.begin(), nodes.end(), [&](const auto& n) { return n.size() == per; })) {
+    why = "the nodes hold different numbers of ranks";
+  } else if (per < 2) {
+    why = "one rank per node";
+  } else if (per > size_t(plan::kMaxPeers) + 1) {
+    why = std::to_string(per) + " ranks per node, above " + std::to_string(plan::kMaxPeers + 1);
+  } else if (!g.direct) {
+    why = "GRADSYNC_GDR_DIRECT=0 (the pairs inside a node need CUDA IPC)";
+  }
+  const char* h = std::getenv("GRADSYNC_GPU_HIERARCHICAL");
+  const bool off = h != nullptr && std::strcmp(h, "0") == 0;
+  if (why.empty() && off) why = "GRADSYNC_GPU_HIERARCHICAL=0";
+  if (why.empty()) {
+    g.pairs = true;
+    if (std::string over = slots_over_budget(g); !over.empty()) why = "with the pairs of each node " + over;
+    g.pairs = false;
+  }
+  // Agreed: one rank without them (off, over its budget) leaves them out on every rank.
+  int32_t want = why.empty() ? 1 : 0;
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(&want, &want, 1, DataType::kInt32, ReduceOp::kMin));
+  if (want == 0 && why.empty()) why = "some rank left them out (GRADSYNC_GPU_HIERARCHICAL=0 or its memory budget)";
+  g.pairs = want != 0;
+  *why_not = g.pairs ? std::string() : why;
+  return Status::Ok();
+}
+#endif
+
 // GPUDirect RDMA between the nodes, where every rank's daemon has an RDMA device and every
 // rank can register GPU memory with it (gpu/gdr_channels.h); else the host-staged path alone.
 // Collective: every rank of a multi-node communicator calls it.
@@ -124,6 +181,11 @@ Status DeviceComm::setup_gdr() {
     g.link.tcp_address = cfg_.data_address;
     g.link.tcp_token = cfg_.token;
   }
+  // The hierarchical channels beside the ring and trees: every pair of each node and a ring
+  // per local index across the nodes (RdmaChannels::hier), for allreduce where the cost
+  // model predicts them faster or GRADSYNC_ALGO=hierarchical forces them.
+  std::string no_hier;
+  GS_RETURN_IF_ERROR(plan_hierarchical(g, &no_hier));
   if (off.empty()) off = slots_over_budget(g);
   // Still collective when this rank does not want it: the others may. It takes part and
   // fails locally, and then every rank keeps the host-staged path.
@@ -136,6 +198,7 @@ Status DeviceComm::setup_gdr() {
     if (measure) GS_RETURN_IF_ERROR(measure_gdr_min_bytes());
     m.why = m.gdr->describe() + "; calls of " + std::to_string(m.gdr_min_bytes) +
             " bytes and more per segment take it, smaller ones host-staged (GRADSYNC_GDR_MIN_BYTES)";
+    if (!m.gdr->hierarchical()) m.why += "; not hierarchical: " + (no_hier.empty() ? "not planned" : no_hier);
     log->info("{}: {}", who(), m.why);
   } else {
     const std::string& no = off.empty() ? why : off;

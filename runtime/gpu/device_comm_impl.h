@@ -1,7 +1,7 @@
 // The GPU communicator's internals (gpu/device_comm.h), shared by the files that implement
 // it: device_comm.cc (set-up, the choice of path, the one-node CUDA IPC path, errors),
-// device_comm_staged.cc (the host-staged path) and device_comm_hierarchical.cc (several
-// nodes of several GPUs: NVLink inside the node, one GPUDirect RDMA ring per rail between).
+// device_comm_staged.cc (the host-staged path) and device_comm_gdr.cc (the step channels'
+// set-up).
 // Not a public header.
 #pragma once
 
@@ -156,14 +156,11 @@ inline bool strided(CollectiveKind k) {
 }  // namespace device_comm_detail
 
 struct DeviceComm::Impl {
-  enum class Path { kSingle, kIpc, kStaged, kHierarchical } path = Path::kSingle;
+  enum class Path { kSingle, kIpc, kStaged } path = Path::kSingle;
   std::string why = "one rank";  // why this path (path_why())
-  std::string ipc_why;           // why setup_ipc found the IPC region unusable, when it says so
-  // The CUDA IPC kernels (cuda-ipc, and inside the node on the hierarchical path): `group`
-  // holds the world ranks they join, in rank order (NodeArgs::me is this rank's place).
+  // The CUDA IPC kernels (cuda-ipc: every rank on one node; NodeArgs::me is the rank).
   kernels::NodeLayout layout;
   kernels::NodeArgs args;
-  std::vector<int> group;
   int gpu_shares = 1;  // ranks on this rank's GPU, this one included (count_gpu_shares)
   // GRADSYNC_ALGO for GPU calls, agreed by every rank (nullopt: auto).
   std::optional<plan::Algo> env_algo;
@@ -195,8 +192,6 @@ struct DeviceComm::Impl {
   // ones stay host-staged.
   std::unique_ptr<GdrChannels> gdr;
   size_t gdr_min_bytes = 0;
-  // Hierarchical: the ring of this rank's rail (the ranks of its local index, one per node).
-  std::unique_ptr<GdrChannels> rail;
   // One node, GRADSYNC_GPU_NODE_STEPS=1 on every rank: `gdr` has the direct pairs, and calls
   // that force oneshot or twoshot run them as steps instead of the node kernels.
   bool node_pair_steps = false;

@@ -163,8 +163,8 @@ struct GdrChannels::Impl {
 
 namespace {
 
+// Every world rank, in rank order: the plan's ranks.
 std::vector<int> members_of(const GdrConfig& cfg) {
-  if (!cfg.members.empty()) return cfg.members;
   std::vector<int> all(size_t(cfg.link.world_size));
   for (int r = 0; r < cfg.link.world_size; ++r) all[size_t(r)] = r;
   return all;
@@ -409,7 +409,10 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
                     proto + ") over " + m.link->describe();
     return true;
   }
-  const std::string what = "ring and double binary tree over " + std::to_string(m.channels.shape.node_count()) +
+  const std::string what = std::string("ring and double binary tree") +
+                           (m.channels.hier.size() > 0 ? ", hierarchical (the pairs of each node, a ring per local index)"
+                                                       : "") +
+                           " over " + std::to_string(m.channels.shape.node_count()) +
                            (m.channels.shape.node_count() == 1 ? " node" : " nodes") +
                            "; allreduce by the cost model: " + rdma_auto_summary(m.channels) + "; " + proto;
   if (cfg.tcp) {
@@ -424,6 +427,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
 
 bool GdrChannels::gpu_slots() const { return impl_->gpu_slots; }
 bool GdrChannels::tcp() const { return impl_->cfg.tcp; }
+bool GdrChannels::hierarchical() const { return impl_->channels.hier.size() > 0; }
 bool GdrChannels::capturable() const { return impl_->stream_words.bases != nullptr; }
 bool GdrChannels::one_node() const { return impl_->channels.shape.node_count() == 1; }
 
@@ -452,10 +456,10 @@ const std::string& GdrChannels::describe() const { return impl_->description; }
 Status GdrChannels::error() const { return impl_->link->error(); }
 void GdrChannels::quiesce() { impl_->link->quiesce(); }
 
-Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor,
+Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream,
                             std::optional<plan::Algo> forced) {
   Impl& m = *impl_;
-  const int divisor = avg_divisor > 0 ? avg_divisor : int(m.channels.members.size());
+  const int divisor = int(m.channels.members.size());
   const size_t es = element_size(c.type);
   // Forced (`forced`, else CallOptions::algorithm or GRADSYNC_ALGO, resolved by the caller),
   // else the cost model's choice for an allreduce of this size on these channels.

@@ -40,11 +40,6 @@ namespace gradsync {
 struct GdrConfig {
   GdrLinkConfig link;  // rank, hosts, RDMA device, slots, op timeout (gpu/gdr_link.h); the
                        // peers are filled in from the channels
-  // The world ranks that run collectives together, in the order the plan numbers them (its
-  // shape: ranks grouped into nodes by `nodes` below); empty: every rank in rank order. The
-  // hierarchical path's rails: the ranks of one local index, one per node. Set-up is
-  // collective over the whole world whichever members a rank has.
-  std::vector<int> members;
   // Every world rank's node (a grouping key: the coordinator's node numbering); empty: the
   // hosts of link.hosts (several daemons on one machine are then one node).
   std::vector<std::string> nodes;
@@ -60,9 +55,11 @@ struct GdrConfig {
   // Every hop between nodes over TCP (GdrLinkConfig::tcp; the slots in pinned mapped host
   // memory, no RDMA device): the step channels where the daemons run no verbs.
   bool tcp = false;
-  // Also the direct pairs of one node (RdmaChannels::pairs): a peer for every other rank of
-  // the node, so that one-shot and two-shot run as steps (enqueue's `algo`). More peers, more
-  // slots: only the one-node communicator asks, and only with GRADSYNC_GPU_NODE_STEPS=1.
+  // Also the direct pairs of each node: on one node RdmaChannels::pairs (a peer for every other
+  // rank of the node, so that one-shot and two-shot run as steps: enqueue's `algo`; asked with
+  // GRADSYNC_GPU_NODE_STEPS=1), across nodes RdmaChannels::hier (those pairs and a ring per
+  // local index: hierarchical allreduce; asked where the nodes hold the same number of ranks,
+  // DeviceComm::plan_hierarchical). More peers, more slots.
   bool pairs = false;
   // GRADSYNC_PROTO: every call on the low-latency protocol (kLowLatency: each message to a
   // direct peer in its low-latency slot, GdrLinkConfig::ll_bytes) or on bulk; unset: per call
@@ -93,12 +90,11 @@ class GdrChannels {
   // broadcast) among the members (c.root a world rank) on `stream`; the worker moves its
   // messages as the stream gets to them. An allreduce runs on the trees with c.algorithm
   // kTree, on the ring with kRing, and with kAuto where the cost model predicts it faster
-  // (rdma_auto_algo); every other collective takes the ring. `avg_divisor`: what an avg divides by (0: the member
-  // count; the hierarchical path's rails pass the world's). `algo`, when set, wins over
+  // (rdma_auto_algo); every other collective takes the ring. `algo`, when set, wins over
   // c.algorithm: kOneShot and kTwoShot run on the direct pairs (GdrConfig::pairs; an error
-  // without them). The protocol: GdrConfig::protocol, else the cost model's per size.
-  Status enqueue(const CollectiveCall& c, cudaStream_t stream, int avg_divisor = 0,
-                 std::optional<plan::Algo> algo = std::nullopt);
+  // without them; kHierarchical on RdmaChannels::hier likewise). The protocol:
+  // GdrConfig::protocol, else the cost model's per size.
+  Status enqueue(const CollectiveCall& c, cudaStream_t stream, std::optional<plan::Algo> algo = std::nullopt);
   // The worker's failure, if any (ok otherwise).
   Status error() const;
   // Lets the last credits go out and stops the worker; the stream must be idle (leave).
@@ -114,6 +110,8 @@ class GdrChannels {
   bool one_node() const;
   // The hops between nodes are TCP connections (GdrConfig::tcp).
   bool tcp() const;
+  // The hierarchical channels were planned (RdmaChannels::hier): allreduce may take them.
+  bool hierarchical() const;
   // One node with every hop direct: every call's message counts are relative to bases in
   // device memory (gpu/step_runner.h), so a call captured in a CUDA graph replays. Elsewhere
   // the queue pairs' and TCP peers' worker numbers the messages as the calls are made.

@@ -61,11 +61,22 @@ class Gdr : public ::testing::Test {
     ::unsetenv("GRADSYNC_GPU_HIERARCHICAL");
     ::unsetenv("GRADSYNC_GPU_BLOCKS");
     ::unsetenv("GRADSYNC_GPU_MEMORY_MAX");
+    ::unsetenv("GRADSYNC_ALGO");
   }
 };
 
 void expect_path(DaemonWorld& world, const std::string& path) {
   for (int r = 0; r < world.size(); ++r) EXPECT_EQ(world.comm(r).gpu_path(), path) << "rank " << r;
+}
+
+// Every rank's step channels have the hierarchical set (`gradsyncctl describe`'s why).
+void expect_hierarchical(DaemonCluster& cluster, const std::string& job, int ranks) {
+  auto d = cluster.describe(job, ranks);
+  ASSERT_EQ(d.paths_size(), ranks);
+  for (const auto& p : d.paths()) {
+    EXPECT_NE(p.why().find("hierarchical (the pairs of each node"), std::string::npos)
+        << "rank " << p.rank() << ": " << p.why();
+  }
 }
 
 // One allreduce, every rank's outcome reported (the matrix stops at the first failing rank).
@@ -167,11 +178,12 @@ TEST_F(Gdr, LowLatencyInsideNodesBulkBetweenFlat) {
 }
 
 // Several nodes of several GPU ranks (all on this machine's GPUs; each "node" a daemon on its
-// own emulated RDMA device): allreduce hierarchical by default (CUDA IPC inside the node, a
-// GPUDirect ring per rail between), tree on request (host-staged tree), ring on request (the
-// flat GPUDirect ring); the other collectives on the flat ring. Every result exact. Passed on
-// the H200 (2026-12-02) at 2x1, 2x2, 2x4 and 3x2 once the context had eager loading and 32
-// hardware queues (above).
+// own emulated RDMA device): the step channels, whose allreduce takes what the cost model
+// chooses (hierarchical where the nodes hold several ranks: CUDA IPC pairs inside the node, a
+// GPUDirect ring per local index between), the trees or the ring on request; the other
+// collectives on the ring. Every result exact. Passed on the H200 (2026-12-02, with the
+// hierarchical path then of the node kernels and rail rings) at 2x1, 2x2, 2x4 and 3x2 once the
+// context had eager loading and 32 hardware queues (above).
 // Test names of the shapes: x<nodes>_<ranks per node>.
 std::string shape_name(const ::testing::TestParamInfo<std::pair<int, int>>& info) {
   return "x" + std::to_string(info.param.first) + "_" + std::to_string(info.param.second);
@@ -190,11 +202,48 @@ TEST_P(GdrShapes, CollectivesMatrix) {
   const std::string job = "gdr-" + std::to_string(nodes) + "x" + std::to_string(per);
   DaemonWorld world(cluster, nodes, per, job, 60s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
-  expect_path(world, per > 1 ? "hierarchical" : "gpudirect-rdma");
+  expect_path(world, "gpudirect-rdma");
+  if (per > 1) expect_hierarchical(cluster, job, nodes * per);
   GpuWorld gpus(world);
   testing::allreduce_matrix(gpus, Algorithm::kAuto);
   testing::allreduce_matrix(gpus, Algorithm::kTree);
   testing::allreduce_matrix(gpus, Algorithm::kRing);
+  testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kAuto);
+}
+
+// GRADSYNC_ALGO=hierarchical (agreed at join): every allreduce on the hierarchical channels,
+// whatever the cost model says; the other collectives take the ring. Every result exact. A
+// shape of one rank per node has none: each allreduce is refused by name, nothing queued.
+TEST_P(GdrShapes, HierarchicalForcedExact) {
+  ASSERT_TRUE(kEagerLoading);
+  ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
+  ::setenv("GRADSYNC_ALGO", "hierarchical", 1);
+  const auto [nodes, per] = GetParam();
+  DaemonCluster cluster({.nodes = nodes});
+  ASSERT_TRUE(cluster.ok()) << cluster.error();
+  const std::string job = "hier-" + std::to_string(nodes) + "x" + std::to_string(per);
+  DaemonWorld world(cluster, nodes, per, job, 60s, on_gpus);
+  ::unsetenv("GRADSYNC_ALGO");
+  ASSERT_EQ(world.join_error(), "");
+  expect_path(world, "gpudirect-rdma");
+  GpuWorld gpus(world);
+  if (per == 1) {
+    const int n = nodes;
+    std::vector<std::vector<float>> buf(static_cast<size_t>(n), std::vector<float>(64, 1.0f));
+    std::vector<CollectiveCall> calls(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      calls[size_t(r)] = {CollectiveKind::kAllreduce, buf[size_t(r)].data(), buf[size_t(r)].data(), 64,
+                          DataType::kFloat32, ReduceOp::kSum, 0, Algorithm::kAuto, 0};
+    }
+    auto st = gpus.collective(calls);
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(st[size_t(r)].code(), Code::kInvalidArgument) << "rank " << r << ": " << st[size_t(r)].to_string();
+      EXPECT_NE(st[size_t(r)].message().find("hierarchical needs"), std::string::npos) << st[size_t(r)].to_string();
+    }
+    return;
+  }
+  expect_hierarchical(cluster, job, nodes * per);
+  testing::allreduce_matrix(gpus, Algorithm::kAuto);
   testing::reduce_scatter_all_gather_broadcast_matrix(gpus, Algorithm::kAuto);
 }
 
@@ -297,10 +346,10 @@ std::vector<Communicator::GpuBytesSent> allreduce_bytes(DaemonWorld& world, size
   return sent;
 }
 
-// The bytes of the hierarchical path at 2 nodes x 4: inside the node, counted by the IPC
-// kernels, 2 (L-1)/L of the buffer per rank (reduce_scatter then all_gather); between nodes,
-// counted by the RDMA link, each rank's ring over its rail allreduces its shard S/L among 2
-// nodes: 2 (N-1)/N S/L = S/L; nothing by RDMA inside the node.
+// The bytes of hierarchical allreduce at 2 nodes x 4, the cost model's choice there: inside the
+// node, over the CUDA IPC pairs, 2 (L-1)/L of the buffer per rank (reduce_scatter then
+// all_gather); between nodes, counted by the RDMA link, each rank's ring over its rail
+// allreduces its shard S/L among 2 nodes: 2 (N-1)/N S/L = S/L; nothing by RDMA inside the node.
 TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
   ASSERT_TRUE(kEagerLoading);
   ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
@@ -310,7 +359,8 @@ TEST_F(Gdr, HierarchicalSendsTwoShardsPerPeerInsideTheNode) {
   const int per = 4, n = 8;
   DaemonWorld world(cluster, 2, per, "hier-bytes", 60s, on_gpus);
   ASSERT_EQ(world.join_error(), "");
-  expect_path(world, "hierarchical");
+  expect_path(world, "gpudirect-rdma");
+  expect_hierarchical(cluster, "hier-bytes", n);
   const size_t count = size_t(4) << 20;  // 16 MiB of float32, 4 MiB shards
   auto sent = allreduce_bytes(world, count, Algorithm::kAuto);
   const uint64_t shard = count * 4 / per;
@@ -580,35 +630,37 @@ TEST_F(Gdr, LinkDownMidCollectiveFailsEveryRankNamingThePeer) {
 }
 
 // A communicator's memory is stated (`gradsyncctl describe`) and its GPU memory stays within
-// GRADSYNC_GPU_MEMORY_MAX: at 2 nodes x 2 with 16 MiB of slots per peer and direction, 160 MiB
-// leaves the hierarchical path a smaller IPC region; 96 MiB has no room for the rails' rings
-// (the flat GPUDirect channels only); 16 MiB none for any (host-staged). Every allreduce exact.
+// GRADSYNC_GPU_MEMORY_MAX: at 2 nodes x 4 with 16 MiB of slots per peer and direction, 128 MiB
+// holds the step channels with the pairs of each node (hierarchical), 90 MiB only without
+// them (the ring and trees), 16 MiB none (host-staged). Every allreduce exact.
 TEST_F(Gdr, GpuMemoryStatedAndWithinGpuMemoryMax) {
   ASSERT_TRUE(kEagerLoading);
+  ::setenv("GRADSYNC_GPU_BLOCKS", "8", 1);
   ::setenv("GRADSYNC_GDR_SLOT_BYTES", "4194304", 1);
   ::setenv("GRADSYNC_GDR_SLOTS", "4", 1);
-  // Slots per peer and direction: 4 x 4 MiB. At 2 nodes x 2 the flat channels (the ring and
-  // the two trees) give a rank 3 to 5 directions (48-80 MiB), fewer with the hops inside the
-  // node by CUDA IPC (a peer there takes receive slots only: 2 or more); a rail of two nodes 2
-  // (32 MiB).
+  // Slots per peer and direction: 4 x 4 MiB (a direct peer, one inside the node, takes receive
+  // slots only, and 4 x 128 KiB of low-latency slots). At 2 x 4 the ring and trees give a rank
+  // 1 to 5 directions (rank 0 the most: 81 MiB), the pairs of each node and a ring per local
+  // index 5 or 6 (97.5 MiB), as rdma_channels plans them (tests/verbs/gdr_link_hier_test.cc).
   const uint64_t dir = 4ull * (4 << 20);
   struct Case {
     const char* max_mib;
     const char* path;
+    bool hierarchical;
     uint64_t min_gpu, max_gpu;
   };
-  for (const Case& k : {Case{"160", "hierarchical", 5 * dir, 160ull << 20}, Case{"96", "gpudirect-rdma", 2 * dir, 5 * dir},
-                        Case{"16", "host-staged", 0, 0}}) {
+  for (const Case& k : {Case{"128", "gpudirect-rdma", true, 5 * dir, 128ull << 20},
+                        Case{"90", "gpudirect-rdma", false, dir, 90ull << 20}, Case{"16", "host-staged", false, 0, 0}}) {
     SCOPED_TRACE(std::string("GRADSYNC_GPU_MEMORY_MAX=") + k.max_mib);
     ::setenv("GRADSYNC_GPU_MEMORY_MAX", k.max_mib, 1);
     DaemonCluster cluster({.nodes = 2});
     ASSERT_TRUE(cluster.ok()) << cluster.error();
     const std::string job = std::string("gpu-memory-") + k.max_mib;
-    DaemonWorld world(cluster, 2, 2, job, 60s, on_gpus);
+    DaemonWorld world(cluster, 2, 4, job, 60s, on_gpus);
     ASSERT_EQ(world.join_error(), "");
     expect_path(world, k.path);
-    auto d = cluster.describe(job, 4);
-    ASSERT_EQ(d.paths_size(), 4);
+    auto d = cluster.describe(job, 8);
+    ASSERT_EQ(d.paths_size(), 8);
     int named_bound = 0;
     for (const auto& p : d.paths()) {
       EXPECT_GE(p.gpu_memory_bytes(), k.min_gpu) << "rank " << p.rank() << ": " << p.why();
@@ -617,18 +669,22 @@ TEST_F(Gdr, GpuMemoryStatedAndWithinGpuMemoryMax) {
       std::printf("GRADSYNC_GPU_MEMORY_MAX=%s MiB: rank %u %s, GPU memory %llu bytes, pinned host %llu bytes\n",
                   k.max_mib, p.rank(), p.path().c_str(), (unsigned long long)p.gpu_memory_bytes(),
                   (unsigned long long)p.pinned_host_bytes());
-      // A rank over the bound says so; the others name the ranks that could not take part.
-      if (std::string(k.path) != "hierarchical") {
-        const bool over = p.why().find("GRADSYNC_GPU_MEMORY_MAX") != std::string::npos;
-        named_bound += over ? 1 : 0;
-        EXPECT_TRUE(over || p.why().find("is not possible on rank") != std::string::npos) << p.why();
-      }
+      const bool hier = p.why().find("hierarchical (the pairs of each node") != std::string::npos;
+      EXPECT_EQ(hier, k.hierarchical) << "rank " << p.rank() << ": " << p.why();
+      if (k.hierarchical) continue;
+      // A rank over the bound says so; the others name the ranks that left them out.
+      const bool over = p.why().find("GRADSYNC_GPU_MEMORY_MAX") != std::string::npos;
+      named_bound += over ? 1 : 0;
+      EXPECT_TRUE(over || p.why().find("is not possible on rank") != std::string::npos ||
+                  p.why().find("some rank left them out") != std::string::npos)
+          << p.why();
     }
-    if (std::string(k.path) != "hierarchical") {
+    if (!k.hierarchical) {
       EXPECT_GT(named_bound, 0) << "no rank named GRADSYNC_GPU_MEMORY_MAX";
     }
     GpuWorld gpus(world);
     testing::allreduce_matrix(gpus, Algorithm::kRing);
+    if (k.hierarchical) testing::allreduce_matrix(gpus, Algorithm::kAuto);
   }
   ::unsetenv("GRADSYNC_GPU_MEMORY_MAX");
 }
