@@ -441,9 +441,10 @@ TEST(OneNodeBytes, RingStepsSendTwoNMinusOneOverNAtEightRanks) {
               static_cast<unsigned long long>(uint64_t(n - 1) * bytes), double(uint64_t(n - 1) * bytes) / double(ring[0]));
 }
 
-// Time per call of one-shot, two-shot and the ring steps, 8 ranks as threads sharing GPU 0
-// (one context: their kernels run side by side; every "peer" store lands in the same HBM, so
-// the time follows the bytes moved). A measurement, not a test: --gtest_also_run_disabled_tests.
+// Time per call of the node kernels' one-shot and two-shot, the ring steps, and one-shot and
+// two-shot as steps (GRADSYNC_GPU_NODE_STEPS=1), 8 ranks as threads sharing GPU 0 (one context:
+// their kernels run side by side; every "peer" store lands in the same HBM, so the time follows
+// the bytes moved). A measurement, not a test: --gtest_also_run_disabled_tests.
 TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
   const char* env = std::getenv("NODE_BENCH_RANKS");
@@ -455,22 +456,32 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
     const char* name;
     const char* two_shot_min;
     Algorithm algo;
+    const char* steps_algo;  // GRADSYNC_ALGO with GRADSYNC_GPU_NODE_STEPS=1 (null: neither)
   };
-  const Proto protos[] = {{"1-shot", "0", Algorithm::kAuto}, {"2-shot", "1", Algorithm::kAuto},
-                          {"ring", "0", Algorithm::kRing}};
-  // NODE_BENCH_PROTOS: the columns to run, e.g. "ring" or "1-shot,ring" (default all three).
+  const Proto protos[] = {{"1-shot", "0", Algorithm::kAuto, nullptr},
+                          {"2-shot", "1", Algorithm::kAuto, nullptr},
+                          {"ring", "0", Algorithm::kRing, nullptr},
+                          {"1s-steps", "0", Algorithm::kAuto, "oneshot"},
+                          {"2s-steps", "0", Algorithm::kAuto, "twoshot"}};
+  constexpr int kProtos = int(sizeof(protos) / sizeof(protos[0]));
+  // NODE_BENCH_PROTOS: the columns to run, e.g. "ring" or "1-shot,ring" (default all).
   const char* only = std::getenv("NODE_BENCH_PROTOS");
   auto wanted = [&](const char* name) { return only == nullptr || std::string(only).find(name) != std::string::npos; };
-  std::vector<std::vector<Measured>> res(3);
-  for (int p = 0; p < 3; ++p) {
+  std::vector<std::vector<Measured>> res(kProtos);
+  for (int p = 0; p < kProtos; ++p) {
     if (!wanted(protos[p].name)) {
       res[p].assign(sizes.size(), Measured{std::vector<uint64_t>(size_t(n), 0), 0});
       continue;
     }
     ::setenv("GRADSYNC_GPU_TWOSHOT_MIN", protos[p].two_shot_min, 1);
+    if (protos[p].steps_algo) {
+      ::setenv("GRADSYNC_GPU_NODE_STEPS", "1", 1);
+      ::setenv("GRADSYNC_ALGO", protos[p].steps_algo, 1);
+    }
     DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
     ASSERT_TRUE(cluster.ok()) << cluster.error();
     DaemonWorld world(cluster, 1, n, "node-bench-" + std::to_string(p), 120s, on_gpu0);
+    for (const char* v : {"GRADSYNC_GPU_NODE_STEPS", "GRADSYNC_ALGO"}) ::unsetenv(v);
     ASSERT_EQ(world.join_error(), "");
     for (size_t b : sizes) res[p].push_back(allreduce_on_gpus(world, b / 4, b >= (64u << 20) ? 5 : 20, protos[p].algo));
   }
@@ -478,12 +489,12 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
   std::printf("# float32 sum allreduce, 1 node x %d ranks as threads on GPU 0, out of place\n", n);
   std::printf("# %10s", "bytes");
   for (const Proto& p : protos) std::printf(" %14s", (std::string("sent ") + p.name).c_str());
-  for (const Proto& p : protos) std::printf(" %10s", (std::string("us ") + p.name).c_str());
+  for (const Proto& p : protos) std::printf(" %11s", (std::string("us ") + p.name).c_str());
   std::printf("\n");
   for (size_t i = 0; i < sizes.size(); ++i) {
     std::printf("  %10zu", sizes[i]);
-    for (int p = 0; p < 3; ++p) std::printf(" %14llu", static_cast<unsigned long long>(res[p][i].sent[0]));
-    for (int p = 0; p < 3; ++p) std::printf(" %10.1f", res[p][i].us);
+    for (int p = 0; p < kProtos; ++p) std::printf(" %14llu", static_cast<unsigned long long>(res[p][i].sent[0]));
+    for (int p = 0; p < kProtos; ++p) std::printf(" %11.1f", res[p][i].us);
     std::printf("\n");
   }
 }
