@@ -538,8 +538,10 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       return Status::Ok();
     case Impl::Path::kIpc: {
 #if GRADSYNC_HAVE_GDR
-      // GRADSYNC_GPU_NODE_STEPS=1 (agreed at set-up): oneshot and twoshot as steps too.
-      const bool pair_steps = m.node_pair_steps && (forced == plan::Algo::kOneShot || forced == plan::Algo::kTwoShot);
+      // GRADSYNC_GPU_NODE_STEPS=1 (agreed at set-up): every call on the step channels, oneshot
+      // and twoshot too, and an unforced call as their cost model chooses (no node kernel).
+      const bool pair_steps = m.node_pair_steps && (!forced || forced == plan::Algo::kOneShot ||
+                                                    forced == plan::Algo::kTwoShot);
       if (m.gdr && (forced == plan::Algo::kRing || forced == plan::Algo::kTree || pair_steps)) {
         // The steps' message counts are relative to bases in device memory where every hop is
         // by CUDA IPC, so the call replays from a CUDA graph; through the NIC
@@ -557,7 +559,7 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
         }
         Status s = Status::Ok();
         if (pair_steps) {
-          s = m.gdr->enqueue(c, stream, forced);
+          s = m.gdr->enqueue(c, stream, forced);  // unforced: the channels' cost model
         } else {
           c.algorithm = forced == plan::Algo::kTree ? Algorithm::kTree : Algorithm::kRing;
           s = m.gdr->enqueue(c, stream);

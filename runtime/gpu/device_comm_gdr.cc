@@ -215,8 +215,9 @@ Status DeviceComm::setup_gdr() {
 // One node: the planner's ring and trees with every hop a direct peer (CUDA IPC, no NIC),
 // for the calls that ask for ring or tree (CallOptions::algorithm, GRADSYNC_ALGO); the
 // kernels' one-shot and two-shot stay the default (with GRADSYNC_GPU_NODE_STEPS=1 on every rank
-// the channels also get every pair of the node, and forced oneshot and twoshot calls run the
-// planner's one-shot and two-shot steps on them instead of the kernels). Collective: every rank of a one-node
+// the channels also get every pair of the node, and every call runs on them instead of the
+// kernels: forced oneshot and twoshot as the planner's steps, unforced ones as the channels'
+// cost model chooses among ring, trees, one-shot and two-shot). Collective: every rank of a one-node
 // communicator calls it after setup_ipc. Left out on every rank, with the reason in the path's
 // why, over GRADSYNC_GPU_MEMORY_MAX or where a rank cannot map its neighbours' memory; calls
 // that ask for ring or tree then take the kernels.
@@ -243,13 +244,13 @@ Status DeviceComm::setup_node_steps() {
   const char* which = g.pairs ? "ring, tree, oneshot and twoshot" : "ring and tree";
   if (m.gdr) {
     m.why += std::string("; ") + which + " when a call asks for them: " + m.gdr->describe();
-    if (g.pairs) m.why += " (GRADSYNC_GPU_NODE_STEPS=1: oneshot and twoshot as steps, not the node kernels)";
+    if (g.pairs) m.why += " (GRADSYNC_GPU_NODE_STEPS=1: every call on these steps, not the node kernels)";
   } else {
     m.why += std::string("; ") + which + " calls take the kernels (no step channels: " + (off.empty() ? why : off) + ")";
     log::get("gpu")->info("{}: no {} steps on this node: {}", who(), which, off.empty() ? why : off);
   }
   if (g.pairs) {
-    log::get("gpu")->info("{}: GRADSYNC_GPU_NODE_STEPS=1: forced oneshot and twoshot calls take {}", who(),
+    log::get("gpu")->info("{}: GRADSYNC_GPU_NODE_STEPS=1: every call takes {}", who(),
                           m.node_pair_steps ? "the step runner over every pair" : "the node kernels (no step channels)");
   }
 #else

@@ -134,9 +134,10 @@ void rdma_choose_algos(RdmaChannels& ch) {
     return plan::predict_us(ch.shape.links, fig, algo, proto);
   };
   // 8 B .. 64 MiB: the model's terms are linear in the bytes beyond. Ties keep the earlier
-  // of ring, tree, hierarchical.
+  // of ring, tree, hierarchical, one-shot, two-shot (the last two where one node's pairs are).
   std::vector<plan::Algo> algos = {plan::Algo::kRing, plan::Algo::kTree};
   if (ch.hier.size() > 0) algos.push_back(plan::Algo::kHierarchical);
+  if (ch.pairs.size() > 0) algos.insert(algos.end(), {plan::Algo::kOneShot, plan::Algo::kTwoShot});
   for (size_t bytes = 8; bytes <= (size_t(64) << 20); bytes *= 2) {
     plan::Algo best = algos[0];
     double best_us = predict(best, bytes, plan::Protocol::kBulk);

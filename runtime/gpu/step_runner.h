@@ -64,7 +64,8 @@ struct RdmaChannels {
   bool direct = false;
   // The GPU cost model's choice for an allreduce that forces no algorithm, per power of two
   // of its bytes (index i: up to 8 << i bytes; the last entry holds above): the ring, the
-  // trees or, where planned, hierarchical, whichever is predicted fastest (the GPU cost model
+  // trees or, where planned, hierarchical (across nodes) or one-shot and two-shot (one node's
+  // pairs), whichever is predicted fastest (the GPU cost model
   // on this shape; without `direct`, the hops and bytes inside a node costed as the NIC's,
   // since they loop through it). Filled by rdma_choose_algos; empty: the ring.
   std::vector<plan::Algo> auto_algo;
@@ -85,8 +86,8 @@ Result<RdmaChannels> rdma_channels(const std::vector<int>& members, const std::v
 
 // Fills `auto_algo` (once per set of channels, at set-up: it plans every size).
 void rdma_choose_algos(RdmaChannels& ch);
-// The algorithm an allreduce of `bytes` takes on these channels when none is forced:
-// kRing, kTree or kHierarchical, from `auto_algo`.
+// The algorithm an allreduce of `bytes` takes on these channels when none is forced, from
+// `auto_algo`.
 plan::Algo rdma_auto_algo(const RdmaChannels& ch, size_t bytes);
 // That choice in words, for logs and describe: "tree up to 65536 B, ring above".
 std::string rdma_auto_summary(const RdmaChannels& ch);

@@ -456,13 +456,15 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
     const char* name;
     const char* two_shot_min;
     Algorithm algo;
-    const char* steps_algo;  // GRADSYNC_ALGO with GRADSYNC_GPU_NODE_STEPS=1 (null: neither)
+    // GRADSYNC_ALGO with GRADSYNC_GPU_NODE_STEPS=1 (null: neither; empty: the steps' cost model)
+    const char* steps_algo;
   };
   const Proto protos[] = {{"1-shot", "0", Algorithm::kAuto, nullptr},
                           {"2-shot", "1", Algorithm::kAuto, nullptr},
                           {"ring", "0", Algorithm::kRing, nullptr},
                           {"1s-steps", "0", Algorithm::kAuto, "oneshot"},
-                          {"2s-steps", "0", Algorithm::kAuto, "twoshot"}};
+                          {"2s-steps", "0", Algorithm::kAuto, "twoshot"},
+                          {"steps-auto", "0", Algorithm::kAuto, ""}};
   constexpr int kProtos = int(sizeof(protos) / sizeof(protos[0]));
   // NODE_BENCH_PROTOS: the columns to run, e.g. "ring" or "1-shot,ring" (default all).
   const char* only = std::getenv("NODE_BENCH_PROTOS");
@@ -476,7 +478,7 @@ TEST(OneNodeBench, DISABLED_OneShotBesideTwoShot) {
     ::setenv("GRADSYNC_GPU_TWOSHOT_MIN", protos[p].two_shot_min, 1);
     if (protos[p].steps_algo) {
       ::setenv("GRADSYNC_GPU_NODE_STEPS", "1", 1);
-      ::setenv("GRADSYNC_ALGO", protos[p].steps_algo, 1);
+      if (*protos[p].steps_algo) ::setenv("GRADSYNC_ALGO", protos[p].steps_algo, 1);
     }
     DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
     ASSERT_TRUE(cluster.ok()) << cluster.error();
@@ -512,7 +514,7 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
                                      size_t(256) << 10, size_t(1) << 20};
   struct Column {
     const char* name;
-    const char* algo;   // GRADSYNC_ALGO (null: unset)
+    const char* algo;   // GRADSYNC_ALGO (null: unset; empty: unset, every call on the steps)
     const char* proto;  // GRADSYNC_PROTO (null: unset)
     bool planned = false;  // GRADSYNC_GPU_STEP_CACHE=0: every call planned, no table replayed
   };
@@ -522,25 +524,27 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
                          {"1shot-bulk", "oneshot", "bulk"}, {"1shot-ll", "oneshot", "ll"},
                          {"2shot-bulk", "twoshot", "bulk"}, {"2shot-ll", "twoshot", "ll"},
                          {"ring-auto-p", "ring", nullptr, true}, {"1shot-ll-p", "oneshot", "ll", true},
-                         {"2shot-ll-p", "twoshot", "ll", true}};
+                         {"2shot-ll-p", "twoshot", "ll", true},
+                         {"steps-auto", "", nullptr}};
   constexpr int kCols = int(sizeof(cols) / sizeof(cols[0]));
   std::vector<std::vector<Measured>> us(kCols);
   for (int c = 0; c < kCols; ++c) {
     for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS", "GRADSYNC_GPU_STEP_CACHE"})
       ::unsetenv(v);
     if (cols[c].planned) ::setenv("GRADSYNC_GPU_STEP_CACHE", "0", 1);
-    if (cols[c].algo) ::setenv("GRADSYNC_ALGO", cols[c].algo, 1);
+    if (cols[c].algo && *cols[c].algo) ::setenv("GRADSYNC_ALGO", cols[c].algo, 1);
     if (cols[c].proto) ::setenv("GRADSYNC_PROTO", cols[c].proto, 1);
-    if (cols[c].algo && std::string(cols[c].algo).find("shot") != std::string::npos) {
+    // "shot" columns, and "" (every call on the steps, their cost model's choice): the pairs.
+    if (cols[c].algo && (!*cols[c].algo || std::string(cols[c].algo).find("shot") != std::string::npos)) {
       ::setenv("GRADSYNC_GPU_NODE_STEPS", "1", 1);
     }
     DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
     ASSERT_TRUE(cluster.ok()) << cluster.error();
     DaemonWorld world(cluster, 1, n, std::string("node-llbench-") + cols[c].name, 120s, on_gpu0);
     ASSERT_EQ(world.join_error(), "");
-    if (c == 3) {
+    if (c == 3 || (cols[c].algo && !*cols[c].algo)) {
       auto d = cluster.describe(std::string("node-llbench-") + cols[c].name, n);
-      if (d.paths_size() > 0) std::printf("# ring-auto: %s\n", d.paths(0).why().c_str());
+      if (d.paths_size() > 0) std::printf("# %s: %s\n", cols[c].name, d.paths(0).why().c_str());
     }
     for (size_t b : sizes) us[size_t(c)].push_back(allreduce_on_gpus(world, b / 4, 50, Algorithm::kAuto));
   }
