@@ -82,6 +82,125 @@ HD void reduce_body(size_t tid, size_t stride, S* out1, S* out2, const S* a, con
   }
 }
 
+// The most operands of one fold (fold_body; the step kernel's runs of chained operations,
+// cuda_step.cuh): a rank's own and 7 peers' (plan::kMaxPeers).
+constexpr int kMaxFold = 8;
+
+// The sources of a fold, p[0..k) with 2 <= k <= kMaxFold (p[k..) unused).
+template <class S>
+struct FoldSrcs {
+  const S* p[kMaxFold];
+  int k;
+};
+
+namespace fold_detail {
+
+// Inlined wherever called (the sources' pointers then stay in registers, not local memory).
+#define GS_FOLD_INLINE HD __forceinline__
+// A stride loop the device compiler must not unroll (each iteration holds up to kGroup packs).
+#if defined(__CUDA_ARCH__)
+#define NO_UNROLL _Pragma("unroll 1")
+#else
+#define NO_UNROLL
+#endif
+
+// The sources a vector iteration loads at once (one 16-byte pack each), then folds.
+constexpr int kGroup = 4;
+
+// Element i of K sources folded: every source loaded, then folded in order.
+template <int K, class S, class Op, class Last>
+GS_FOLD_INLINE S fold_at(const S* const (&p)[K], size_t i, Op op, Last last) {
+  S x[K];
+  UNROLL
+  for (int j = 0; j < K; ++j) x[j] = p[j][i];
+  S acc = x[0];
+  UNROLL
+  for (int j = 1; j < K - 1; ++j) acc = op(acc, x[j]);
+  return last(acc, x[K - 1]);
+}
+
+// fold_body for K sources, K known at compile time (no predicates, no array indexed at run
+// time, and the registers of K pointers, not kMaxFold). Per pack, the sources kGroup at a
+// time, each group's loads issued together, then folded in order into the accumulator.
+template <int K, class S, class Op, class Last>
+GS_FOLD_INLINE void fold_k(size_t tid, size_t stride, S* out1, S* out2, const FoldSrcs<S>& src, size_t head,
+                           size_t nvec, size_t n, Op op, Last last) {
+  using P = Pack<S>;
+  const bool two = out2 != nullptr;
+  const S* p[K];
+  UNROLL
+  for (int j = 0; j < K; ++j) p[j] = src.p[j];
+  NO_UNROLL
+  for (size_t i = tid; i < head; i += stride) {
+    const S x = fold_at<K>(p, i, op, last);
+    out1[i] = x;
+    if (two) out2[i] = x;
+  }
+  const uint4* v[K];
+  UNROLL
+  for (int j = 0; j < K; ++j) v[j] = reinterpret_cast<const uint4*>(p[j] + head);
+  uint4* vo1 = reinterpret_cast<uint4*>(out1 + head);
+  uint4* vo2 = two ? reinterpret_cast<uint4*>(out2 + head) : nullptr;
+  NO_UNROLL
+  for (size_t i = tid; i < nvec; i += stride) {
+    P acc;
+    UNROLL
+    for (int j0 = 0; j0 < K; j0 += kGroup) {
+      P x[kGroup];
+      UNROLL
+      for (int g = 0; g < kGroup; ++g) {
+        if (j0 + g < K) x[g].v = v[j0 + g][i];
+      }
+      UNROLL
+      for (int g = 0; g < kGroup; ++g) {
+        const int j = j0 + g;
+        if (j == 0) {
+          acc = x[0];
+        } else if (j < K - 1) {
+          UNROLL
+          for (int e = 0; e < P::kN; ++e) acc.e[e] = op(acc.e[e], x[g].e[e]);
+        } else if (j == K - 1) {
+          UNROLL
+          for (int e = 0; e < P::kN; ++e) acc.e[e] = last(acc.e[e], x[g].e[e]);
+        }
+      }
+    }
+    vo1[i] = acc.v;
+    if (two) vo2[i] = acc.v;
+  }
+  NO_UNROLL
+  for (size_t j = head + nvec * P::kN + tid; j < n; j += stride) {
+    const S x = fold_at<K>(p, j, op, last);
+    out1[j] = x;
+    if (two) out2[j] = x;
+  }
+}
+
+}  // namespace fold_detail
+
+// out1[i] (and out2[i] when out2 != nullptr) = the left fold of src.p[0][i] .. src.p[k-1][i]:
+// ((x0 op x1) op x2) .. op x(k-1), the last step by `last` (kAvg's division), every step's
+// result an S: the same bytes as k - 1 passes of reduce_body (acc = op(acc, x[j]), the last
+// with `last`), in one pass. A thread loads every source of an element (a pack) before it
+// stores that element, so out1 may be any of the sources. Every source and out2 must have
+// out1's offset modulo 16 where nvec > 0. Packs: one a thread per iteration, its sources
+// loaded 4 at a time (fold_detail::kGroup: 4 loads issued together, as reduce_body's, and 4
+// packs held, not k), each group folded before the next is loaded. A loop per k (2 .. 8).
+template <class S, class Op, class Last>
+GS_FOLD_INLINE void fold_body(size_t tid, size_t stride, S* out1, S* out2, const FoldSrcs<S>& src, size_t head,
+                              size_t nvec, size_t n, Op op, Last last) {
+  using fold_detail::fold_k;
+  switch (src.k) {
+    case 2: return fold_k<2>(tid, stride, out1, out2, src, head, nvec, n, op, last);
+    case 3: return fold_k<3>(tid, stride, out1, out2, src, head, nvec, n, op, last);
+    case 4: return fold_k<4>(tid, stride, out1, out2, src, head, nvec, n, op, last);
+    case 5: return fold_k<5>(tid, stride, out1, out2, src, head, nvec, n, op, last);
+    case 6: return fold_k<6>(tid, stride, out1, out2, src, head, nvec, n, op, last);
+    case 7: return fold_k<7>(tid, stride, out1, out2, src, head, nvec, n, op, last);
+    default: return fold_k<8>(tid, stride, out1, out2, src, head, nvec, n, op, last);
+  }
+}
+
 // buf[i] = op(buf[i]).
 template <class S, class Op>
 HD void map1_body(size_t tid, size_t stride, S* buf, size_t head, size_t nvec, size_t n, Op op) {

@@ -134,6 +134,28 @@ __device__ void reduce_range(S* out1, S* out2, const S* a, const S* b, size_t n,
   reduce_body(threadIdx.x, blockDim.x, out1, out2, a, b, sp.head, sp.nvec, n, op);
 }
 
+// A fold of 3 or more operands in one pass (fold_body): packs where every pointer has out1's
+// offset modulo 16, scalar otherwise.
+template <class S, class Op, class Last>
+__device__ __forceinline__ void fold_range(S* out1, S* out2, const FoldSrcs<S>& src, size_t n, Op op, Last last) {
+  const unsigned m = mis16(out1);
+  bool vec = out2 == nullptr || mis16(out2) == m;
+#pragma unroll
+  for (int j = 0; j < kMaxFold; ++j) {
+    if (j < src.k) vec = vec && mis16(src.p[j]) == m;
+  }
+  const Split sp = split(n, sizeof(S), m, vec);
+  fold_body(threadIdx.x, blockDim.x, out1, out2, src, sp.head, sp.nvec, n, op, last);
+}
+
+// The end of the run of operations that starts at i (the chained ones after it), below `end`.
+template <class Table>
+__device__ inline int run_end(const Table& s, int i, int end) {
+  int e = i + 1;
+  while (e < end && s.ops[e].chain) ++e;
+  return e;
+}
+
 // Unit u (8 bytes of elements) of an operand of `bytes` bytes: a low-latency slot's line u
 // once its flags match, or plain memory. False (error recorded) when the read failed.
 template <class S>
@@ -149,36 +171,52 @@ __device__ void store_io(void* p, uint32_t flag, size_t u, size_t bytes, const n
   node::store_unit(static_cast<S*>(p), u, bytes, (reinterpret_cast<uintptr_t>(p) & 7) == 0, x);
 }
 
-// One operation with a low-latency operand over this block's elements [lo, lo + n) of the
-// step's `count`: the lines of those elements (lo * sizeof(S) is a multiple of 16), a thread
-// each. A final line's elements beyond the count are zero from plain memory, or whatever the
-// writer's were: they are reduced but never stored to plain memory. False when a read failed.
+// One operation, or one run of them (a fold: ops[0, nops)), with a low-latency operand over
+// this block's elements [lo, lo + n) of the step's `count`: the lines of those elements
+// (lo * sizeof(S) is a multiple of 16), a thread each; a run's operands are folded line by
+// line, each line read once its flags match, and the line stored once. A final line's
+// elements beyond the count are zero from plain memory, or whatever the writer's were: they
+// are reduced but never stored to plain memory. False when a read failed.
 template <class S, class Op, class OpF>
-__device__ bool low_latency_op(const NodeArgs& a, const StepOp& o, const uint64_t* base, size_t lo, size_t n,
-                               size_t count, Op op, OpF op_final) {
+__device__ bool low_latency_op(const NodeArgs& a, const StepOp* ops, int nops, const uint64_t* base, size_t lo,
+                               size_t n, size_t count, Op op, OpF op_final) {
   using U = node::Unit<S>;
+  const StepOp& o = ops[0];
+  const StepOp& last = ops[nops - 1];  // the run's destinations and kind
   const size_t bytes = count * sizeof(S);
-  const uint32_t fa = flag_of(base, o.a_base, o.a_flag), fb = flag_of(base, o.b_base, o.b_flag),
-                 fd = flag_of(base, o.dst_base, o.dst_flag), fd2 = flag_of(base, o.dst2_base, o.dst2_flag);
+  const uint32_t fa = flag_of(base, o.a_base, o.a_flag), fd = flag_of(base, last.dst_base, last.dst_flag),
+                 fd2 = flag_of(base, last.dst2_base, last.dst2_flag);
+  const bool final = last.kind == StepOpKind::kReduceFinal;
   const size_t u1 = ((lo + n) * sizeof(S) + 7) / 8;
   for (size_t u = lo * sizeof(S) / 8 + threadIdx.x; u < u1; u += blockDim.x) {
     U x;
     if (!load_io<S>(a, o.a, fa, o.a_peer, u, bytes, &x)) return false;
     if (o.kind != StepOpKind::kCopy) {
-      U y;
-      if (!load_io<S>(a, o.b, fb, o.b_peer, u, bytes, &y)) return false;
+      for (int j = 0; j < nops; ++j) {
+        const StepOp& q = ops[j];
+        U y;
+        if (!load_io<S>(a, q.b, flag_of(base, q.b_base, q.b_flag), q.b_peer, u, bytes, &y)) return false;
+        if (final && j == nops - 1) {
 #pragma unroll
-      for (int e = 0; e < U::kN; ++e) x.e[e] = o.kind == StepOpKind::kReduce ? op(x.e[e], y.e[e]) : op_final(x.e[e], y.e[e]);
+          for (int e = 0; e < U::kN; ++e) x.e[e] = op_final(x.e[e], y.e[e]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < U::kN; ++e) x.e[e] = op(x.e[e], y.e[e]);
+        }
+      }
     }
-    store_io<S>(o.dst, fd, u, bytes, x);
-    if (o.dst2 != nullptr) store_io<S>(o.dst2, fd2, u, bytes, x);
+    store_io<S>(last.dst, fd, u, bytes, x);
+    if (last.dst2 != nullptr) store_io<S>(last.dst2, fd2, u, bytes, x);
   }
   return true;
 }
 
-// Op: the reductions before the last; OpF: the last (kAvg divides there).
+// Op: the reductions before the last; OpF: the last (kAvg divides there). One block per
+// multiprocessor is all a launch needs (its blocks are capped at the multiprocessors, over the
+// ranks sharing them): without the 1, ptxas held some instantiations to 64 registers, for two
+// blocks each, and spilled (float16 sum: 36 bytes stored, 196 loaded, with the one-pass folds).
 template <class Table, class Tr, class Op, class OpF>
-__global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ Table s, Op op, OpF op_final) {
+__global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant__ Table s, Op op, OpF op_final) {
   using S = typename Tr::S;
   __shared__ int go;
   // The bases of the table's relative counts, as they were when the launch started.
@@ -222,31 +260,57 @@ __global__ void __launch_bounds__(kThreads) step_kernel(const __grid_constant__ 
     bool failed = false;  // a low-latency read of this block failed (the same in every thread)
     if (go && n > 0) {
       const NodeArgs args = wait_args(s);
-      // Every operation line by line: each thread then reads only lines it wrote itself in the
-      // step's earlier operations (the same lines of the same elements), so they need no
-      // barrier between them; plain operations split their ranges by alignment and do.
+      // The step's operations run by run (a run: an operation and the chained ones after it,
+      // one fold; a lone operation otherwise). A run with a low-latency operand goes line by
+      // line. Every run line by line: each thread then reads only lines it wrote itself in the
+      // step's earlier runs (the same lines of the same elements), so they need no barrier
+      // between them; plain runs split their ranges by alignment and do.
+      const int end = st.op + st.nops;
+      auto run_ll = [&](int i, int e) {
+        bool ll = false;
+        for (int j = i; j < e; ++j) ll = ll || s.ops[j].low_latency();
+        return ll;
+      };
       bool lines = true;
-      for (int i = st.op; i < st.op + st.nops; ++i) lines = lines && s.ops[i].low_latency();
+      for (int i = st.op; i < end; i = run_end(s, i, end)) lines = lines && run_ll(i, run_end(s, i, end));
       bool mine = false;  // a read of this thread failed
-      for (int i = st.op; i < st.op + st.nops && !mine; ++i) {
+      for (int i = st.op, e; i < end && !mine; i = e) {
+        e = run_end(s, i, end);
         const StepOp& o = s.ops[i];
-        if (o.low_latency()) {
-          mine = !low_latency_op<S>(args, o, base, lo, n, st.count, op, op_final);
+        const StepOp& last = s.ops[e - 1];  // the run's destinations and kind
+        if (run_ll(i, e)) {
+          mine = !low_latency_op<S>(args, &s.ops[i], e - i, base, lo, n, st.count, op, op_final);
         } else if (o.kind == StepOpKind::kCopy) {
           copy_range(static_cast<uint8_t*>(o.dst) + lo * sizeof(S), static_cast<const uint8_t*>(o.a) + lo * sizeof(S),
                      n * sizeof(S));
-        } else {
+        } else if (e - i == 1) {
           S* d2 = o.dst2 ? static_cast<S*>(o.dst2) + lo : nullptr;
           S* d = static_cast<S*>(o.dst) + lo;
           const S* a = static_cast<const S*>(o.a) + lo;
           const S* b = static_cast<const S*>(o.b) + lo;
           if (o.kind == StepOpKind::kReduce) {
-            reduce_range<S>(d, nullptr, a, b, n, op);
+            reduce_range<S>(d, d2, a, b, n, op);
           } else {
             reduce_range<S>(d, d2, a, b, n, op_final);
           }
+        } else {
+          // A fold of e - i + 1 operands in one pass.
+          FoldSrcs<S> src;
+          src.k = e - i + 1;
+          src.p[0] = static_cast<const S*>(o.a) + lo;
+#pragma unroll
+          for (int j = 0; j + 1 < kMaxFold; ++j) {
+            src.p[j + 1] = j < e - i ? static_cast<const S*>(s.ops[i + j].b) + lo : nullptr;
+          }
+          S* d2 = last.dst2 ? static_cast<S*>(last.dst2) + lo : nullptr;
+          S* d = static_cast<S*>(last.dst) + lo;
+          if (last.kind == StepOpKind::kReduce) {
+            fold_range<S>(d, d2, src, n, op, op);
+          } else {
+            fold_range<S>(d, d2, src, n, op, op_final);
+          }
         }
-        // The next operation may read what this one wrote; after a failed read none runs.
+        // The next run may read what this one wrote; after a failed read none runs.
         if (!lines && __syncthreads_or(mine)) {
           failed = true;
           break;
@@ -348,6 +412,31 @@ cudaError_t with_ops(ReduceOp op, int divisor, F&& f) {
 
 bool aligned(const void* p, size_t a) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % a == 0; }
 
+static_assert(kStepMaxFold == kMaxFold, "a run folds at most what fold_body does");
+
+// A step's operations as runs (cuda_step.cuh, StepOp): a chained operation continues a
+// reduction of the step, a run folds at most kStepMaxFold operands, only its last operation
+// stores (and is kReduceFinal, if any is), and every operand the kernel reads is there.
+bool valid_runs(const StepTable& s, const TableStep& st) {
+  int sources = 0;  // of the run so far; 0: none open (no step yet, or after a copy)
+  const int end = st.op + st.nops;
+  for (int i = st.op; i < end; ++i) {
+    const StepOp& o = s.ops[i];
+    const bool binary = o.kind != StepOpKind::kCopy;
+    if (o.chain != 0) {
+      if (sources == 0 || !binary || ++sources > kStepMaxFold) return false;
+    } else {
+      if (o.a == nullptr) return false;
+      sources = binary ? 2 : 0;
+    }
+    if (binary && o.b == nullptr) return false;
+    const bool ends = i + 1 == end || s.ops[i + 1].chain == 0;
+    if (ends ? o.dst == nullptr : (o.dst != nullptr || o.dst2 != nullptr || o.kind != StepOpKind::kReduce))
+      return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStream_t stream) {
@@ -362,6 +451,7 @@ cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStr
     const TableStep& st = s.steps[k];
     if (st.wait + st.nwaits > s.nwaits || st.op + st.nops > s.nops || st.signal + st.nsignals > s.nsignals)
       return cudaErrorInvalidValue;
+    if (!valid_runs(s, st)) return cudaErrorInvalidValue;
   }
   // A base is -1 (absolute) or one of the table's words.
   auto bad_base = [&](int b) { return b < -1 || b >= kStepMaxBases || (b >= 0 && s.bases == nullptr); };
@@ -374,8 +464,7 @@ cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStr
       if (a != 0) return cudaErrorInvalidValue;
   for (int i = 0; i < s.nops; ++i) {
     const StepOp& o = s.ops[i];
-    const bool binary = o.kind != StepOpKind::kCopy;
-    if (o.dst == nullptr || o.a == nullptr || (binary && o.b == nullptr)) return cudaErrorInvalidValue;
+    // (Null operands and destinations: valid_runs, per step.)
     if (bad_base(o.dst_base) || bad_base(o.dst2_base) || bad_base(o.a_base) || bad_base(o.b_base))
       return cudaErrorInvalidValue;
     if (!aligned(o.dst, es) || !aligned(o.dst2, es) || !aligned(o.a, es) || !aligned(o.b, es))

@@ -9,11 +9,12 @@
 // launch_wait_host's), then the block runs the step's
 // operations over its own range of the step's elements, in order, with a block barrier between
 // them: an operation that reads what the one before wrote (a fold into a slot, then that slot
-// copied on) reads only what its own block wrote. The last block to finish a step (a counter
-// per step in device memory) stores the step's signals; after every block's system-scope
-// fence where the step is marked `release` (a message in plain memory, or a write into a
-// receive slot: a peer that sees the signal then sees the whole message), as they are
-// otherwise (low-latency lines are read by their flags, and reads are done before). Blocks go on to the next step without waiting for each
+// copied on) reads only what its own block wrote. A fold of several operands is one run of
+// chained operations (StepOp), run as one pass: no barrier and no partial result stored
+// between its operands, and its destination may be one of them (in place). The last block to
+// finish a step (a counter per step in device memory) stores the step's signals; after every
+// block's system-scope fence where the step is marked `release` (a message in plain memory:
+// a peer that sees the signal then sees the whole message), as they are otherwise (low-latency lines are read by their flags, and reads are done before). Blocks go on to the next step without waiting for each
 // other, except before a step marked `barrier`: there every block first waits until every
 // block has finished the steps before it. The stream marks a step so when it touches memory
 // that an earlier step of the table touched through another partition (a range written by one
@@ -22,8 +23,9 @@
 // yet read. Slots between messages need no barrier: a slot is written again only after the
 // peer's signal that it has read it, which came after every block of this rank had finished.
 //
-// A step's operations with a low-latency operand run line by line (8 bytes of elements at a
-// time, a thread per line): a source line is read once its flags match, so a receiver works
+// A step's operations (runs) with a low-latency operand run line by line (8 bytes of elements
+// at a time, a thread per line; a run's operands folded line by line): a source line is read
+// once its flags match, so a receiver works
 // on a message as it lands and no `arrived` word is waited for; a destination line is stored
 // with its flag and payload together.
 //
@@ -40,7 +42,8 @@
 // the counts move on in device memory, not in the launch's parameters (gpu/kernel_stream.h).
 //
 // Numeric results are the loops of cuda_reduce_body.cuh, the same bytes as launch_reduce and
-// launch_reduce_final for the same operands in the same order.
+// launch_reduce_final for the same operands in the same order (a fold: as a chain of them,
+// left to right, the last one final).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -75,18 +78,30 @@ struct StepWait {
   int16_t base = -1;  // -1: value is absolute
 };
 enum class StepOpKind : uint8_t { kCopy, kReduce, kReduceFinal };
+// The most operands of a fold (a run of chained operations): cuda_reduce_body.cuh's kMaxFold.
+constexpr int kStepMaxFold = 8;
 // An operand with a flag is a low-latency slot (cuda_node_ll.cuh's lines: 8 bytes of payload
 // and the flag twice per 16 bytes): read line by line as each line's flags match (bounded,
 // as the waits), written line by line with the flag. `a_peer`/`b_peer`: the world rank that
 // writes that source, for NodeError.
+//
+// A fold of k operands x0 .. x(k-1) (StepStream::fold) is a run of k - 1 operations of one
+// step: the first a reduction of (a = x0, b = x1), each following one marked `chain` with the
+// next operand in `b` (its flag, base and peer; `a` unused, null). Only the run's last
+// operation stores: it holds dst (and dst2) and the run's kind (kReduceFinal: the last step
+// divides kAvg); the others have no dst and kind kReduce. The kernel folds a run in one pass
+// over the elements (every operand of an element loaded, folded in order, then stored), the
+// same bytes as k - 1 pairwise reductions acc = op(acc, x[j]).
 struct StepOp {
   StepOpKind kind = StepOpKind::kCopy;
   // Each flag's base (-1: the flag is absolute): the flag is the base's word plus it, as a
   // 32-bit count, 0 taken as 1.
   int8_t dst_base = -1, dst2_base = -1, a_base = -1, b_base = -1;
-  void* dst = nullptr;
-  void* dst2 = nullptr;  // kReduceFinal only; may be null
-  const void* a = nullptr;
+  // Nonzero: b is the next operand of the reduction of the operations before (a run).
+  uint8_t chain = 0;
+  void* dst = nullptr;   // null only before a run's last operation
+  void* dst2 = nullptr;  // a reduction's second destination; may be null
+  const void* a = nullptr;  // null in a chained operation
   const void* b = nullptr;  // kReduce, kReduceFinal
   uint32_t dst_flag = 0, dst2_flag = 0, a_flag = 0, b_flag = 0;  // 0: plain memory
   int32_t a_peer = -1, b_peer = -1;
@@ -144,8 +159,10 @@ static_assert(sizeof(SmallStepTable) < 4096, "a small table is a parameter of un
 
 // Queues the table's steps on `stream`: type and op apply to every reduction.
 // cudaErrorInvalidValue (nothing queued) for a bad type or op, pointers not aligned to the
-// element size, parts outside the table, a missing counter, error word or abort word, or a
-// base outside [-1, kStepMaxBases) or named without `bases`.
+// element size, parts outside the table, a missing counter, error word or abort word, a
+// base outside [-1, kStepMaxBases) or named without `bases`, a chained operation that
+// continues no reduction of its step, a run of more than kStepMaxFold operands, or a run
+// whose operations before its last store (or are kReduceFinal) or whose last does not.
 cudaError_t launch_steps(const StepTable& table, DataType type, ReduceOp op, cudaStream_t stream);
 
 // Loads every instantiation of the step kernel now (load_reduce_kernels says why).

@@ -68,6 +68,8 @@ Status KernelStream::end_step() {
   if (!fits()) return error("a step larger than a table");
   const size_t es = element_size(type_);
   std::vector<Range> ranges;
+  // Every operand of every operation: a fold's run names each source once (the first
+  // operation a and b, each chained one b) and its destinations in its last operation.
   for (const kernels::StepOp& o : ops_) {
     const size_t bytes = step_.count * es;
     // A low-latency slot holds the step's elements as lines: 16 bytes per 8.
@@ -167,27 +169,55 @@ Status KernelStream::copy(StepBuf dst, StepBuf src, size_t bytes) {
   if ((dst.p == src.p && dst.flag == src.flag) || bytes == 0) return Status::Ok();
   const size_t es = element_size(type_);
   if (bytes % es != 0) return error("a copy of " + std::to_string(bytes) + " bytes, not whole elements");
-  return add_op(kernels::StepOpKind::kCopy, dst, {}, src, {}, bytes / es);
+  const kernels::StepOp op = make_op(kernels::StepOpKind::kCopy, dst, {}, src, {});
+  return add_ops(&op, 1, bytes / es);
 }
-Status KernelStream::reduce(StepBuf dst, StepBuf a, StepBuf b, size_t count) {
-  return add_op(kernels::StepOpKind::kReduce, dst, {}, a, b, count);
+Status KernelStream::fold(StepBuf dst, StepBuf dst2, const StepBuf* srcs, int k, size_t count, bool final) {
+  if (k < 2 || k > kernels::kStepMaxFold) {
+    return error("a fold of " + std::to_string(k) + " operands (2 to " + std::to_string(kernels::kStepMaxFold) + ")");
+  }
+  // The run: (srcs[0], srcs[1]), then each further source chained in `b`; only the last
+  // operation stores, and is kReduceFinal when the fold is final.
+  kernels::StepOp run[kernels::kStepMaxFold - 1];
+  for (int j = 1; j < k; ++j) {
+    const bool last = j == k - 1;
+    const auto kind = last && final ? kernels::StepOpKind::kReduceFinal : kernels::StepOpKind::kReduce;
+    run[j - 1] = make_op(kind, last ? dst : StepBuf{}, last ? dst2 : StepBuf{}, j == 1 ? srcs[0] : StepBuf{},
+                         srcs[j]);
+    run[j - 1].chain = j > 1 ? 1 : 0;
+  }
+  return add_ops(run, k - 1, count);
 }
-Status KernelStream::reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count) {
-  return add_op(kernels::StepOpKind::kReduceFinal, dst, dst2, a, b, count);
-}
-Status KernelStream::add_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b,
-                            size_t count) {
+kernels::StepOp KernelStream::make_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a,
+                                      StepBuf b) const {
   auto base = [&](const StepBuf& x) { return int8_t(x.flag != 0 && relative_ ? x.base : -1); };
-  kernels::StepOp op{kind, base(dst), base(dst2), base(a), base(b), dst.p, dst2.p, a.p, b.p,
-                     dst.flag, dst2.flag, a.flag, b.flag, a.peer, b.peer};
+  kernels::StepOp op;
+  op.kind = kind;
+  op.dst_base = base(dst);
+  op.dst2_base = base(dst2);
+  op.a_base = base(a);
+  op.b_base = base(b);
+  op.dst = dst.p;
+  op.dst2 = dst2.p;
+  op.a = a.p;
+  op.b = b.p;
+  op.dst_flag = dst.flag;
+  op.dst2_flag = dst2.flag;
+  op.a_flag = a.flag;
+  op.b_flag = b.flag;
+  op.a_peer = a.peer;
+  op.b_peer = b.peer;
+  return op;
+}
+Status KernelStream::add_ops(const kernels::StepOp* ops, int n, size_t count) {
   if (count == 0) return Status::Ok();
   if (!ops_.empty() && step_.count != count) {
     return error("operations of " + std::to_string(step_.count) + " and " + std::to_string(count) +
                  " elements in one step");
   }
-  if (ops_.size() == size_t(kernels::kTableMaxOps)) return error("too many operations in one step");
+  if (ops_.size() + size_t(n) > size_t(kernels::kTableMaxOps)) return error("too many operations in one step");
   step_.count = count;
-  ops_.push_back(op);
+  ops_.insert(ops_.end(), ops, ops + n);
   return Status::Ok();
 }
 

@@ -55,8 +55,10 @@ class KernelStream final : public StepStream {
   Status signal_ready(int p, uint64_t v) override;
   Status signal_consumed(int p, uint64_t v) override;
   Status copy(StepBuf dst, StepBuf src, size_t bytes) override;
-  Status reduce(StepBuf dst, StepBuf a, StepBuf b, size_t count) override;
-  Status reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count) override;
+  // A run of k - 1 operations (kernels::StepOp: the first reduces srcs[0] and srcs[1], each
+  // following one is chained with the next source; the last holds dst, dst2 and the kind),
+  // which the kernel folds in one pass.
+  Status fold(StepBuf dst, StepBuf dst2, const StepBuf* srcs, int k, size_t count, bool final) override;
 
   // Launches so far (for tests of the batching).
   int launches() const { return launches_; }
@@ -69,7 +71,9 @@ class KernelStream final : public StepStream {
   };
   Status error(const std::string& why) const;
   Status flush(bool last);
-  Status add_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count);
+  kernels::StepOp make_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b) const;
+  // Appends ops (of `count` elements each) to the step, all or none.
+  Status add_ops(const kernels::StepOp* ops, int n, size_t count);
   bool needs_barrier(const std::vector<Range>& step) const;
   const uint64_t* dev(const uint64_t* w) const;
   Status signal(uint64_t* word, int base, uint64_t v);

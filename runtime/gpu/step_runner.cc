@@ -347,7 +347,9 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     const uint8_t* own_p = static_cast<const uint8_t*>(st.from_output ? output : input) + st.in * esize;
     uint8_t* out_p = static_cast<uint8_t*>(output) + st.out * esize;
     const StepBuf own(own_p), out(out_p);
-    // The fold of the payloads and the own operand into `dst` (and dst2 on the last step).
+    // The fold of the payloads and the own operand into `dst` (and dst2), in one pass: the
+    // stream reads every operand of an element before it writes the element, so in place
+    // (dst the own operand) needs no partial folds elsewhere, wherever the own operand stands.
     auto fold = [&](StepBuf dst, StepBuf dst2, bool final) -> Status {
       const int k = st.nrecv + 1;
       if (k < 2) return bad("a fold of one operand");
@@ -355,23 +357,7 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
       StepBuf x[plan::kMaxPeers + 1];
       for (int j = 0, r = 0; j < k; ++j) x[j] = j == st.self_pos ? own : payload[r++];
       if (overlap(own_p, dst.p, bytes) && own_p != dst.p) return bad("the own operand overlaps the fold's destination");
-      // In place with the own operand read after the first reduction (it would be overwritten
-      // first): the partial folds go to the first payload's receive slot, still this rank's
-      // (its `consumed` comes after the step), and only the last one to `dst`. A low-latency
-      // slot keeps its format: the partial folds are written there with its flag.
-      StepBuf acc_at = dst;
-      if (own_p == dst.p && k > 2 && st.self_pos >= 2) {
-        acc_at = payload[0];
-        stream.order_signals();  // a write into this rank's receive slot
-      }
-      for (int j = 1; j < k; ++j) {
-        const StepBuf acc = j == 1 ? x[0] : acc_at;
-        const StepBuf to = j == k - 1 ? dst : acc_at;
-        Status r = final && j == k - 1 ? stream.reduce_final(to, dst2, acc, x[j], st.count)
-                                       : stream.reduce(to, acc, x[j], st.count);
-        if (!r.ok()) return r;
-      }
-      return Status::Ok();
+      return stream.fold(dst, dst2, x, k, st.count, final);
     };
     auto copy_to_sends = [&](StepBuf src, int from) -> Status {
       for (int j = from; j < st.nsend; ++j) GS_RETURN_IF_ERROR(stream.copy(slot_out[j], src, bytes));

@@ -18,16 +18,15 @@
 // signals, slots and low-latency flags are the same whichever call it is, and so a call
 // captured in a CUDA graph replays. No worker reads these counts (direct peers have none).
 //
-// Bodies (fold: the payloads in step order with the own operand at self_pos, folded left; the
-// final fold divides kAvg once, unless the step is `partial`):
+// Bodies (fold: the payloads in step order with the own operand at self_pos, folded left in
+// one StepStream::fold; the final fold divides kAvg once, unless the step is `partial`):
 //   send / copy-send            send slots (and output) <- own operand
 //   recv / recv-copy-send       output (and send slots) <- payload
 //   recv-reduce-send            first send slot <- fold; the other send slots <- it
 //   recv-reduce-copy(-send)     output <- fold (the first send slot too); other send slots <- output
 //   copy                        output <- own operand
-// A fold whose destination is the own operand (in place) with the own operand third or later
-// (one-shot and two-shot on ranks 2 and up) accumulates in the first payload's receive slot,
-// which is this rank's until it signals `consumed`, and writes the destination last.
+// A fold may write the own operand (in place) wherever it stands among the operands: the
+// stream loads every operand of an element before it stores that element.
 #pragma once
 
 #include <cstddef>
@@ -126,9 +125,12 @@ inline int step_base(int p, bool receive) { return 2 * p + (receive ? 1 : 0); }
 
 // What a step asks of the stream that runs it. Peers are link indices; values are message
 // counts (monotonic, as GdrWords holds them), relative to the stream's bases in a relative
-// call (a wait for a count <= 0 there is none). `reduce`: dst = op(a, b) (kAvg sums);
-// `reduce_final`: the same, kAvg divided, written to dst and, when dst2.p is not null, dst2.
-// dst may be a or b exactly.
+// call (a wait for a count <= 0 there is none). `fold`: dst (and dst2 when dst2.p is not null)
+// = srcs[0] op srcs[1] op .. op srcs[k-1], folded left in that order, ((x0 op x1) op x2) ..,
+// each step's result of the element type (the same bytes as k - 1 pairwise reductions
+// acc = op(acc, x[j])); kAvg sums, and divides once at the last step when `final`. 2 <= k <=
+// plan::kMaxPeers + 1. dst may be one of the sources exactly (in place): every source of an
+// element is read before the element is written.
 class StepStream {
  public:
   virtual ~StepStream() = default;
@@ -141,17 +143,17 @@ class StepStream {
   virtual Status signal_ready(int peer, uint64_t value) = 0;
   virtual Status signal_consumed(int peer, uint64_t value) = 0;
   virtual Status copy(StepBuf dst, StepBuf src, size_t bytes) = 0;
-  virtual Status reduce(StepBuf dst, StepBuf a, StepBuf b, size_t count) = 0;
-  virtual Status reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count) = 0;
+  virtual Status fold(StepBuf dst, StepBuf dst2, const StepBuf* srcs, int k, size_t count, bool final) = 0;
   // Around each step's calls above, and after a call's last step (also after an error, for
   // the steps queued before it): a stream may collect a step's waits, operations and signals,
   // and a call's steps, and queue them as one (the GPU's step kernel, kernels/cuda_step.cuh).
   virtual Status begin_step() { return Status::Ok(); }
   // Called within a step (before end_step) whose signals must be ordered after its stores: it
   // wrote a message in plain memory, which the peer (or its NIC, or the worker) reads once it
-  // sees `ready`, or wrote into one of its own receive slots, which the peer overwrites once it
-  // sees `consumed`. A step without it only read its receive slots (its loads done before its
-  // signals) and wrote low-latency lines, each read by its flag, and plain memory no peer reads.
+  // sees `ready`. A step without it only read its receive slots (its loads done before its
+  // signals) and wrote low-latency lines, each read by its flag, and plain memory no peer reads
+  // (no step writes into its receive slots, which the peer overwrites once it sees `consumed`:
+  // a fold in place writes the own operand, in one pass).
   virtual void order_signals() {}
   virtual Status end_step() { return Status::Ok(); }
   virtual Status end_call() { return Status::Ok(); }

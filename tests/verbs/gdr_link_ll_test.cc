@@ -63,9 +63,10 @@ class WatchingStream final : public StepStream {
   Status signal_ready(int p, uint64_t v) override { return ++readies_, in_.signal_ready(p, v); }
   Status signal_consumed(int p, uint64_t v) override { return in_.signal_consumed(p, v); }
   Status copy(StepBuf d, StepBuf s, size_t b) override { return count({d, s}), in_.copy(d, s, b); }
-  Status reduce(StepBuf d, StepBuf a, StepBuf b, size_t n) override { return count({d, a, b}), in_.reduce(d, a, b, n); }
-  Status reduce_final(StepBuf d, StepBuf d2, StepBuf a, StepBuf b, size_t n) override {
-    return count({d, d2, a, b}), in_.reduce_final(d, d2, a, b, n);
+  Status fold(StepBuf d, StepBuf d2, const StepBuf* x, int k, size_t n, bool final) override {
+    count({d, d2});
+    for (int j = 0; j < k; ++j) count({x[j]});
+    return in_.fold(d, d2, x, k, n, final);
   }
 
  private:
@@ -114,9 +115,9 @@ TEST_P(LowLatencySteps, AllreduceExactOnEveryAlgorithmBetweenBulkCalls) {
 
 // The step kernel fences before a step's signals only where a peer reads what the step stored
 // by that signal (StepStream::order_signals): every bulk step that sends (its message is plain
-// memory); no step of a low-latency call out of place (its messages are lines, read by their
-// flags, and its reads are done before its signals); in place, the one-shot and two-shot folds
-// through the first receive slot (written, then overwritten by the peer after `consumed`).
+// memory); no step of a low-latency call, out of place or in place (its messages are lines,
+// read by their flags, and its reads are done before its signals; a fold in place writes the
+// own operand in one pass, never a receive slot, which the peer overwrites after `consumed`).
 TEST_P(LowLatencySteps, SignalsOrderedAfterStoresOnlyWhereAPeerReadsThem) {
   const int n = GetParam();
   Ring ring = ll_node(n);
@@ -135,19 +136,18 @@ TEST_P(LowLatencySteps, SignalsOrderedAfterStoresOnlyWhereAPeerReadsThem) {
     expect_allreduce(ring, n, 2053, algo);
     EXPECT_GT(seen.sending_steps.load(), 0) << what;
     EXPECT_EQ(seen.ordered_steps.load(), 0) << what << ": a low-latency call out of place fenced";
-    // In place: the folds of the own operand third or later go through a receive slot.
+    // In place: the folds of the own operand third or later (one-shot and two-shot above 2
+    // ranks) write it in one pass, with no partial fold in a receive slot to fence.
     seen.clear();
     auto buf = inputs(n, 515);
     auto st = ring.collective(CollectiveKind::kAllreduce, {515}, 0, buf, buf, algo);
     for (int r = 0; r < n; ++r) ASSERT_TRUE(st[r].ok()) << what << " rank " << r << ": " << st[r].to_string();
-    const bool through_slot = n > 2 && (algo == Algo::kOneShot || algo == Algo::kTwoShot);
-    if (through_slot) EXPECT_GT(seen.ordered_steps.load(), 0) << what << " in place";
-    else EXPECT_EQ(seen.ordered_steps.load(), 0) << what << " in place";
+    EXPECT_EQ(seen.ordered_steps.load(), 0) << what << " in place";
   }
 }
 
-// In place (one-shot and two-shot fold the own operand third or later through the first
-// receive slot, here a low-latency one), and the other collectives, low-latency.
+// In place (one-shot and two-shot fold the own operand third or later, here with low-latency
+// payloads, and write it in one pass), and the other collectives, low-latency.
 TEST_P(LowLatencySteps, InPlaceAndEveryCollectiveExact) {
   const int n = GetParam();
   Ring ring = ll_node(n);

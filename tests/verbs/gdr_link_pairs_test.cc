@@ -49,8 +49,8 @@ std::vector<uint64_t> sent_since(Ring& ring, int n, std::vector<uint64_t>& befor
 class PairSteps : public ::testing::TestWithParam<int> {};
 
 // Allreduce by one-shot and two-shot (and the ring between them, on the same peers) at counts
-// 1, 7 and 2053, out of place and in place (a fold whose own operand is third or later goes
-// through the first receive slot); the bytes per rank exact.
+// 1, 7 and 2053, out of place and in place (a fold whose own operand is third or later writes
+// its own operand in one pass); the bytes per rank exact.
 TEST_P(PairSteps, AllreduceExactWithThePlannersBytes) {
   const int n = GetParam();
   Ring ring = pair_ring(n);
@@ -162,9 +162,9 @@ class CountingStream final : public StepStream {
   Status signal_ready(int p, uint64_t v) override { return ++now_.signals, in_.signal_ready(p, v); }
   Status signal_consumed(int p, uint64_t v) override { return ++now_.signals, in_.signal_consumed(p, v); }
   Status copy(StepBuf d, StepBuf s, size_t b) override { return ++now_.ops, in_.copy(d, s, b); }
-  Status reduce(StepBuf d, StepBuf a, StepBuf b, size_t n) override { return ++now_.ops, in_.reduce(d, a, b, n); }
-  Status reduce_final(StepBuf d, StepBuf d2, StepBuf a, StepBuf b, size_t n) override {
-    return ++now_.ops, in_.reduce_final(d, d2, a, b, n);
+  // A fold of k operands is k - 1 operations of the step kernel's table (a run of chained ones).
+  Status fold(StepBuf d, StepBuf d2, const StepBuf* x, int k, size_t n, bool final) override {
+    return now_.ops += k - 1, in_.fold(d, d2, x, k, n, final);
   }
 
  private:
@@ -173,9 +173,10 @@ class CountingStream final : public StepStream {
   StepFigures now_;
 };
 
-// At 1x8 a one-shot allreduce step receives from 7 peers and folds 8 operands: 7 waits, 7
-// reductions, 7 signals; two-shot's reduce step also sends to the 7 (its slots wrap after 2
-// messages: 14 waits, 7 reductions and 6 copies, 14 signals). Both far within a step table.
+// At 1x8 a one-shot allreduce step receives from 7 peers and folds 8 operands: 7 waits, a fold
+// of 7 table operations (one chained run), 7 signals; two-shot's reduce step also sends to the 7
+// (its slots wrap after 2 messages: 14 waits, the fold's 7 operations and 6 copies, 14
+// signals). Both far within a step table.
 TEST(PairSteps, AStepOfSevenPeersAtEightRanks) {
   const int n = 8;
   Ring ring = pair_ring(n);

@@ -31,11 +31,10 @@ class RecordingStream final : public StepStream {
   Status signal_ready(int p, uint64_t v) override { return put(" sr ", p, ":", v), in_.signal_ready(p, v); }
   Status signal_consumed(int p, uint64_t v) override { return put(" sc ", p, ":", v), in_.signal_consumed(p, v); }
   Status copy(StepBuf d, StepBuf s, size_t b) override { return put(" copy", buf(d), buf(s), b), in_.copy(d, s, b); }
-  Status reduce(StepBuf d, StepBuf a, StepBuf b, size_t n) override {
-    return put(" reduce", buf(d), buf(a), buf(b), n), in_.reduce(d, a, b, n);
-  }
-  Status reduce_final(StepBuf d, StepBuf d2, StepBuf a, StepBuf b, size_t n) override {
-    return put(" final", buf(d), buf(d2), buf(a), buf(b), n), in_.reduce_final(d, d2, a, b, n);
+  Status fold(StepBuf d, StepBuf d2, const StepBuf* x, int k, size_t n, bool final) override {
+    put(final ? " final" : " fold", buf(d), buf(d2));
+    for (int j = 0; j < k; ++j) put(buf(x[j]));
+    return put(" ", n), in_.fold(d, d2, x, k, n, final);
   }
 
  private:

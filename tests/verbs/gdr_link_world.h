@@ -179,11 +179,28 @@ class HostStream final : public StepStream {
     pack(dst, x, bytes);
     return Status::Ok();
   }
-  Status reduce(StepBuf dst, StepBuf a, StepBuf b, size_t count) override {
-    return binary(dst, {}, a, b, count, false);
-  }
-  Status reduce_final(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count) override {
-    return binary(dst, dst2, a, b, count, true);
+  // Every source read (its lines as they land) before dst is written, so dst may be one of
+  // them; folded left pairwise with the host loops, the last step final.
+  Status fold(StepBuf dst, StepBuf dst2, const StepBuf* srcs, int k, size_t count, bool final) override {
+    if (k < 2) return {Code::kInternal, "host stream: a fold of " + std::to_string(k) + " operands"};
+    dst = flagged(dst);
+    dst2 = flagged(dst2);
+    const size_t bytes = count * element_size(type_);
+    std::vector<uint8_t> acc, y;
+    GS_RETURN_IF_ERROR(unpack(flagged(srcs[0]), bytes, &acc));
+    std::vector<uint8_t> r(acc.size(), 0);
+    for (int j = 1; j < k; ++j) {
+      GS_RETURN_IF_ERROR(unpack(flagged(srcs[j]), bytes, &y));
+      if (final && j == k - 1) {
+        kernels::reduce_final(type_, op_, r.data(), nullptr, acc.data(), y.data(), count, world_);
+      } else {
+        kernels::reduce(type_, op_, r.data(), acc.data(), y.data(), count);
+      }
+      acc.swap(r);
+    }
+    pack(dst, acc, bytes);
+    pack(dst2, acc, bytes);
+    return Status::Ok();
   }
 
  private:
@@ -223,25 +240,6 @@ class HostStream final : public StepStream {
       store(&line[2 * u], uint64_t(dst.flag) << 32 | d[0]);
       store(&line[2 * u + 1], uint64_t(dst.flag) << 32 | d[1]);
     }
-  }
-  Status binary(StepBuf dst, StepBuf dst2, StepBuf a, StepBuf b, size_t count, bool final) {
-    dst = flagged(dst);
-    dst2 = flagged(dst2);
-    a = flagged(a);
-    b = flagged(b);
-    const size_t bytes = count * element_size(type_);
-    std::vector<uint8_t> x, y;
-    GS_RETURN_IF_ERROR(unpack(a, bytes, &x));
-    GS_RETURN_IF_ERROR(unpack(b, bytes, &y));
-    std::vector<uint8_t> r(x.size(), 0);
-    if (final) {
-      kernels::reduce_final(type_, op_, r.data(), nullptr, x.data(), y.data(), count, world_);
-    } else {
-      kernels::reduce(type_, op_, r.data(), x.data(), y.data(), count);
-    }
-    pack(dst, r, bytes);
-    pack(dst2, r, bytes);
-    return Status::Ok();
   }
   // A count made absolute (the base is 0 in a call that is not relative).
   int64_t at(int base, int64_t v) const { return int64_t(base_[size_t(base)]) + v; }
