@@ -406,6 +406,8 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   if (m.channels.shape.node_count() == 1) {  // no RDMA: every hop by CUDA IPC
     m.description = std::string("CUDA IPC steps (ring and double binary tree") +
                     (m.channels.pairs.size() > 0 ? ", one-shot and two-shot on every pair" : "") + " on this node; " +
+                    (m.channels.pairs.size() > 0 ? "allreduce by the cost model: " + rdma_auto_summary(m.channels) + "; "
+                                                 : std::string()) +
                     proto + ") over " + m.link->describe();
     return true;
   }
