@@ -271,5 +271,34 @@ TEST(PairSteps, OnlyWhenAskedOnOneNodeOfAtMostEight) {
   EXPECT_TRUE(rdma_steps(two_nodes, CollectiveKind::kAllreduce, Algo::kTree, 100, 8, 0, 256).ok());
 }
 
+// The cost model on one node's pairs (GRADSYNC_GPU_NODE_STEPS=1, every call on the steps):
+// one-shot and two-shot are among its choices, beside the ring and trees. One-shot (one hop)
+// takes the smallest calls; large calls go to an algorithm that sends 2 (n-1)/n S per rank
+// (ring or two-shot), never to one-shot's (n-1) S. Without the pairs neither is chosen.
+TEST(PairSteps, TheCostModelChoosesAmongOneShotAndTwoShotOnThePairs) {
+  for (int n : {3, 4, 8}) {
+    std::vector<int> members;
+    std::vector<std::string> hosts;
+    for (int r = 0; r < n; ++r) {
+      members.push_back(r);
+      hosts.push_back("n0");
+    }
+    for (bool pairs : {true, false}) {
+      auto ch = rdma_channels(members, hosts, 0, /*direct=*/true, pairs);
+      ASSERT_TRUE(ch.ok()) << ch.status().to_string();
+      rdma_choose_algos(*ch);
+      std::printf("1x%d %s the pairs: %s\n", n, pairs ? "with" : "without", rdma_auto_summary(*ch).c_str());
+      const Algo small = rdma_auto_algo(*ch, 8), large = rdma_auto_algo(*ch, size_t(256) << 20);
+      if (pairs) {
+        EXPECT_EQ(small, Algo::kOneShot) << n << ": " << rdma_auto_summary(*ch);
+      } else {
+        EXPECT_NE(small, Algo::kOneShot);
+        EXPECT_NE(small, Algo::kTwoShot);
+      }
+      EXPECT_TRUE(large == Algo::kRing || large == Algo::kTwoShot) << n << ": " << rdma_auto_summary(*ch);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gradsync
