@@ -9,8 +9,9 @@
 #   staged  NODES gradsyncd (default 2) as nodes on loopback TCP, PER_NODE ranks each
 #           (default 1), GPU (node * PER_NODE + local) mod the GPU count: gradsync's
 #           multi-node GPU path (the step channels over TCP peers, GRADSYNC_GPU_STAGED=1 for
-#           the host-staged schedule; with PER_NODE >= 2 and
-#           GRADSYNC_GPU_HIERARCHICAL=1 on a verbs machine, the hierarchical one) vs NCCL
+#           the host-staged schedule; with PER_NODE >= 2 their allreduce may be hierarchical,
+#           as the cost model chooses: GRADSYNC_ALGO=hierarchical forces it,
+#           GRADSYNC_GPU_HIERARCHICAL=0 leaves it out) vs NCCL
 #           forced onto sockets (NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket
 #           NCCL_SOCKET_IFNAME=lo). Ranks that share a GPU get an NCCL_HOSTID per node so that
 #           NCCL too sees separate hosts (it refuses two ranks on one GPU of one host).
@@ -18,7 +19,8 @@
 # Environment for staged: GRADSYNC_* (rings, slots, ...) reach every daemon and rank. For ipc,
 # GRADSYNC_ALGO picks the one-node protocol of every call: unset, the kernels by size (low-latency
 # lines, one-shot, two-shot from 3 ranks and 1 MiB); oneshot or twoshot, that kernel; ring or
-# tree, the planner's ring or trees through the step runner over CUDA IPC (docs/architecture.md).
+# tree, the planner's ring or trees through the step runner over CUDA IPC (docs/architecture.md);
+# GRADSYNC_GPU_NODE_STEPS=1 puts every call on the step runner (its cost model's choice).
 # Tables go to $OUT/bench-gpu-*.txt and are printed at the end. NCCL_NVLS_ENABLE=0 always.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
