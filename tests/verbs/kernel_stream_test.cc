@@ -33,6 +33,13 @@ struct Recorder {
 // Buffers that are never dereferenced (the launcher only records).
 alignas(16) float in[4096], out[4096], slot_a[1024], slot_b[1024];
 
+// One step of one copy of `count` floats.
+void copy_step(KernelStream& ks, void* dst, const void* src, size_t count) {
+  ASSERT_TRUE(ks.begin_step().ok());
+  ASSERT_TRUE(ks.copy(dst, src, count * 4).ok());
+  ASSERT_TRUE(ks.end_step().ok());
+}
+
 TEST(KernelStream, DisjointChunksOfAnOutOfPlaceRingNeedNoBarrier) {
   KernelStreamWords w;
   Recorder rec;
@@ -80,11 +87,7 @@ TEST(KernelStream, ARangeTouchedThroughAnotherPartitionGetsABarrier) {
   KernelStreamWords w;
   Recorder rec;
   KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
-  auto one = [&](void* dst, const void* src, size_t count) {
-    ASSERT_TRUE(ks.begin_step().ok());
-    ASSERT_TRUE(ks.copy(dst, src, count * 4).ok());
-    ASSERT_TRUE(ks.end_step().ok());
-  };
+  auto one = [&](void* dst, const void* src, size_t count) { copy_step(ks, dst, src, count); };
   one(out, slot_a, 512);        // 0: writes out[0, 512)
   one(slot_b, out, 512);        // 1: reads the same range at the same length: the same blocks
   one(slot_b, out + 256, 256);  // 2: reads half of it through another split: a barrier
@@ -257,11 +260,7 @@ TEST(KernelStream, EveryOperandOfAFoldCountsForTheBarrier) {
   KernelStreamWords w;
   Recorder rec;
   KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
-  auto copy = [&](void* dst, const void* src, size_t count) {
-    ASSERT_TRUE(ks.begin_step().ok());
-    ASSERT_TRUE(ks.copy(dst, src, count * 4).ok());
-    ASSERT_TRUE(ks.end_step().ok());
-  };
+  auto copy = [&](void* dst, const void* src, size_t count) { copy_step(ks, dst, src, count); };
   auto fold = [&](void* dst, std::vector<StepBuf> x, size_t count) {
     ASSERT_TRUE(ks.begin_step().ok());
     ASSERT_TRUE(ks.fold(dst, {}, x.data(), int(x.size()), count, false).ok());
