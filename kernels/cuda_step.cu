@@ -215,9 +215,24 @@ __device__ bool low_latency_op(const NodeArgs& a, const StepOp* ops, int nops, c
 // multiprocessor is all a launch needs (its blocks are capped at the multiprocessors, over the
 // ranks sharing them): without the 1, ptxas held some instantiations to 64 registers, for two
 // blocks each, and spilled (float16 sum: 36 bytes stored, 196 loaded, with the one-pass folds).
+// The table is read from shared memory: the block copies the parameter there first, every
+// thread a few 8-byte words at once. Read in place, each field's first read was a miss of the
+// constant cache, one after another as the steps went on (a small call's table is some 40
+// such lines).
+template <class Table>
+__device__ inline const Table& table_in_shared(const Table& param, unsigned char* raw) {
+  static_assert(sizeof(Table) % 8 == 0 && alignof(Table) <= 8, "a table copies as 8-byte words");
+  const uint2* src = reinterpret_cast<const uint2*>(&param);
+  uint2* dst = reinterpret_cast<uint2*>(raw);
+  for (unsigned i = threadIdx.x; i < unsigned(sizeof(Table) / 8); i += blockDim.x) dst[i] = src[i];
+  return *reinterpret_cast<const Table*>(raw);
+}
+
 template <class Table, class Tr, class Op, class OpF>
-__global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant__ Table s, Op op, OpF op_final) {
+__global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant__ Table param, Op op, OpF op_final) {
   using S = typename Tr::S;
+  __shared__ __align__(8) unsigned char raw[sizeof(Table)];
+  const Table& s = table_in_shared(param, raw);
   __shared__ int go;
   // The bases of the table's relative counts, as they were when the launch started.
   __shared__ uint64_t base[kStepMaxBases];
@@ -226,11 +241,12 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   // the device word a failed launch sets, not the error in host memory: a read of mapped host
   // memory took 0.9 us on the H200, and 8 us with 8 blocks reading at once, at every launch.
   // An error recorded by anything else is seen at the waits' next look at the host words.
-  // Read beside the bases, before the barrier (one round trip for both).
-  volatile uint32_t* failed_before = s.counters + kStepFailed;
+  // Read beside the bases and the table's copy, before the barrier (one round trip for all;
+  // from the parameter, as the copy is not done yet).
+  volatile uint32_t* failed_before = param.counters + kStepFailed;
   bool alive = true;
   if (threadIdx.x == 0) alive = *failed_before == 0;
-  if (threadIdx.x < unsigned(kStepMaxBases)) base[threadIdx.x] = s.bases != nullptr ? s.bases[threadIdx.x] : 0;
+  if (threadIdx.x < unsigned(kStepMaxBases)) base[threadIdx.x] = param.bases != nullptr ? param.bases[threadIdx.x] : 0;
   __syncthreads();
   for (int k = 0; k < s.nsteps; ++k) {
     const TableStep& st = s.steps[k];
@@ -353,7 +369,8 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   // The last block to end zeroes the counters for the stream's next launch (launches on one
   // stream do not overlap) and moves the bases on; every other block has stopped reading them
   // by then (each read the bases at its start).
-  if (threadIdx.x == 0 && atomicAdd(s.counters + kStepBlocksEnded, 1u) == gridDim.x - 1) {
+  // A launch of one block is its own last (its steps counted nothing).
+  if (threadIdx.x == 0 && (gridDim.x == 1 || atomicAdd(s.counters + kStepBlocksEnded, 1u) == gridDim.x - 1)) {
     for (int k = 0; k < s.nsteps; ++k) s.counters[k] = 0;
     s.counters[kStepBlocksEnded] = 0;
     if (s.bases != nullptr) {
