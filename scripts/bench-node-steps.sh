@@ -9,7 +9,8 @@
 # TESTS: the benches (default LowLatencyBesideBulk; OneShotBesideTwoShot takes
 # NODE_BENCH_PROTOS); RANKS: ranks per run, space-separated (default 8); BINS: node_gpu_test
 # binaries in bundle/bin, run in turn (say a build of main before a change beside the new one);
-# BENCH_TIMEOUT: seconds per run (default 240). NODE_BENCH_GATE=1 holds every rank's stream
+# BENCH_TIMEOUT: seconds per run (default 240; under the op timeout of 120 s a hang is killed before
+# it names what it waited for). NODE_BENCH_GATE=1 holds every rank's stream
 # until all have queued their calls (the GPU's time alone). Logs go to $OUT/bench-*.log; the
 # tables are printed last, one per binary.
 set -uo pipefail
@@ -22,7 +23,9 @@ logs=()
 for test in ${TESTS:-LowLatencyBesideBulk}; do
   for ranks in ${RANKS:-8}; do
     for bin in ${BINS:-node_gpu_test}; do
-      log="$OUT/bench-$bin-$test-$ranks${NODE_BENCH_GATE:+-gated}.log"
+      # A second run in the same $OUT keeps the first's log: run2, run3, ...
+      base="$OUT/bench-$bin-$test-$ranks${NODE_BENCH_GATE:+-gated}" log="$base.log"
+      for ((k = 2; k < 100; ++k)); do [ -e "$log" ] || break; log="$base-run$k.log"; done
       t0=$(date +%s)
       NODE_BENCH_RANKS=$ranks timeout -k 10 "${BENCH_TIMEOUT:-240}" "bundle/bin/$bin" \
         --gtest_also_run_disabled_tests --gtest_filter="OneNodeBench.DISABLED_$test" >"$log" 2>&1
