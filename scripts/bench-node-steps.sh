@@ -9,10 +9,10 @@
 # TESTS: the benches (default LowLatencyBesideBulk; OneShotBesideTwoShot takes
 # NODE_BENCH_PROTOS); RANKS: ranks per run, space-separated (default 8); BINS: node_gpu_test
 # binaries in bundle/bin, run in turn (say a build of main before a change beside the new one);
-# BENCH_TIMEOUT: seconds per run (default 240; under the op timeout of 120 s a hang is killed before
-# it names what it waited for). NODE_BENCH_GATE=1 holds every rank's stream
-# until all have queued their calls (the GPU's time alone). Logs go to $OUT/bench-*.log; the
-# tables are printed last, one per binary.
+# BENCH_TIMEOUT: seconds per run (default 240; below the 120 s op timeout a hang is killed
+# before it names what it waited for). NODE_BENCH_GATE=1 holds every rank's stream until all
+# have queued their calls (the GPU's time alone). Logs go to $OUT/bench-*.log (a second run
+# into the same $OUT adds -run2, -run3, ...); the tables are printed last, one per binary.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -23,7 +23,6 @@ logs=()
 for test in ${TESTS:-LowLatencyBesideBulk}; do
   for ranks in ${RANKS:-8}; do
     for bin in ${BINS:-node_gpu_test}; do
-      # A second run in the same $OUT keeps the first's log: run2, run3, ...
       base="$OUT/bench-$bin-$test-$ranks${NODE_BENCH_GATE:+-gated}" log="$base.log"
       for ((k = 2; k < 100; ++k)); do [ -e "$log" ] || break; log="$base-run$k.log"; done
       t0=$(date +%s)
