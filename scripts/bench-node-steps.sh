@@ -10,8 +10,10 @@
 # NODE_BENCH_PROTOS); RANKS: ranks per run, space-separated (default 8); BINS: node_gpu_test
 # binaries in bundle/bin, run in turn (say a build of main before a change beside the new one);
 # BENCH_TIMEOUT: seconds per run (default 240; below the 120 s op timeout a hang is killed
-# before it names what it waited for). NODE_BENCH_GATE=1 holds every rank's stream until all
-# have queued their calls (the GPU's time alone). Logs go to $OUT/bench-*.log (a second run
+# before it names what it waited for; past it, cuda-gdb, where installed, writes every host
+# thread's stack and the resident kernels to $OUT/bench-*-hang.txt before the kill).
+# NODE_BENCH_GATE=1 holds every rank's stream until all have queued their calls (the GPU's
+# time alone). Logs go to $OUT/bench-*.log (a second run
 # into the same $OUT adds -run2, -run3, ...); the tables are printed last, one per binary.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
@@ -26,9 +28,21 @@ for test in ${TESTS:-LowLatencyBesideBulk}; do
       base="$OUT/bench-$bin-$test-$ranks${NODE_BENCH_GATE:+-gated}" log="$base.log"
       for ((k = 2; k < 100; ++k)); do [ -e "$log" ] || break; log="$base-run$k.log"; done
       t0=$(date +%s)
-      NODE_BENCH_RANKS=$ranks timeout -k 10 "${BENCH_TIMEOUT:-240}" "bundle/bin/$bin" \
-        --gtest_also_run_disabled_tests --gtest_filter="OneNodeBench.DISABLED_$test" >"$log" 2>&1
-      echo "bench-node-steps: $bin $test x$ranks exit $? in $(( $(date +%s) - t0 )) s"
+      NODE_BENCH_RANKS=$ranks "bundle/bin/$bin" \
+        --gtest_also_run_disabled_tests --gtest_filter="OneNodeBench.DISABLED_$test" >"$log" 2>&1 &
+      pid=$! rc=
+      while kill -0 $pid 2>/dev/null && (( $(date +%s) - t0 < ${BENCH_TIMEOUT:-240} )); do sleep 0.5; done
+      if kill -0 $pid 2>/dev/null; then
+        # Past its time: every host thread's stack and the kernels still resident, then kill.
+        if command -v cuda-gdb >/dev/null; then
+          timeout -k 5 90 cuda-gdb -batch -p $pid -ex 'set pagination off' -ex 'thread apply all bt 24' \
+            -ex 'info cuda kernels' -ex detach >"${log%.log}-hang.txt" 2>&1
+          echo "bench-node-steps: $bin hung; stacks in $(basename "${log%.log}")-hang.txt"
+        fi
+        kill -9 $pid 2>/dev/null
+      fi
+      wait $pid; rc=$?
+      echo "bench-node-steps: $bin $test x$ranks exit $rc in $(( $(date +%s) - t0 )) s"
       logs+=("$log")
     done
   done

@@ -74,8 +74,27 @@ struct Measured {
 };
 // NODE_BENCH_GATE=1: every rank's stream is held by a host function until every rank has
 // queued all its calls, so the time per call is the GPU's alone (no host queueing in it).
-void gate_wait(void* open) {
-  while (!__atomic_load_n(static_cast<int*>(open), __ATOMIC_ACQUIRE)) std::this_thread::yield();
+// Bounded too: if every rank's queueing blocks on its own held stream (a launch queue full of
+// held work, say), no rank opens the gates, and the first gate opens itself after 40 s, saying
+// how many ranks had queued everything.
+struct Gate {
+  int open = 0;
+  std::atomic<int> queued{0};
+  std::atomic<bool> timed_out{false};
+};
+void gate_wait(void* arg) {
+  Gate& g = *static_cast<Gate*>(arg);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(40);
+  while (!__atomic_load_n(&g.open, __ATOMIC_ACQUIRE)) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      if (!g.timed_out.exchange(true))
+        std::fprintf(stderr, "node_gpu_test: the gate opened at its 40 s deadline with %d rank(s) done queueing\n",
+                     g.queued.load());
+      __atomic_store_n(&g.open, 1, __ATOMIC_RELEASE);
+      break;
+    }
+    std::this_thread::yield();
+  }
 }
 Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorithm algo) {
   const CallOptions opts{algo};
@@ -84,8 +103,7 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorith
   m.sent.assign(size_t(n), 0);
   std::vector<double> us(size_t(n), 0), host_us(size_t(n), 0);
   static const bool gated = std::getenv("NODE_BENCH_GATE") != nullptr;
-  int open = 0;
-  std::atomic<int> queued{0};
+  Gate gate;
   auto st = world.run([&](int r) -> Status {
     Communicator& comm = world.comm(r);
     GS_RETURN_IF_ERROR(testing::cuda_status(cudaSetDevice(comm.device()), "cudaSetDevice"));
@@ -108,7 +126,7 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorith
     auto before = comm.gpu_bytes_sent();
     if (!before.ok()) s = before.status();
     using clock = std::chrono::steady_clock;
-    if (gated) cudaLaunchHostFunc(stream, gate_wait, &open);
+    if (gated) cudaLaunchHostFunc(stream, gate_wait, &gate);
     auto t0 = clock::now();
     // NODE_BENCH_SYNC=1: wait for each call before the next (back to back otherwise).
     static const bool sync_each = std::getenv("NODE_BENCH_SYNC") != nullptr;
@@ -121,16 +139,17 @@ Measured allreduce_on_gpus(DaemonWorld& world, size_t count, int iters, Algorith
     }
     if (gated) {
       // The last rank to have queued everything opens every gate; the clock starts there.
-      if (queued.fetch_add(1) + 1 == n) __atomic_store_n(&open, 1, __ATOMIC_RELEASE);
+      if (gate.queued.fetch_add(1) + 1 == n) __atomic_store_n(&gate.open, 1, __ATOMIC_RELEASE);
       // Bounded: a rank that failed before queueing still gets here, one that returned early
       // does not, and the gates then open after 30 s (the figures are then worthless; the
       // error says why).
       const auto deadline = clock::now() + std::chrono::seconds(30);
-      while (!__atomic_load_n(&open, __ATOMIC_ACQUIRE) && clock::now() < deadline) std::this_thread::yield();
-      __atomic_store_n(&open, 1, __ATOMIC_RELEASE);
+      while (!__atomic_load_n(&gate.open, __ATOMIC_ACQUIRE) && clock::now() < deadline) std::this_thread::yield();
+      __atomic_store_n(&gate.open, 1, __ATOMIC_RELEASE);
       t0 = clock::now();
     }
     cudaStreamSynchronize(stream);
+    if (s.ok() && gate.timed_out) s = {Code::kDeadlineExceeded, "the bench's gate opened at its deadline (see above)"};
     us[r] = std::chrono::duration<double, std::micro>(clock::now() - t0).count() / iters;
     host_us[r] = std::chrono::duration<double, std::micro>(in_calls).count() / iters;
     if (s.ok()) s = comm.async_error();
