@@ -11,7 +11,8 @@
 # binaries in bundle/bin, run in turn (say a build of main before a change beside the new one);
 # BENCH_TIMEOUT: seconds per run (default 240; below the 120 s op timeout a hang is killed
 # before it names what it waited for; past it, cuda-gdb, where installed, writes every host
-# thread's stack and the resident kernels to $OUT/bench-*-hang.txt before the kill).
+# thread's stack and the resident kernels to $OUT/bench-*-hang.txt before the kill, within
+# HANG_DUMP_TIMEOUT seconds, default 90).
 # NODE_BENCH_GATE=1 holds every rank's stream until all have queued their calls (the GPU's
 # time alone). Logs go to $OUT/bench-*.log (a second run
 # into the same $OUT adds -run2, -run3, ...); the tables are printed last, one per binary.
@@ -35,7 +36,7 @@ for test in ${TESTS:-LowLatencyBesideBulk}; do
       if kill -0 $pid 2>/dev/null; then
         # Past its time: every host thread's stack and the kernels still resident, then kill.
         if command -v cuda-gdb >/dev/null; then
-          timeout -k 5 90 cuda-gdb -batch -p $pid -ex 'set pagination off' -ex 'thread apply all bt 24' \
+          timeout -k 5 "${HANG_DUMP_TIMEOUT:-90}" cuda-gdb -batch -p $pid -ex 'set pagination off' -ex 'thread apply all bt 24' \
             -ex 'info cuda kernels' -ex detach >"${log%.log}-hang.txt" 2>&1
           echo "bench-node-steps: $bin hung; stacks in $(basename "${log%.log}")-hang.txt"
         fi
