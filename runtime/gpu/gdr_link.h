@@ -16,8 +16,8 @@
 //   send_free  the NIC completed sends up to here           (worker writes, stream waits)
 //   arrived    receives landed, checked and flushed         (worker writes, stream waits)
 //   consumed   the stream read receive slots up to here     (stream writes, worker reads)
-// plan() tells the worker the lengths of the messages of each call, per peer, in order, before
-// or after the stream starts on them.
+// plan() tells the worker the lengths of the messages of each call, per peer, in order, and
+// which of them are low-latency (below), before or after the stream starts on them.
 //
 // The worker posts WRITE_WITH_IMM (imm = message number) of send slot m to peer p when p's
 // ready > m and p's credit (its `consumed` for us, RDMA-written into our credit word for p)
