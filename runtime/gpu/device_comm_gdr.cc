@@ -64,6 +64,9 @@ GdrConfig DeviceComm::gdr_config() const {
   // receive slots (none where bulk is forced; TCP peers have none):
   // up to 64 KiB of payload a message, as lines of twice its bytes.
   l.ll_bytes = g.protocol == plan::Protocol::kBulk ? 0 : std::min<size_t>(l.slot_bytes, size_t(128) << 10) / 16 * 16;
+  // The RDMA peers' only where GRADSYNC_PROTO=ll forces the protocol (the model keeps the hops
+  // between nodes bulk).
+  l.ll_queue_pairs = g.protocol == plan::Protocol::kLowLatency;
   l.op_timeout = cfg_.op_timeout;
   // The hops inside a node by CUDA IPC unless GRADSYNC_GDR_DIRECT=0 (then through the NIC).
   const char* direct = std::getenv("GRADSYNC_GDR_DIRECT");

@@ -178,15 +178,17 @@ Result<RdmaChannels> channels_of(const GdrConfig& cfg, bool direct) {
 
 // The slots of `peers` in GPU memory: per peer and direction used (a direct peer: receive
 // slots only; we write into its own), `slots` of `slot_bytes` and `slots` low-latency slots
-// of `ll_bytes` (GdrLink's blocks). TCP peers' slots are in pinned host memory and have no
-// low-latency slots.
+// of `ll_bytes` (GdrLink's blocks; an RDMA peer's only with `ll_queue_pairs`). TCP peers'
+// slots are in pinned host memory and have no low-latency slots.
 uint64_t peer_slot_bytes(const std::vector<GdrPeer>& peers, const GdrLinkConfig& link) {
-  uint64_t directions = 0;
+  uint64_t bytes = 0;
   for (const GdrPeer& p : peers) {
     if (link.tcp && !p.direct) continue;
-    directions += uint64_t(p.send && !p.direct) + uint64_t(p.recv);
+    const uint64_t directions = uint64_t(p.send && !p.direct) + uint64_t(p.recv);
+    const bool ll = p.direct || link.ll_queue_pairs;
+    bytes += directions * link.slots * (link.slot_bytes + (ll ? link.ll_bytes : 0));
   }
-  return directions * link.slots * (link.slot_bytes + link.ll_bytes);
+  return bytes;
 }
 
 }  // namespace

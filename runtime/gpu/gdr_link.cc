@@ -76,13 +76,14 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
   }
   // The region: per RDMA (or TCP) peer, its send block then its receive block (only the
   // directions used). The direct region: the words, then each direct peer's receive block.
-  // A block is `slots` slots, then (with ll_bytes; not for TCP peers) `slots` low-latency
-  // slots (Impl::ll_offset): the same layout on every rank, so the sender of an RDMA
-  // message finds the peer's low-latency receive slot from its receive slot 0.
+  // A block is `slots` slots, then (with ll_bytes; for an RDMA peer only with ll_queue_pairs;
+  // never for TCP peers) `slots` low-latency slots (Impl::ll_offset): the same layout on every
+  // rank, so the sender of an RDMA message finds the peer's low-latency receive slot from its
+  // receive slot 0.
   const size_t block = size_t(cfg.slots) * cfg.slot_bytes;
   const size_t ll_block = block + size_t(cfg.slots) * cfg.ll_bytes;
   const size_t direct_block = ll_block;
-  const size_t remote_block = tcp ? block : ll_block;
+  const size_t remote_block = tcp || !cfg.ll_queue_pairs ? block : ll_block;
   bool any_direct = false;
   direct_bytes = (kDirectWordsOffset + peers.size() * sizeof(GdrWords) + 255) / 256 * 256;
   for (PeerLink& l : peers) {

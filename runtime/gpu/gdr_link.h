@@ -127,6 +127,11 @@ struct GdrLinkConfig {
   // each direct peer's receive slots and each RDMA peer's send and receive slots, not a TCP
   // peer's. Equal on every rank, as slot_bytes.
   size_t ll_bytes = 0;
+  // The RDMA peers' low-latency slots exist only with this (the GPU communicator sets it where
+  // GRADSYNC_PROTO=ll forces the protocol: its cost model never takes it across nodes, so
+  // elsewhere they would be memory no call uses); a direct peer's need only ll_bytes. Equal on
+  // every rank.
+  bool ll_queue_pairs = false;
   std::chrono::milliseconds op_timeout{300'000};
   std::string log_name = "gpu";  // spdlog logger
 };

@@ -160,7 +160,10 @@ struct GdrLink::Impl {
   // Low-latency slots exist beside a direct peer's receive slots and an RDMA peer's send and
   // receive slots; TCP peers have none (their frames are bulk: a frame's bytes reach the
   // receive slot by the worker's read, which publishes `arrived` anyway).
-  bool has_ll(const PeerLink& l) const { return cfg.ll_bytes > 0 && !l.peer.tcp; }
+  // RDMA peers' only with GdrLinkConfig::ll_queue_pairs.
+  bool has_ll(const PeerLink& l) const {
+    return cfg.ll_bytes > 0 && !l.peer.tcp && (l.peer.direct || cfg.ll_queue_pairs);
+  }
   uint8_t* ll_slot(int p, bool recv_side, uint64_t msg) const {
     const PeerLink& l = peers[size_t(p)];
     if (!has_ll(l)) return nullptr;

@@ -222,6 +222,39 @@ TEST(LowLatencyNicCheck, ReceiverChecksTheLinesLength) {
   }
 }
 
+// Without ll_queue_pairs (the GPU communicator's links unless GRADSYNC_PROTO=ll forces the
+// protocol) queue-pair peers get no low-latency slots: the region holds the bulk blocks alone,
+// and a low-latency call's hops through the NIC run bulk (the receiver waits for `arrived`),
+// exact, while the direct hops inside a node still take their low-latency slots.
+TEST(LowLatencyNicOff, QueuePairPeersHaveNoSlotsUnlessAsked) {
+  Ring ring(4, kSlots, kSlotBytes, /*per_node=*/2, 10s, 1, /*direct=*/true, /*nic=*/true, /*tcp=*/false,
+            [](int, GdrLinkConfig& c, GdrLinkOps&) { c.ll_bytes = kLlBytes; });
+  ASSERT_EQ(ring.error(), "");
+  for (int r = 0; r < 4; ++r) {
+    const GdrLink& link = ring.link(r);
+    size_t blocks = 0;
+    for (int p = 0; p < link.peer_count(); ++p) {
+      const GdrPeer& peer = link.peer(p);
+      if (peer.direct) {
+        if (peer.recv) EXPECT_NE(link.ll_slot(p, true, 0), nullptr) << "rank " << r;
+        continue;
+      }
+      blocks += size_t(peer.send) + size_t(peer.recv);
+      EXPECT_EQ(link.ll_slot(p, false, 0), nullptr) << "rank " << r;
+      EXPECT_EQ(link.ll_slot(p, true, 0), nullptr) << "rank " << r;
+    }
+    EXPECT_EQ(link.region_bytes(), blocks * kSlots * kSlotBytes) << "rank " << r;
+  }
+  Seen seen;
+  watch(ring, &seen);
+  ring.low_latency = true;
+  for (Algo algo : {Algo::kRing, Algo::kTree}) {
+    for (size_t count : {size_t(1), size_t(2053)}) expect_allreduce(ring, 4, count, algo);
+  }
+  EXPECT_GT(seen.arrival_waits.load(), 0) << "the NIC hops wait for arrivals";
+  EXPECT_GT(seen.ll_operands.load(), 0) << "the direct hops still go low-latency";
+}
+
 // TCP peers have no low-latency slots: their messages stay bulk (the receiver waits for
 // `arrived`) in a low-latency call, exact; nodes of one rank take no low-latency slot at all.
 TEST(LowLatencyTcp, TcpPeersStayBulk) {

@@ -12,9 +12,13 @@
 
 namespace gradsync::gdr_link_ll_watch {
 
-// A Ring tweak (gdr_link_world.h): every rank's links get low-latency slots of `bytes`.
+// A Ring tweak (gdr_link_world.h): every rank's links get low-latency slots of `bytes`, beside
+// its RDMA peers' slots too (ll_queue_pairs).
 inline auto with_ll(size_t bytes) {
-  return [bytes](int, GdrLinkConfig& c, GdrLinkOps&) { c.ll_bytes = bytes; };
+  return [bytes](int, GdrLinkConfig& c, GdrLinkOps&) {
+    c.ll_bytes = bytes;
+    c.ll_queue_pairs = true;
+  };
 }
 
 // Counts what the runner asks of the stream: waits for `arrived`, operands in low-latency
