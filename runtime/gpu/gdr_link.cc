@@ -526,14 +526,16 @@ void GdrLink::Impl::run() {
         const uint8_t* src = planned.ll ? ll_slot(int(i), false, msg) : slot(int(i), false, msg);
         const uint64_t dst = l.peer_slots + (planned.ll ? ll_offset(msg) : (msg % cfg.slots) * cfg.slot_bytes);
         const size_t off = size_t(reinterpret_cast<uint64_t>(src) - region.mr->addr());
+        // Counted before the write is posted: once it lands, the peer's stream may finish
+        // the call, and whoever reads the count after the call then finds this message in it.
+        // Payload bytes, for either protocol: a low-latency message's flags are not counted.
+        __atomic_fetch_add(&l.bytes_sent, uint64_t(planned.bytes), __ATOMIC_RELEASE);
         Status s = l.qp.post_write_with_imm(*region.mr, off, planned.wire(), dst, l.peer_slot_rkey, uint32_t(msg), msg);
         if (!s.ok()) {
           return fail({s.code(), "GPUDirect RDMA write of message " + std::to_string(msg) + " to " +
                                      peer_name(l.peer.rank) + ": " + s.message()});
         }
         ++l.posted;
-        // Payload bytes, for either protocol: a low-latency message's flags are not counted.
-        __atomic_fetch_add(&l.bytes_sent, uint64_t(planned.bytes), __ATOMIC_RELAXED);
         progress = true;
         if (trace) {
           log::get(cfg.log_name)->info("{}: gdr posted message {} ({} bytes{}) to {}", cfg.who, msg, planned.wire(),
