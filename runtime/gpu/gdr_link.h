@@ -8,8 +8,10 @@
 //
 // One RC queue pair per peer carries both directions. Slots, per peer in `peers` order: `slots`
 // send slots when this rank sends to it, then `slots` receive slots when it receives from it,
-// `slot_bytes` each, each block followed by its low-latency slots (with ll_bytes, below). Messages are numbered per peer and direction from 0 since set-up; message
-// m to peer p uses our send slot m % slots and lands in p's receive slot m % slots for us.
+// `slot_bytes` each, each block followed by its low-latency slots (with ll_bytes and
+// ll_queue_pairs, below). Messages are numbered per peer and direction from 0 since set-up;
+// message m to peer p uses our send slot m % slots and lands in p's receive slot m % slots
+// for us.
 //
 // The words, per peer, each a count of messages (monotonic), in memory both sides can reach:
 //   ready      the stream filled send slots up to here      (stream writes, worker reads)
@@ -40,9 +42,10 @@
 //   arrived, send_free   <- our own words[p] in our region, which p stores into
 // stream_words() gives the stream those addresses; for RDMA peers they are the `words` given to
 // create. The stream's waits keep their own deadline (the worker never sees direct messages).
-// With GdrLinkConfig::ll_bytes, each direct peer's receive slots, and each RDMA peer's send
-// and receive slots, have `slots` low-latency slots of ll_bytes beside them (ll_slot; each
-// block is its slots, then its low-latency slots, on every rank alike): a message there
+// With GdrLinkConfig::ll_bytes, each direct peer's receive slots, and (with ll_queue_pairs
+// too) each RDMA peer's send and receive slots, have `slots` low-latency slots of ll_bytes
+// beside them (ll_slot; each block is its slots, then its low-latency slots, on every rank
+// alike): a message there
 // travels as 16-byte lines of 8 payload bytes, each 4 bytes followed by the message's flag
 // (kernels/cuda_node_ll.cuh's format), so a receiver reads each line once its flags say it
 // holds the message, without waiting for `arrived`. To a direct peer the stream writes the
@@ -124,8 +127,8 @@ struct GdrLinkConfig {
   size_t slot_bytes = 1u << 20;
   uint32_t slots = 4;
   // Bytes of each low-latency slot (a multiple of 16; 0: none), half of them payload: beside
-  // each direct peer's receive slots and each RDMA peer's send and receive slots, not a TCP
-  // peer's. Equal on every rank, as slot_bytes.
+  // each direct peer's receive slots and (with ll_queue_pairs) each RDMA peer's send and
+  // receive slots, never a TCP peer's. Equal on every rank, as slot_bytes.
   size_t ll_bytes = 0;
   // The RDMA peers' low-latency slots exist only with this (the GPU communicator sets it where
   // GRADSYNC_PROTO=ll forces the protocol: its cost model never takes it across nodes, so
@@ -195,7 +198,8 @@ class GdrLink {
   uint8_t* slot(int index, bool receive, uint64_t msg) const;
   // The low-latency slot of that message (a direct peer's send slot is in its region; an RDMA
   // peer's are our own, which the worker writes into the peer's low-latency receive slot):
-  // null for a TCP peer, or without GdrLinkConfig::ll_bytes. It holds ll_payload_bytes() of
+  // null for a TCP peer, an RDMA peer without GdrLinkConfig::ll_queue_pairs, or without
+  // GdrLinkConfig::ll_bytes. It holds ll_payload_bytes() of
   // payload.
   uint8_t* ll_slot(int index, bool receive, uint64_t msg) const;
   size_t ll_payload_bytes() const;
