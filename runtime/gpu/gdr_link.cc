@@ -590,8 +590,12 @@ void GdrLink::Impl::run() {
       PeerLink& l = peers[i];
       if (l.peer.direct) continue;
       if (!publish_landed(i, planned_r[i], &progress)) return;
-      // Credits: the stream read receive slots; the peer may write them again.
-      const uint64_t consumed = load(&l.words->consumed);
+      // Credits: the stream read receive slots; the peer may write them again. Never past
+      // the messages whose completion this worker took (each gave its receive request back):
+      // a low-latency message is read by its lines, possibly before its completion is polled,
+      // and a credit for it then would let the peer write into a queue with no receive posted
+      // (RNR: the write fails).
+      const uint64_t consumed = std::min<uint64_t>(load(&l.words->consumed), l.arrived + l.landed.size());
       if (consumed > l.credit_sent && !l.credit_inflight) {
         l.credit->credit_src = consumed;
         const size_t off = size_t(i) * sizeof(CreditWords) + offsetof(CreditWords, credit_src);
