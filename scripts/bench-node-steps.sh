@@ -14,8 +14,8 @@
 # thread's stack and the resident kernels to $OUT/bench-*-hang.txt before the kill, within
 # HANG_DUMP_TIMEOUT seconds, default 90).
 # NODE_BENCH_GATE=1 holds every rank's stream until all have queued their calls (the GPU's
-# time alone). Logs go to $OUT/bench-*.log (a second run
-# into the same $OUT adds -run2, -run3, ...); the tables are printed last, one per binary.
+# time alone). Logs go to $OUT/bench-*.log (a second run into the same $OUT adds -run2,
+# -run3, ...); the tables are printed last, one per binary.
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
