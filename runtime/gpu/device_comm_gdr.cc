@@ -60,9 +60,13 @@ GdrConfig DeviceComm::gdr_config() const {
                             who(), p);
     }
   }
-  // Low-latency slots beside each direct peer's receive slots (none where bulk is forced):
+  // Low-latency slots beside each direct peer's receive slots and each RDMA peer's send and
+  // receive slots (none where bulk is forced; TCP peers have none):
   // up to 64 KiB of payload a message, as lines of twice its bytes.
   l.ll_bytes = g.protocol == plan::Protocol::kBulk ? 0 : std::min<size_t>(l.slot_bytes, size_t(128) << 10) / 16 * 16;
+  // The RDMA peers' only where GRADSYNC_PROTO=ll forces the protocol (the model keeps the hops
+  // between nodes bulk).
+  l.ll_queue_pairs = g.protocol == plan::Protocol::kLowLatency;
   l.op_timeout = cfg_.op_timeout;
   // The hops inside a node by CUDA IPC unless GRADSYNC_GDR_DIRECT=0 (then through the NIC).
   const char* direct = std::getenv("GRADSYNC_GDR_DIRECT");
@@ -80,7 +84,7 @@ std::string DeviceComm::slots_over_budget(const GdrConfig& g) const {
   if (memory().gpu_bytes + slots <= limit) return {};
   return "its slots (" + std::to_string(slots) + " bytes: " + std::to_string(g.link.slots) + " x " +
          std::to_string(g.link.slot_bytes) + " bytes per peer and direction, and " + std::to_string(g.link.slots) +
-         " x " + std::to_string(g.link.ll_bytes) + " low-latency bytes per direct peer received from) with the " +
+         " x " + std::to_string(g.link.ll_bytes) + " low-latency bytes per peer and direction) with the " +
          std::to_string(memory().gpu_bytes >> 20) + " MiB held do not fit GRADSYNC_GPU_MEMORY_MAX = " +
          std::to_string(limit >> 20) + " MiB";
 }

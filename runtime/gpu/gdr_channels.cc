@@ -176,16 +176,19 @@ Result<RdmaChannels> channels_of(const GdrConfig& cfg, bool direct) {
                        cfg.pairs);
 }
 
-// The slots of `peers`: `slots` of `slot_bytes` per peer and direction used (a direct peer:
-// receive slots only; we write into its own).
+// The slots of `peers` in GPU memory: per peer and direction used (a direct peer: receive
+// slots only; we write into its own), `slots` of `slot_bytes` and `slots` low-latency slots
+// of `ll_bytes` (GdrLink's blocks; an RDMA peer's only with `ll_queue_pairs`). TCP peers'
+// slots are in pinned host memory and have no low-latency slots.
 uint64_t peer_slot_bytes(const std::vector<GdrPeer>& peers, const GdrLinkConfig& link) {
-  uint64_t directions = 0, ll = 0;
+  uint64_t bytes = 0;
   for (const GdrPeer& p : peers) {
-    if (link.tcp && !p.direct) continue;  // TCP peers' slots are in pinned host memory
-    directions += uint64_t(p.send && !p.direct) + uint64_t(p.recv);
-    if (p.direct && p.recv) ll += uint64_t(link.slots) * link.ll_bytes;  // its low-latency slots
+    if (link.tcp && !p.direct) continue;
+    const uint64_t directions = uint64_t(p.send && !p.direct) + uint64_t(p.recv);
+    const bool ll = p.direct || link.ll_queue_pairs;
+    bytes += directions * link.slots * (link.slot_bytes + (ll ? link.ll_bytes : 0));
   }
-  return directions * link.slots * link.slot_bytes + ll;
+  return bytes;
 }
 
 }  // namespace
@@ -395,11 +398,13 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   sw.max_blocks = cfg.max_blocks;
   sw.who = cfg.link.who;
   m.gpu_slots = in_host->empty() && !cfg.tcp;
-  // The protocol in words: GRADSYNC_PROTO's, else the model's per size (low-latency only
-  // on the hops to direct peers).
+  // The protocol in words: GRADSYNC_PROTO's, else the model's per size (low-latency by the
+  // model only on one node; forced, on the hops to direct and RDMA peers, while TCP hops
+  // stay bulk).
   const std::string proto = cfg.protocol ? std::string(plan::to_string(*cfg.protocol)) + " at every size (GRADSYNC_PROTO" +
-                                               (*cfg.protocol == plan::Protocol::kLowLatency && m.channels.shape.node_count() > 1
-                                                    ? ", on the hops inside a node"
+                                               (*cfg.protocol == plan::Protocol::kLowLatency && cfg.tcp &&
+                                                        m.channels.shape.node_count() > 1
+                                                    ? ", on the hops inside a node; TCP hops bulk"
                                                     : "") +
                                                ")"
                                          : rdma_protocol_summary(m.channels);

@@ -62,7 +62,8 @@ struct GdrConfig {
   // DeviceComm::plan_hierarchical). More peers, more slots.
   bool pairs = false;
   // GRADSYNC_PROTO: every call on the low-latency protocol (kLowLatency: each message to a
-  // direct peer in its low-latency slot, GdrLinkConfig::ll_bytes) or on bulk; unset: per call
+  // direct or RDMA peer in its low-latency slot, GdrLinkConfig::ll_bytes; TCP peers' stay
+  // bulk) or on bulk; unset: per call
   // as the cost model predicts (RdmaChannels::ll_max_bytes). Agreed at set-up.
   std::optional<plan::Protocol> protocol;
   // The communicator's mapped words (device views) that the stream's waits read and report
@@ -79,8 +80,8 @@ class GdrChannels {
   // failure that leaves the communicator unusable (the host allreduce failed).
   static Result<std::unique_ptr<GdrChannels>> create(const GdrConfig& cfg, const HostOps& ops,
                                                      std::string* why_not);
-  // The slot memory create() will take on this rank (its peers' directions x slots x slot
-  // bytes), for GRADSYNC_GPU_MEMORY_MAX before anything is allocated.
+  // The slot memory create() will take on this rank (its peers' directions x slots x (slot
+  // bytes + low-latency slot bytes)), for GRADSYNC_GPU_MEMORY_MAX before anything is allocated.
   static uint64_t slot_region_bytes(const GdrConfig& cfg);
   ~GdrChannels();
   GdrChannels(const GdrChannels&) = delete;

@@ -74,11 +74,16 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
     if (!ops.tcp_region) return {Code::kInternal, "TCP peers without tcp_region"};
     GS_RETURN_IF_ERROR(tcp_listen());
   }
-  // The region: per RDMA (or TCP) peer, its send slots then its receive slots (only the directions
-  // used). The direct region: the words, then each direct peer's receive slots and its
-  // low-latency slots.
+  // The region: per RDMA (or TCP) peer, its send block then its receive block (only the
+  // directions used). The direct region: the words, then each direct peer's receive block.
+  // A block is `slots` slots, then (with ll_bytes; for an RDMA peer only with ll_queue_pairs;
+  // never for TCP peers) `slots` low-latency slots (Impl::ll_offset): the same layout on every
+  // rank, so the sender of an RDMA message finds the peer's low-latency receive slot from its
+  // receive slot 0.
   const size_t block = size_t(cfg.slots) * cfg.slot_bytes;
-  const size_t direct_block = block + size_t(cfg.slots) * cfg.ll_bytes;
+  const size_t ll_block = block + size_t(cfg.slots) * cfg.ll_bytes;
+  const size_t direct_block = ll_block;
+  const size_t remote_block = tcp || !cfg.ll_queue_pairs ? block : ll_block;
   bool any_direct = false;
   direct_bytes = (kDirectWordsOffset + peers.size() * sizeof(GdrWords) + 255) / 256 * 256;
   for (PeerLink& l : peers) {
@@ -87,8 +92,8 @@ Status GdrLink::Impl::setup_local(const GdrRegionMaker& make_region) {
       if (l.peer.recv) l.recv_off = std::exchange(direct_bytes, direct_bytes + direct_block);
       continue;
     }
-    if (l.peer.send) l.send_off = std::exchange(region_bytes, region_bytes + block);
-    if (l.peer.recv) l.recv_off = std::exchange(region_bytes, region_bytes + block);
+    if (l.peer.send) l.send_off = std::exchange(region_bytes, region_bytes + remote_block);
+    if (l.peer.recv) l.recv_off = std::exchange(region_bytes, region_bytes + remote_block);
   }
   if (region_bytes > 0) {
     auto reg = tcp ? ops.tcp_region(region_bytes) : make_region(node->pd(), region_bytes);
@@ -397,11 +402,13 @@ void GdrLink::plan(const std::vector<Message>& messages) {
       if (msg.send) __atomic_fetch_add(&l.bytes_sent, uint64_t(msg.bytes), __ATOMIC_RELAXED);
       continue;
     }
+    // A low-latency message only where the peer has the slots (the runner asks so only there).
+    const PlannedMsg planned{msg.bytes, msg.ll && m.has_ll(l)};
     if (msg.send) {
-      l.send_len.push_back(msg.bytes);
+      l.send_len.push_back(planned);
       ++l.planned_sends;
     } else {
-      l.recv_len.push_back(msg.bytes);
+      l.recv_len.push_back(planned);
       ++l.planned_recvs;
     }
   }
@@ -444,10 +451,11 @@ std::string GdrLink::Impl::stall(const PeerLink& l, uint64_t planned_sends, uint
 bool GdrLink::Impl::publish_landed(size_t i, uint64_t planned_recvs, bool* progress) {
   PeerLink& l = peers[i];
   while (!l.landed.empty() && l.arrived < planned_recvs) {
+    // The bytes that landed: a low-latency message's lines (PlannedMsg::wire).
     uint32_t want = 0;
     {
       std::lock_guard lock(mu);
-      want = l.recv_len.front();
+      want = l.recv_len.front().wire();
       l.recv_len.pop_front();
     }
     if (l.landed.front() != want) {
@@ -506,25 +514,32 @@ void GdrLink::Impl::run() {
       PeerLink& l = peers[i];
       while (!l.peer.direct && l.posted < planned_s[i] && load(&l.words->ready) > l.posted &&
              load(&l.credit->credit) + cfg.slots > l.posted && l.posted - l.completed < cfg.slots) {
-        uint32_t len = 0;
+        PlannedMsg planned;
         {
           std::lock_guard lock(mu);
-          len = l.send_len[size_t(l.posted - l.completed)];
+          planned = l.send_len[size_t(l.posted - l.completed)];
         }
+        // A low-latency message goes from our low-latency send slot into the peer's
+        // low-latency receive slot, as its lines; a bulk one from slot to slot. Either way
+        // the immediate is its number, and the receiver checks the length it expects.
         const uint64_t msg = l.posted;
-        const size_t off = size_t(reinterpret_cast<uint64_t>(slot(int(i), false, msg)) - region.mr->addr());
-        Status s = l.qp.post_write_with_imm(*region.mr, off, len, l.peer_slots + (msg % cfg.slots) * cfg.slot_bytes,
-                                            l.peer_slot_rkey, uint32_t(msg), msg);
+        const uint8_t* src = planned.ll ? ll_slot(int(i), false, msg) : slot(int(i), false, msg);
+        const uint64_t dst = l.peer_slots + (planned.ll ? ll_offset(msg) : (msg % cfg.slots) * cfg.slot_bytes);
+        const size_t off = size_t(reinterpret_cast<uint64_t>(src) - region.mr->addr());
+        // Counted before the write is posted: once it lands, the peer's stream may finish
+        // the call, and whoever reads the count after the call then finds this message in it.
+        // Payload bytes, for either protocol: a low-latency message's flags are not counted.
+        __atomic_fetch_add(&l.bytes_sent, uint64_t(planned.bytes), __ATOMIC_RELEASE);
+        Status s = l.qp.post_write_with_imm(*region.mr, off, planned.wire(), dst, l.peer_slot_rkey, uint32_t(msg), msg);
         if (!s.ok()) {
           return fail({s.code(), "GPUDirect RDMA write of message " + std::to_string(msg) + " to " +
                                      peer_name(l.peer.rank) + ": " + s.message()});
         }
         ++l.posted;
-        __atomic_fetch_add(&l.bytes_sent, uint64_t(len), __ATOMIC_RELAXED);
         progress = true;
         if (trace) {
-          log::get(cfg.log_name)->info("{}: gdr posted message {} ({} bytes) to {}", cfg.who, msg, len,
-                                       peer_name(l.peer.rank));
+          log::get(cfg.log_name)->info("{}: gdr posted message {} ({} bytes{}) to {}", cfg.who, msg, planned.wire(),
+                                       planned.ll ? ", low-latency" : "", peer_name(l.peer.rank));
         }
       }
     }
@@ -575,8 +590,12 @@ void GdrLink::Impl::run() {
       PeerLink& l = peers[i];
       if (l.peer.direct) continue;
       if (!publish_landed(i, planned_r[i], &progress)) return;
-      // Credits: the stream read receive slots; the peer may write them again.
-      const uint64_t consumed = load(&l.words->consumed);
+      // Credits: the stream read receive slots; the peer may write them again. Never past
+      // the messages whose completion this worker took (each gave its receive request back):
+      // a low-latency message is read by its lines, possibly before its completion is polled,
+      // and a credit for it then would let the peer write into a queue with no receive posted
+      // (RNR: the write fails).
+      const uint64_t consumed = std::min<uint64_t>(load(&l.words->consumed), l.arrived + l.landed.size());
       if (consumed > l.credit_sent && !l.credit_inflight) {
         l.credit->credit_src = consumed;
         const size_t off = size_t(i) * sizeof(CreditWords) + offsetof(CreditWords, credit_src);

@@ -8,16 +8,18 @@
 //
 // One RC queue pair per peer carries both directions. Slots, per peer in `peers` order: `slots`
 // send slots when this rank sends to it, then `slots` receive slots when it receives from it,
-// `slot_bytes` each. Messages are numbered per peer and direction from 0 since set-up; message
-// m to peer p uses our send slot m % slots and lands in p's receive slot m % slots for us.
+// `slot_bytes` each, each block followed by its low-latency slots (with ll_bytes and
+// ll_queue_pairs, below). Messages are numbered per peer and direction from 0 since set-up;
+// message m to peer p uses our send slot m % slots and lands in p's receive slot m % slots
+// for us.
 //
 // The words, per peer, each a count of messages (monotonic), in memory both sides can reach:
 //   ready      the stream filled send slots up to here      (stream writes, worker reads)
 //   send_free  the NIC completed sends up to here           (worker writes, stream waits)
 //   arrived    receives landed, checked and flushed         (worker writes, stream waits)
 //   consumed   the stream read receive slots up to here     (stream writes, worker reads)
-// plan() tells the worker the lengths of the messages of each call, per peer, in order, before
-// or after the stream starts on them.
+// plan() tells the worker the lengths of the messages of each call, per peer, in order, and
+// which of them are low-latency (below), before or after the stream starts on them.
 //
 // The worker posts WRITE_WITH_IMM (imm = message number) of send slot m to peer p when p's
 // ready > m and p's credit (its `consumed` for us, RDMA-written into our credit word for p)
@@ -40,12 +42,22 @@
 //   arrived, send_free   <- our own words[p] in our region, which p stores into
 // stream_words() gives the stream those addresses; for RDMA peers they are the `words` given to
 // create. The stream's waits keep their own deadline (the worker never sees direct messages).
-// With GdrLinkConfig::ll_bytes, each direct peer's receive slots have low-latency slots
-// beside them (ll_slot): a message there travels as 16-byte lines of 8 payload bytes, each
-// 4 bytes followed by the message's flag (kernels/cuda_node_ll.cuh's format), so a receiver
-// reads each line once its flags say it holds the message, without waiting for `arrived`.
-// Only low-latency messages are ever written there: a line's old flags are an earlier
-// message's, never a match by chance in a payload.
+// With GdrLinkConfig::ll_bytes, each direct peer's receive slots, and (with ll_queue_pairs
+// too) each RDMA peer's send and receive slots, have `slots` low-latency slots of ll_bytes
+// beside them (ll_slot; each block is its slots, then its low-latency slots, on every rank
+// alike): a message there
+// travels as 16-byte lines of 8 payload bytes, each 4 bytes followed by the message's flag
+// (kernels/cuda_node_ll.cuh's format), so a receiver reads each line once its flags say it
+// holds the message, without waiting for `arrived`. To a direct peer the stream writes the
+// lines into the peer's slot itself; to an RDMA peer it writes them into our low-latency send
+// slot and signals `ready`, and the worker posts them (WRITE_WITH_IMM, the lines' bytes,
+// under the same credits) into the peer's low-latency receive slot, where the receiving
+// worker checks number and length and still publishes `arrived`, which the stream then
+// need not wait for. The plan (Message::ll) tells the workers which messages are low-latency.
+// Only low-latency messages are ever written there, and a flag repeats only after 2^32
+// messages to one peer in one direction: a line's old flags are an earlier message's, never a
+// match by chance in a payload. TCP peers have no low-latency slots: their messages stay bulk
+// (a frame lands by the worker's reads, which then publishes `arrived` anyway).
 // A rank whose peers are all direct (one node's ring and trees) opens no RDMA device and runs
 // no worker.
 //
@@ -114,9 +126,15 @@ struct GdrLinkConfig {
   std::string verbs_api;  // "emulated" (the in-process test fabric) or the libibverbs soname
   size_t slot_bytes = 1u << 20;
   uint32_t slots = 4;
-  // Bytes of each direct peer's low-latency slot (a multiple of 16; 0: none), half of them
-  // payload. Equal on every rank, as slot_bytes.
+  // Bytes of each low-latency slot (a multiple of 16; 0: none), half of them payload: beside
+  // each direct peer's receive slots and (with ll_queue_pairs) each RDMA peer's send and
+  // receive slots, never a TCP peer's. Equal on every rank, as slot_bytes.
   size_t ll_bytes = 0;
+  // The RDMA peers' low-latency slots exist only with this (the GPU communicator sets it where
+  // GRADSYNC_PROTO=ll forces the protocol: its cost model never takes it across nodes, so
+  // elsewhere they would be memory no call uses); a direct peer's need only ll_bytes. Equal on
+  // every rank.
+  bool ll_queue_pairs = false;
   std::chrono::milliseconds op_timeout{300'000};
   std::string log_name = "gpu";  // spdlog logger
 };
@@ -178,8 +196,11 @@ class GdrLink {
   // Send slot (receive: false) or receive slot of message `msg` to or from peer `index` (a
   // direct peer's send slot is in its region).
   uint8_t* slot(int index, bool receive, uint64_t msg) const;
-  // The low-latency slot of that message: null for a peer that is not direct, or without
-  // GdrLinkConfig::ll_bytes. It holds ll_payload_bytes() of payload.
+  // The low-latency slot of that message (a direct peer's send slot is in its region; an RDMA
+  // peer's are our own, which the worker writes into the peer's low-latency receive slot):
+  // null for a TCP peer, an RDMA peer without GdrLinkConfig::ll_queue_pairs, or without
+  // GdrLinkConfig::ll_bytes. It holds ll_payload_bytes() of
+  // payload.
   uint8_t* ll_slot(int index, bool receive, uint64_t msg) const;
   size_t ll_payload_bytes() const;
   // Where the stream waits (arrived, send_free) and signals (ready, consumed) for peer `index`.
@@ -190,22 +211,28 @@ class GdrLink {
     uint64_t* consumed;
   };
   StreamWords stream_words(int index) const;
-  // Bytes of this rank's slot region (its RDMA peers' send and receive slots) and of its direct
-  // region (words and receive slots; 0 without direct peers).
+  // Bytes of this rank's slot region (its RDMA peers' send and receive slots, with their
+  // low-latency slots) and of its direct region (words and receive slots, with their
+  // low-latency slots; 0 without direct peers).
   size_t region_bytes() const;
   size_t direct_region_bytes() const;
   uint32_t slots() const;
   size_t slot_bytes() const;
-  // The next messages' lengths in bytes, in order per peer and direction.
+  // The next messages' lengths in bytes (payload), in order per peer and direction, and
+  // their protocol: `ll`, the message travels in the peer's low-latency slots (ll_slot; the
+  // runner asks so only where ll_slot is not null, on both ends alike), as lines of
+  // (bytes + 7) / 8 * 16 bytes.
   struct Message {
     int peer = 0;  // index
     bool send = false;
     uint32_t bytes = 0;
+    bool ll = false;
   };
   void plan(const std::vector<Message>& messages);
   Status error() const;
   // Payload bytes written to peer `index` so far (RDMA writes posted, the credit words not
-  // counted; a TCP peer's: message payloads handed to its socket, headers and credits not
+  // counted, and of a low-latency message its payload, not its lines' flags: the same count
+  // as bulk; a TCP peer's: message payloads handed to its socket, headers and credits not
   // counted; a direct peer's: the messages planned).
   uint64_t bytes_sent(int index) const;
   // Lets the last credits go out and stops the worker; the stream must be idle.

@@ -66,6 +66,14 @@ struct TcpConn {
   size_t in_done = 0;
 };
 
+// A planned message: its payload bytes, and whether it travels in the low-latency slots (as
+// lines: 16 bytes on the wire for each 8 of payload, the last line whole).
+struct PlannedMsg {
+  uint32_t bytes = 0;
+  bool ll = false;
+  uint32_t wire() const { return ll ? (bytes + 7) / 8 * 16 : bytes; }
+};
+
 // One peer: its queue pair (or TCP connection), its slots in our region, its words, and the
 // worker's state.
 struct PeerLink {
@@ -78,9 +86,9 @@ struct PeerLink {
   uint64_t peer_slots = 0;
   uint64_t peer_credit = 0;
   uint32_t peer_slot_rkey = 0, peer_credit_rkey = 0;
-  // Planned lengths of messages not yet completed (sends) / arrived (receives); guarded by
-  // the link's mutex.
-  std::deque<uint32_t> send_len, recv_len;
+  // Planned messages not yet completed (sends) / arrived (receives); guarded by the link's
+  // mutex.
+  std::deque<PlannedMsg> send_len, recv_len;
   uint64_t planned_sends = 0, planned_recvs = 0;
   // Worker state.
   uint64_t posted = 0, completed = 0, arrived = 0;
@@ -142,12 +150,27 @@ struct GdrLink::Impl {
     if (l.peer.direct) return recv_side ? direct.base + l.recv_off + at : l.peer_region.base + l.peer_recv_off + at;
     return region.base + (recv_side ? l.recv_off : l.send_off) + at;
   }
-  // A direct peer's receive block: its slots, then its low-latency slots.
+  // Where a block's low-latency slot of message `msg` starts: each block (a direct peer's
+  // receive block; an RDMA peer's send block and receive block) holds its `slots` slots, then
+  // its `slots` low-latency slots. The same on both ends, so that a sender finds the peer's
+  // low-latency receive slot from the peer's receive slot 0 (GdrPeerEntry::recv_slots).
+  size_t ll_offset(uint64_t msg) const {
+    return size_t(cfg.slots) * cfg.slot_bytes + size_t(msg % cfg.slots) * cfg.ll_bytes;
+  }
+  // Low-latency slots exist beside a direct peer's receive slots and an RDMA peer's send and
+  // receive slots; TCP peers have none (their frames are bulk: a frame's bytes reach the
+  // receive slot by the worker's read, which publishes `arrived` anyway).
+  // RDMA peers' only with GdrLinkConfig::ll_queue_pairs.
+  bool has_ll(const PeerLink& l) const {
+    return cfg.ll_bytes > 0 && !l.peer.tcp && (l.peer.direct || cfg.ll_queue_pairs);
+  }
   uint8_t* ll_slot(int p, bool recv_side, uint64_t msg) const {
     const PeerLink& l = peers[size_t(p)];
-    if (!l.peer.direct || cfg.ll_bytes == 0) return nullptr;
-    const size_t at = size_t(cfg.slots) * cfg.slot_bytes + size_t(msg % cfg.slots) * cfg.ll_bytes;
-    return recv_side ? direct.base + l.recv_off + at : l.peer_region.base + l.peer_recv_off + at;
+    if (!has_ll(l)) return nullptr;
+    if (l.peer.direct) {
+      return recv_side ? direct.base + l.recv_off + ll_offset(msg) : l.peer_region.base + l.peer_recv_off + ll_offset(msg);
+    }
+    return region.base + (recv_side ? l.recv_off : l.send_off) + ll_offset(msg);
   }
   GdrWords* direct_words(int p) const {
     return reinterpret_cast<GdrWords*>(direct.base + gdr_link_detail::kDirectWordsOffset) + p;

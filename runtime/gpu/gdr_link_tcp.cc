@@ -353,7 +353,7 @@ void GdrLink::Impl::run_tcp() {
           } else if (l.peer.send && l.posted < planned_s[i] && load(&l.words->ready) > l.posted &&
                      load(&l.credit->credit) + cfg.slots > l.posted) {
             std::lock_guard lock(mu);
-            t.out = {kTcpData, l.send_len.front(), l.posted};
+            t.out = {kTcpData, l.send_len.front().bytes, l.posted};
             t.out_payload = slot(int(i), false, l.posted);
           } else {
             break;

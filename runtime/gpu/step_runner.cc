@@ -86,7 +86,7 @@ constexpr size_t kLowLatencyMeasuredMax[plan::kNumAlgos] = {
     size_t(1) << 20,    // tree
     size_t(64) << 10,   // one-shot
     size_t(64) << 10,   // two-shot
-    0,                  // hierarchical: no low-latency slots between nodes
+    0,                  // hierarchical: not by the model across nodes (GRADSYNC_PROTO=ll forces it)
 };
 
 // The channels an algorithm runs over (rdma_steps').
@@ -314,14 +314,16 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     // end of the call: a call of many steps fills the stream's launch queue, and a kernel
     // launch then blocks until the GPU has run earlier steps, whose messages the worker must
     // already know.
-    for (int j = 0; j < st.nsend; ++j) planned.push_back({sp[j], true, uint32_t(bytes)});
-    for (int j = 0; j < st.nrecv; ++j) planned.push_back({rp[j], false, uint32_t(bytes)});
+    // The slots: a low-latency one where asked, the message fits and the peer has them (the
+    // same on both ends: the peer is direct or RDMA for both, never TCP, and the message's
+    // length is the plan's). The worker learns which messages are low-latency from the plan.
+    const bool ll_fits = low_latency && bytes <= link_.ll_payload_bytes();
+    auto is_ll = [&](int p, bool recv) { return ll_fits && link_.ll_slot(p, recv, 0) != nullptr; };
+    for (int j = 0; j < st.nsend; ++j) planned.push_back({sp[j], true, uint32_t(bytes), is_ll(sp[j], false)});
+    for (int j = 0; j < st.nrecv; ++j) planned.push_back({rp[j], false, uint32_t(bytes), is_ll(rp[j], true)});
     link_.plan(planned);
     planned.clear();
     s = stream.begin_step();
-    // The slots: a low-latency one where asked and the message fits (the same on both ends:
-    // the peer is direct for both, the message's length is the plan's).
-    const bool ll_fits = low_latency && bytes <= link_.ll_payload_bytes();
     auto at = [&](int p, bool recv, uint64_t msg) -> StepBuf {
       if (uint8_t* ll = ll_fits ? link_.ll_slot(p, recv, msg) : nullptr) {
         StepBuf b(ll, relative_ ? uint32_t(msg + 1) : ll_flag(msg), link_.peer(p).rank);
@@ -403,9 +405,10 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     }
     if (!s.ok()) break;
     // Signals: the messages written and the slots read; after the step's stores where a
-    // message is in plain memory.
+    // message is in plain memory, or in an RDMA peer's low-latency send slot (the NIC reads
+    // those lines once the worker sees `ready`; only a direct peer reads them by their flags).
     for (int j = 0; j < st.nsend; ++j) {
-      if (slot_out[j].flag == 0) stream.order_signals();
+      if (slot_out[j].flag == 0 || !link_.peer(sp[j]).direct) stream.order_signals();
     }
     for (int j = 0; j < st.nsend && s.ok(); ++j) {
       const size_t p = size_t(sp[j]);

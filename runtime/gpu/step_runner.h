@@ -70,8 +70,9 @@ struct RdmaChannels {
   std::vector<plan::Algo> auto_algo;
   // Per plan::Algo, the largest call (bytes, a power of two) for which the cost model
   // predicts the low-latency protocol faster than bulk on these channels; 0: never. Only
-  // where every peer is direct (one node): the hops through a NIC or TCP have no
-  // low-latency slots. Filled by rdma_choose_algos.
+  // where every peer is direct (one node): across nodes the protocol is taken only where
+  // forced (GRADSYNC_PROTO=ll), and then the hops through a NIC take it too, while TCP hops
+  // stay bulk (they have no low-latency slots). Filled by rdma_choose_algos.
   size_t ll_max_bytes[plan::kNumAlgos] = {};
 };
 // `hosts`: every world rank's node (its host, or any grouping key). An error when `me` is not among `members` once, or the
@@ -149,9 +150,10 @@ class StepStream {
   // and a call's steps, and queue them as one (the GPU's step kernel, kernels/cuda_step.cuh).
   virtual Status begin_step() { return Status::Ok(); }
   // Called within a step (before end_step) whose signals must be ordered after its stores: it
-  // wrote a message in plain memory, which the peer (or its NIC, or the worker) reads once it
-  // sees `ready`. A step without it only read its receive slots (its loads done before its
-  // signals) and wrote low-latency lines, each read by its flag, and plain memory no peer reads
+  // wrote a message in plain memory, or low-latency lines into an RDMA peer's send slot
+  // (ours), which the peer (or its NIC, or the worker) reads once it sees `ready`. A step
+  // without it only read its receive slots (its loads done before its signals) and wrote
+  // low-latency lines into a direct peer's slots, each read by its flag, and plain memory no peer reads
   // (no step writes into its receive slots, which the peer overwrites once it sees `consumed`:
   // a fold in place writes the own operand, in one pass).
   virtual void order_signals() {}
@@ -166,9 +168,10 @@ class StepRunner {
   // Runs `steps` (ranks in them are positions in `members`, the world ranks of the plan's
   // shape) on `stream`. `input` and `output` are the call's buffers, `esize` bytes per element.
   // Every message must fit a slot. On an error the steps already queued stay queued, and the
-  // link knows their messages. `low_latency`: each message to or from a direct peer that fits
-  // its low-latency slot (GdrLink::ll_payload_bytes) travels there, and its receiver reads it
-  // as it lands instead of waiting for `arrived`; every rank of a call must pass the same.
+  // link knows their messages. `low_latency`: each message to or from a direct or RDMA peer
+  // (not a TCP peer) that fits its low-latency slot (GdrLink::ll_payload_bytes) travels there,
+  // and its receiver reads it as it lands instead of waiting for `arrived`; every rank of a
+  // call must pass the same.
   Status run(const std::vector<plan::Step>& steps, const std::vector<int>& members, const void* input,
              void* output, size_t esize, StepStream& stream, bool low_latency = false);
 

@@ -1,11 +1,13 @@
 // The low-latency protocol of the step runner (gpu/step_runner.h) on the CPU: messages to and
 // from direct peers travel in their low-latency slots (GdrLink::ll_slot) as lines that carry
 // the message's flag beside every 4 bytes, and the receiver reads them as they land instead of
-// waiting for `arrived`; hops through a NIC or TCP stay bulk in the same call. The host stream
+// waiting for `arrived`; hops over TCP stay bulk in the same call (the hops through a NIC
+// take the protocol too: gdr_link_ll_nic_test.cc). The host stream
 // (gdr_link_world.h) writes and reads the lines in the kernels' format. Every collective
 // exact on the ring, the trees, one-shot and two-shot at 1x2 .. 1x8, in place too, with bulk
 // calls between low-latency ones on the same slots; the bytes are the bulk protocol's; no
 // low-latency receive waits for `arrived`.
+#include "gdr_link_ll_watch.h"
 #include "gdr_link_world.h"
 #include "gpu/plan/schedule.h"
 
@@ -14,73 +16,15 @@ namespace {
 
 using namespace std::chrono_literals;
 using namespace gdr_link_world;
+using namespace gdr_link_ll_watch;
 using plan::Algo;
 
 constexpr size_t kLlBytes = 128;  // 64 bytes of payload: a call of 2053 int64 is 257 messages a hop
-
-auto with_ll(size_t bytes) {
-  return [bytes](int, GdrLinkConfig& c, GdrLinkOps&) { c.ll_bytes = bytes; };
-}
 
 // One node of n direct peers, with the pairs (one-shot, two-shot) and low-latency slots.
 Ring ll_node(int n) {
   return Ring(n, 2, 256, /*per_node=*/n, 10s, 1, /*direct=*/true, /*nic=*/false, /*tcp=*/false, with_ll(kLlBytes),
               /*pairs=*/true);
-}
-
-// Counts what the runner asks of the stream: waits for `arrived`, operands in low-latency
-// slots, and steps whose signals it orders after their stores (StepStream::order_signals):
-// those that send, and those that send with their signals unordered.
-struct Seen {
-  std::atomic<int> arrival_waits{0}, ll_operands{0};
-  std::atomic<int> ordered_steps{0}, sending_steps{0}, unordered_sends{0};
-  void clear() {
-    for (auto* c : {&arrival_waits, &ll_operands, &ordered_steps, &sending_steps, &unordered_sends}) *c = 0;
-  }
-};
-class WatchingStream final : public StepStream {
- public:
-  WatchingStream(StepStream& inner, Seen* seen) : in_(inner), seen_(*seen) {}
-  Status begin_step() override {
-    ordered_ = false;
-    readies_ = 0;
-    return in_.begin_step();
-  }
-  void order_signals() override {
-    ordered_ = true;
-    in_.order_signals();
-  }
-  Status end_step() override {
-    seen_.ordered_steps += ordered_ ? 1 : 0;
-    seen_.sending_steps += readies_ > 0 ? 1 : 0;
-    seen_.unordered_sends += readies_ > 0 && !ordered_ ? 1 : 0;
-    return in_.end_step();
-  }
-  Status begin_call(bool relative) override { return in_.begin_call(relative); }
-  Status end_call() override { return in_.end_call(); }
-  Status wait_arrived(int p, int64_t v) override { return ++seen_.arrival_waits, in_.wait_arrived(p, v); }
-  Status wait_send_free(int p, int64_t v) override { return in_.wait_send_free(p, v); }
-  Status signal_ready(int p, uint64_t v) override { return ++readies_, in_.signal_ready(p, v); }
-  Status signal_consumed(int p, uint64_t v) override { return in_.signal_consumed(p, v); }
-  Status copy(StepBuf d, StepBuf s, size_t b) override { return count({d, s}), in_.copy(d, s, b); }
-  Status fold(StepBuf d, StepBuf d2, const StepBuf* x, int k, size_t n, bool final) override {
-    count({d, d2});
-    for (int j = 0; j < k; ++j) count({x[j]});
-    return in_.fold(d, d2, x, k, n, final);
-  }
-
- private:
-  void count(std::initializer_list<StepBuf> bufs) {
-    for (const StepBuf& x : bufs) seen_.ll_operands += x.flag != 0 ? 1 : 0;
-  }
-  StepStream& in_;
-  Seen& seen_;
-  bool ordered_ = false;
-  int readies_ = 0;
-};
-
-void watch(Ring& ring, Seen* seen) {
-  ring.wrap_stream = [seen](int, StepStream& hs) { return std::make_unique<WatchingStream>(hs, seen); };
 }
 
 class LowLatencySteps : public ::testing::TestWithParam<int> {};
@@ -154,15 +98,7 @@ TEST_P(LowLatencySteps, InPlaceAndEveryCollectiveExact) {
   ASSERT_EQ(ring.error(), "");
   ring.low_latency = true;
   for (Algo algo : {Algo::kOneShot, Algo::kTwoShot, Algo::kRing, Algo::kTree}) {
-    for (size_t count : {size_t(7), size_t(515)}) {
-      auto buf = inputs(n, count);
-      const auto want = buf;
-      auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, buf, buf, algo);
-      for (int r = 0; r < n; ++r) {
-        ASSERT_TRUE(st[r].ok()) << plan::to_string(algo) << " in place rank " << r << ": " << st[r].to_string();
-        for (size_t i = 0; i < count; ++i) ASSERT_EQ(buf[r][i], sum_at(want, i)) << plan::to_string(algo) << " rank " << r;
-      }
-    }
+    for (size_t count : {size_t(7), size_t(515)}) expect_allreduce_in_place(ring, n, count, algo);
   }
   expect_reduce_scatter(ring, n, 33, Algo::kRing);
   expect_reduce_scatter(ring, n, 33, Algo::kOneShot);
@@ -196,29 +132,28 @@ TEST_P(LowLatencySteps, BytesAreTheBulkProtocols) {
 INSTANTIATE_TEST_SUITE_P(Nodes, LowLatencySteps, ::testing::Values(2, 3, 4, 8),
                          [](const auto& info) { return "x1_" + std::to_string(info.param); });
 
-// Two nodes of two: the hops inside a node low-latency (direct), the hops between nodes bulk
-// over the NIC or TCP, in the same calls: exact on the ring and the trees.
-TEST(LowLatencyMixed, DirectHopsLowLatencyOthersBulk) {
-  for (bool tcp : {false, true}) {
-    Ring ring(4, 2, 256, /*per_node=*/2, 10s, 1, /*direct=*/true, /*nic=*/!tcp, tcp, with_ll(kLlBytes));
-    ASSERT_EQ(ring.error(), "") << (tcp ? "tcp" : "rdma");
-    for (int r = 0; r < 4; ++r) {
-      for (int p = 0; p < ring.link(r).peer_count(); ++p) {
-        EXPECT_EQ(ring.link(r).ll_slot(p, true, 0) != nullptr, ring.link(r).peer(p).direct && ring.link(r).peer(p).recv)
-            << "rank " << r << " peer " << ring.link(r).peer(p).rank;
-      }
+// Two nodes of two over TCP: the hops inside a node low-latency (direct), the hops between
+// nodes bulk (TCP peers have no low-latency slots), in the same calls: exact on the ring and
+// the trees. (Through a NIC every hop takes it: gdr_link_ll_nic_test.cc.)
+TEST(LowLatencyMixed, DirectHopsLowLatencyTcpHopsBulk) {
+  Ring ring(4, 2, 256, /*per_node=*/2, 10s, 1, /*direct=*/true, /*nic=*/false, /*tcp=*/true, with_ll(kLlBytes));
+  ASSERT_EQ(ring.error(), "");
+  for (int r = 0; r < 4; ++r) {
+    for (int p = 0; p < ring.link(r).peer_count(); ++p) {
+      EXPECT_EQ(ring.link(r).ll_slot(p, true, 0) != nullptr, ring.link(r).peer(p).direct && ring.link(r).peer(p).recv)
+          << "rank " << r << " peer " << ring.link(r).peer(p).rank;
     }
-    Seen seen;
-    watch(ring, &seen);
-    ring.low_latency = true;
-    for (Algo algo : {Algo::kRing, Algo::kTree}) {
-      for (size_t count : {size_t(1), size_t(7), size_t(2053)}) expect_allreduce(ring, 4, count, algo);
-    }
-    expect_reduce_scatter(ring, 4, 33, Algo::kRing);
-    expect_all_gather_and_broadcast(ring, 4, Algo::kRing);
-    EXPECT_GT(seen.ll_operands.load(), 0) << "the hops inside a node";
-    EXPECT_GT(seen.arrival_waits.load(), 0) << "the hops between nodes";
   }
+  Seen seen;
+  watch(ring, &seen);
+  ring.low_latency = true;
+  for (Algo algo : {Algo::kRing, Algo::kTree}) {
+    for (size_t count : {size_t(1), size_t(7), size_t(2053)}) expect_allreduce(ring, 4, count, algo);
+  }
+  expect_reduce_scatter(ring, 4, 33, Algo::kRing);
+  expect_all_gather_and_broadcast(ring, 4, Algo::kRing);
+  EXPECT_GT(seen.ll_operands.load(), 0) << "the hops inside a node";
+  EXPECT_GT(seen.arrival_waits.load(), 0) << "the hops between nodes";
 }
 
 // Without low-latency slots (ll_bytes 0) a low-latency call runs bulk: the runner only takes
@@ -242,7 +177,7 @@ TEST(LowLatencyMixed, SlotsNotWholeLinesAreRefused) {
 }
 
 // The cost model's protocol per size on one node: low-latency for small calls, bulk for large
-// ones, on every algorithm; none across nodes (no low-latency slots on those hops).
+// ones, on every algorithm; none across nodes unless forced (GRADSYNC_PROTO=ll).
 TEST(LowLatencyModel, SmallCallsLowLatencyOnOneNodeOnly) {
   std::vector<std::string> hosts(8, "n0");
   auto one = rdma_channels({0, 1, 2, 3, 4, 5, 6, 7}, hosts, 0, /*direct=*/true, /*pairs=*/true);

@@ -466,6 +466,17 @@ inline void expect_allreduce(Ring& ring, int n, size_t count, plan::Algo algo) {
   }
 }
 
+// The same in place (one buffer, input and output).
+inline void expect_allreduce_in_place(Ring& ring, int n, size_t count, plan::Algo algo) {
+  auto buf = inputs(n, count);
+  const auto want = buf;
+  auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, buf, buf, algo);
+  for (int r = 0; r < n; ++r) {
+    ASSERT_TRUE(st[r].ok()) << plan::to_string(algo) << " in place rank " << r << ": " << st[r].to_string();
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(buf[r][i], sum_at(want, i)) << plan::to_string(algo) << " rank " << r;
+  }
+}
+
 // reduce_scatter of `count` int64 per rank: rank r gets the sum of every rank's block r.
 inline void expect_reduce_scatter(Ring& ring, int n, size_t count, plan::Algo algo) {
   auto send = inputs(n, count * n);
