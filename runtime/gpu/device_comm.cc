@@ -112,9 +112,18 @@ Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& c
 
   // The abort word: waits in kernels stop when the job is aborted or the daemon is lost.
   d->watcher_ = std::thread([p = d.get()] {
+    int timed_out_polls = 0;
     while (!p->stop_.load(std::memory_order_acquire)) {
       if (!p->ops_.abort_reason().empty()) {
         __atomic_store_n(&p->impl_->words->abort, 1u, __ATOMIC_RELEASE);
+      }
+      // A kernel's wait that timed out is told now, not at this rank's next call: a rank
+      // that synchronizes and stops calling would otherwise leave its peers to their own
+      // timeouts, each naming its neighbour. The kernel claims the word by its code, then
+      // writes the peer and the wait: read on the second poll that sees the code.
+      if (!p->timeout_reported_.load(std::memory_order_relaxed) &&
+          __atomic_load_n(&p->impl_->words->error.code, __ATOMIC_ACQUIRE) == 1 && ++timed_out_polls == 2) {
+        p->report_timeout(p->error_word_status());
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
@@ -405,6 +414,17 @@ Status DeviceComm::fail_from_error_word() {
       return failed_;
     }
   }
+  Status e = error_word_status();
+  if (e.ok()) return e;
+  failed_ = e;
+  if (e.code() == Code::kDeadlineExceeded) report_timeout(e);
+  return failed_;
+}
+
+// What the kernels' error word holds, as a status (Ok while it holds nothing); read by the
+// caller's thread and by the watcher.
+Status DeviceComm::error_word_status() const {
+  const Impl& m = *impl_;
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
   const volatile kernels::NodeError& w = m.words->error;
   const kernels::NodeError e{w.code, w.peer, w.block, w.what};
@@ -429,20 +449,23 @@ Status DeviceComm::fail_from_error_word() {
            std::to_string(e.peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
   }
   if (e.code == 1) {
-    failed_ = {Code::kDeadlineExceeded, who() + ": a GPU collective did not finish: " + what +
-                                            " for more than " + std::to_string(int64_t(ms)) +
-                                            " ms (op timeout); that rank is slow, hung, or "
-                                            "never called the same collective"};
-    // The job fails with it: the other ranks stop waiting for this one (and their links log
-    // what they still waited for).
-    if (ops_.abort_job) ops_.abort_job(failed_.message());
-  } else {
-    std::string reason = ops_.abort_reason();
-    failed_ = {Code::kAborted, who() + ": a GPU collective stopped: " + what +
-                                   " when the job was aborted" +
-                                   (reason.empty() ? "" : ": " + reason)};
+    return {Code::kDeadlineExceeded, who() + ": a GPU collective did not finish: " + what +
+                                         " for more than " + std::to_string(int64_t(ms)) +
+                                         " ms (op timeout); that rank is slow, hung, or "
+                                         "never called the same collective"};
   }
-  return failed_;
+  std::string reason = ops_.abort_reason();
+  return {Code::kAborted, who() + ": a GPU collective stopped: " + what + " when the job was aborted" +
+                              (reason.empty() ? "" : ": " + reason)};
+}
+
+// A wait of this rank's kernels that timed out fails the job, once: the other ranks stop
+// waiting for this one (and their links log what they still waited for). From the caller's
+// next call, or at once from the watcher, whichever sees it first.
+void DeviceComm::report_timeout(const Status& s) {
+  if (timeout_reported_.exchange(true)) return;
+  log::get("gpu")->error("{}; the job is aborted", s.message());
+  if (ops_.abort_job) ops_.abort_job(s.message());
 }
 
 Status DeviceComm::async_error() {

@@ -179,13 +179,16 @@ class DeviceComm {
   // its messages); the communicator is failed from here on.
   Status failed_to_queue(const CollectiveCall& call, uint64_t number, const Status& s);
   Status fail_from_error_word();
+  Status error_word_status() const;
+  void report_timeout(const Status& s);
   std::string who() const;
 
   DeviceCommConfig cfg_;
   HostOps ops_;
   std::unique_ptr<Impl> impl_;
   std::atomic<bool> stop_{false};
-  std::thread watcher_;  // copies the job's abort state into the mapped abort word
+  std::atomic<bool> timeout_reported_{false};  // report_timeout() ran
+  std::thread watcher_;  // copies the job's abort state into the mapped abort word, reports timeouts
   Status failed_;
   uint64_t calls_ = 0;
 };

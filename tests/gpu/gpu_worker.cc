@@ -19,7 +19,8 @@
 //                   between the replays, checked too); prints "PASS"
 //   absent          rank 1 joins but never calls; rank 0's allreduce must fail by its
 //                   deadline: prints "async_error: STATUS" and "PASS" when it did; rank 1's
-//                   barrier afterwards must fail with rank 0's reason (the job aborted)
+//                   barrier afterwards must fail with rank 0's reason (the job aborted),
+//                   while rank 0 makes no call (its timeout is told when it happens)
 //   timeline COUNT  (GRADSYNC_GPU_TIMELINE=1, cuda-ipc) two float32 sum allreduces of COUNT
 //                   elements (chunked protocol), checked; each one's in-kernel timeline
 //                   (gpu/timeline.h) must be well-formed: the expected blocks and chunks per
@@ -472,6 +473,9 @@ int absent(gradsync::Communicator& comm) {
   }
   CUDA_OK(cudaStreamSynchronize(stream));
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  // No call until rank 1's barrier (at 6 s) has failed: the job must be aborted by this
+  // rank's timeout alone, not by its next call.
+  std::this_thread::sleep_until(t0 + std::chrono::seconds(10));
   gradsync::Status e = comm.async_error();
   std::printf("async_error after %.0f ms: %s\n", ms, e.to_string().c_str());
   gradsync::Status next = comm.allreduce(d, d, 16, DataType::kFloat32, ReduceOp::kSum, stream);
