@@ -19,7 +19,6 @@ std::string DeviceComm::who() const {
          ", GPU " + std::to_string(cfg_.device) + ")";
 }
 
-
 Result<std::unique_ptr<DeviceComm>> DeviceComm::create(const DeviceCommConfig& cfg, HostOps ops) {
   std::unique_ptr<DeviceComm> d(new DeviceComm(cfg, std::move(ops)));
   Impl& m = *d->impl_;
@@ -149,141 +148,6 @@ Status DeviceComm::count_gpu_shares() {
   return Status::Ok();
 }
 
-// Collective over the whole world, every rank on one node (every rank calls it at the same
-// point): the CUDA IPC kernels among them. *usable is agreed.
-Status DeviceComm::setup_ipc(bool* usable) {
-  Impl& m = *impl_;
-  *usable = false;
-  const int n = cfg_.world_size, me = cfg_.rank;
-  cudaDeviceProp prop{};
-  GS_CUDA(cudaGetDeviceProperties(&prop, cfg_.device), "cudaGetDeviceProperties");
-  // Every rank's kernel must be resident at once (the blocks wait on each other): ranks that
-  // share a GPU share its SMs (count_gpu_shares).
-  const int shares = m.gpu_shares;
-  // Defaults measured on 2 H200s over NVLink (docs/benchmarks.md): 128 blocks of 256 KiB
-  // chunks reach NCCL's bus bandwidth; the chunk shrinks with more ranks so that the region
-  // stays 256 MiB. The low-latency protocol below GRADSYNC_GPU_LL_MAX bytes.
-  int32_t blocks = int32_t(env_positive("GRADSYNC_GPU_BLOCKS", 128));
-  blocks = std::clamp(blocks, 1, std::max(1, prop.multiProcessorCount / shares));
-  GS_RETURN_IF_ERROR(ops_.allreduce_now(&blocks, &blocks, 1, DataType::kInt32, ReduceOp::kMin));
-  m.layout.nranks = n;
-  m.layout.blocks = uint32_t(blocks);
-  m.layout.slots = uint32_t(std::max(2L, env_positive("GRADSYNC_GPU_SLOTS", 4)));
-  const long chunk = std::max(4096L, (512L << 10) / std::max(2, n));
-  m.layout.chunk_bytes = uint64_t(env_positive("GRADSYNC_GPU_CHUNK", chunk)) / 256 * 256;
-  const char* ll = std::getenv("GRADSYNC_GPU_LL_MAX");
-  m.layout.ll_max_bytes = ll && *ll ? uint64_t(std::strtoull(ll, nullptr, 10)) : uint64_t(1 << 20);
-  // From 3 ranks, allreduce and broadcast from this size go two-shot (kernels/
-  // cuda_node_two_shot.cuh): 2 (n-1)/n of the buffer sent per rank instead of n - 1 buffers.
-  // GRADSYNC_GPU_TWOSHOT_MIN=0: never.
-  const char* two_shot = std::getenv("GRADSYNC_GPU_TWOSHOT_MIN");
-  m.layout.two_shot_min_bytes = two_shot != nullptr && std::strcmp(two_shot, "0") == 0
-                                    ? 0
-                                    : uint64_t(env_positive("GRADSYNC_GPU_TWOSHOT_MIN", kTwoShotMinBytes));
-  // The region is most of the communicator's GPU memory, which stays within
-  // GRADSYNC_GPU_MEMORY_MAX MiB (default 320, above the defaults at every rank count: 264 MiB
-  // at 2 ranks, 288 at 8); a smaller budget shrinks the chunk, then the low-latency lines.
-  const uint64_t limit = gpu_memory_budget(), used = memory().gpu_bytes;
-  const uint64_t budget = limit > used ? limit - used : 0;
-  while (m.layout.region_bytes() > budget && m.layout.chunk_bytes > 4096)
-    m.layout.chunk_bytes = std::max<uint64_t>(4096, m.layout.chunk_bytes / 2 / 256 * 256);
-  while (m.layout.region_bytes() > budget && m.layout.ll_max_bytes > (64u << 10)) m.layout.ll_max_bytes /= 2;
-  // Every rank must cut chunks, slots and protocols alike (each computes where it writes in
-  // its peers' regions): the smallest of every rank's settings.
-  {
-    int64_t agreed[4] = {int64_t(m.layout.slots), int64_t(m.layout.chunk_bytes),
-                         int64_t(m.layout.ll_max_bytes), int64_t(m.layout.two_shot_min_bytes)};
-    GS_RETURN_IF_ERROR(ops_.allreduce_now(agreed, agreed, 4, DataType::kInt64, ReduceOp::kMin));
-    m.layout.slots = uint32_t(agreed[0]);
-    m.layout.chunk_bytes = uint64_t(agreed[1]);
-    m.layout.ll_max_bytes = uint64_t(agreed[2]);
-    m.layout.two_shot_min_bytes = uint64_t(agreed[3]);
-  }
-  // Agreed: a rank whose region does not fit fails the set-up on every rank, not only its own.
-  int32_t fits = m.layout.region_bytes() <= budget ? 1 : 0;
-  GS_RETURN_IF_ERROR(ops_.allreduce_now(&fits, &fits, 1, DataType::kInt32, ReduceOp::kMin));
-  if (fits == 0) {
-    const std::string over = "the CUDA IPC region needs " + std::to_string(m.layout.region_bytes() >> 20) +
-                             " MiB with " + std::to_string(blocks) + " blocks and " + std::to_string(n) +
-                             " ranks, over the " + std::to_string(budget >> 20) + " MiB left on some rank of " +
-                             "GRADSYNC_GPU_MEMORY_MAX = " + std::to_string(limit >> 20) + " MiB";
-    return {Code::kInvalidArgument, who() + ": " + over + ": raise it, or lower GRADSYNC_GPU_BLOCKS"};
-  }
-  if (!m.layout.valid()) {
-    return {Code::kInvalidArgument, who() + ": GPU layout blocks=" + std::to_string(blocks) +
-                                         " slots=" + std::to_string(m.layout.slots) + " chunk=" +
-                                         std::to_string(m.layout.chunk_bytes) + " is invalid"};
-  }
-  GS_CUDA(cudaMalloc(&m.region, m.layout.region_bytes()), "cudaMalloc of the IPC region (" +
-                                                              std::to_string(m.layout.region_bytes()) + " bytes)");
-  GS_CUDA(cudaMemset(m.region, 0, m.layout.flags_bytes()), "cudaMemset");
-  GS_CUDA(cudaMemset(static_cast<uint8_t*>(m.region) + m.layout.ll_offset(), 0,
-                     m.layout.region_bytes() - m.layout.ll_offset()), "cudaMemset");
-  // The blocks' counts, then the bytes-sent counter (NodeArgs::sent).
-  const size_t progress_bytes = (2 * m.layout.blocks + 1) * sizeof(uint64_t);
-  GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.progress), progress_bytes), "cudaMalloc");
-  GS_CUDA(cudaMemset(m.progress, 0, progress_bytes), "cudaMemset");
-  m.held.gpu_bytes += m.layout.region_bytes() + progress_bytes;
-  GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-
-  std::vector<IpcEntry> table(static_cast<size_t>(n));
-  std::memset(table.data(), 0, table.size() * sizeof(IpcEntry));
-  IpcEntry& mine = table[size_t(cfg_.rank)];
-  auto exported = ipc_export(m.region, cfg_.device);
-  if (!exported.ok()) return Status(exported.status().code(), who() + ": " + exported.status().message());
-  mine.ipc = *exported;
-  (void)cudaDeviceGetPCIBusId(mine.bus_id, sizeof(mine.bus_id) - 1, cfg_.device);
-  GS_RETURN_IF_ERROR(ops_.allreduce_now(table.data(), table.data(), table.size() * sizeof(IpcEntry),
-                                        DataType::kUInt8, ReduceOp::kSum));
-
-  std::string why;
-  m.args.me = me;
-  for (int p = 0; p < n; ++p) {
-    if (p == me) {
-      m.args.region[p] = static_cast<uint8_t*>(m.region);
-      continue;
-    }
-    const IpcEntry& e = table[size_t(p)];
-    bool opened = false;
-    auto ptr = ipc_open(e.ipc, cfg_.device, &opened);
-    if (!ptr.ok()) {
-      why = "the region of rank " + std::to_string(p) + " (GPU " + e.bus_id + "): " +
-            ptr.status().message();
-      break;
-    }
-    if (opened) m.opened.push_back(*ptr);
-    m.args.region[p] = static_cast<uint8_t*>(*ptr);
-  }
-  int32_t ok = why.empty() ? 1 : 0;
-  GS_RETURN_IF_ERROR(ops_.allreduce_now(&ok, &ok, 1, DataType::kInt32, ReduceOp::kMin));
-  if (ok == 0) {
-    auto log = log::get("gpu");
-    if (!why.empty()) log->warn("{}: no CUDA IPC path: {}", who(), why);
-    else log->warn("{}: a peer could not open CUDA IPC", who());
-    release_ipc();
-    return Status::Ok();
-  }
-  m.args.progress = m.progress;
-  m.args.sent = m.progress + 2 * m.layout.blocks;
-  m.args.error = &m.words_dev->error;
-  m.args.abort = &m.words_dev->abort;
-  m.args.timeout_ns = uint64_t(cfg_.op_timeout.count()) * 1'000'000ull;
-  *usable = true;
-  return Status::Ok();
-}
-
-
-void DeviceComm::release_ipc() {
-  Impl& m = *impl_;
-  for (void* p : m.opened) ipc_close(p, cfg_.device);
-  m.opened.clear();
-  if (m.region) (void)cudaFree(m.region);
-  if (m.progress) (void)cudaFree(m.progress);
-  if (m.progress) m.held.gpu_bytes -= m.layout.region_bytes() + (2 * m.layout.blocks + 1) * sizeof(uint64_t);
-  m.region = nullptr;
-  m.progress = nullptr;
-}
-
 // GRADSYNC_ALGO for GPU calls (ring, tree, oneshot, twoshot, hierarchical, auto), read by
 // every rank and agreed: ranks that run different protocols would wait for each other until
 // the op timeout, so a difference fails the join, naming it.
@@ -326,23 +190,6 @@ DeviceComm::~DeviceComm() {
   if (m.timeline) (void)cudaFree(m.timeline);
   if (m.timeline_event) (void)cudaEventDestroy(m.timeline_event);
   if (m.timeline_stream) (void)cudaStreamDestroy(m.timeline_stream);
-}
-
-// GRADSYNC_GPU_TIMELINE: one record per block of the layout, kMaxChunksPerBlock chunks each.
-Status DeviceComm::setup_timeline() {
-  Impl& m = *impl_;
-  const uint64_t words = uint64_t(m.layout.blocks) *
-                         kernels::node_timeline_stride(gpu::kMaxChunksPerBlock);
-  GS_CUDA(cudaMalloc(reinterpret_cast<void**>(&m.timeline), words * sizeof(uint64_t)),
-          "cudaMalloc of the timeline");
-  GS_CUDA(cudaMemset(m.timeline, 0, words * sizeof(uint64_t)), "cudaMemset");
-  m.held.gpu_bytes += words * sizeof(uint64_t);
-  GS_CUDA(cudaEventCreateWithFlags(&m.timeline_event, cudaEventDisableTiming), "cudaEventCreate");
-  GS_CUDA(cudaStreamCreateWithFlags(&m.timeline_stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  GS_CUDA(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  log::get("gpu")->info("{}: GPU timeline on (GRADSYNC_GPU_TIMELINE): {} blocks x {} chunks, {} KiB",
-                        who(), m.layout.blocks, gpu::kMaxChunksPerBlock, words * 8 / 1024);
-  return Status::Ok();
 }
 
 const std::string& DeviceComm::path_why() const { return impl_->why; }
@@ -396,83 +243,6 @@ DeviceComm::StagedTiming DeviceComm::last_staged_timing() const {
   std::lock_guard lock(impl_->mu);
   return impl_->timing;
 }
-
-Status DeviceComm::fail_from_error_word() {
-  Impl& m = *impl_;
-#if GRADSYNC_HAVE_GDR
-  if (m.gdr) {
-    if (Status s = m.gdr->error(); !s.ok()) {
-      failed_ = {s.code(), who() + ": " + s.message()};
-      return failed_;
-    }
-  }
-#endif
-  {
-    std::lock_guard lock(m.mu);
-    if (!m.staged_error.ok()) {
-      failed_ = m.staged_error;
-      return failed_;
-    }
-  }
-  Status e = error_word_status();
-  if (e.ok()) return e;
-  failed_ = e;
-  if (e.code() == Code::kDeadlineExceeded) report_timeout(e);
-  return failed_;
-}
-
-// What the kernels' error word holds, as a status (Ok while it holds nothing); read by the
-// caller's thread and by the watcher.
-Status DeviceComm::error_word_status() const {
-  const Impl& m = *impl_;
-  __atomic_thread_fence(__ATOMIC_ACQUIRE);
-  const volatile kernels::NodeError& w = m.words->error;
-  const kernels::NodeError e{w.code, w.peer, w.block, w.what};
-  if (e.code == 0) return Status::Ok();
-  const double ms = double(cfg_.op_timeout.count());
-  std::string what;
-  if (e.what == 2) {
-    what = "the stream waited for host-staged results";
-  } else if (e.what == 5) {
-    what = "block " + std::to_string(e.block) + " of a step kernel waited for the kernel's other blocks";
-  } else if (e.what == 3 || e.what == 4) {
-    const std::string peer = "rank " + std::to_string(e.peer) +
-                             (size_t(e.peer) < cfg_.hosts.size() ? " (host " + cfg_.hosts[e.peer] + ")" : "");
-    // The step channels: the GPUDirect RDMA channels across nodes, CUDA IPC alone on one.
-    const char* channel = m.path == Impl::Path::kIpc ? "CUDA IPC step" : "GPUDirect RDMA";
-    what = e.what == 3 ? std::string("the stream waited for a ") + channel + " message from " + peer
-                       : std::string("the stream waited for a free ") + channel + " send slot (" + peer +
-                             " frees them)";
-  } else {
-    // The node kernels name a peer by its place among the node's ranks: its rank (one node).
-    what = std::string("block ") + std::to_string(e.block) + " waited for rank " +
-           std::to_string(e.peer) + (e.what == 0 ? " to free a slot" : " to push its chunk");
-  }
-  if (e.code == 1) {
-    return {Code::kDeadlineExceeded, who() + ": a GPU collective did not finish: " + what +
-                                         " for more than " + std::to_string(int64_t(ms)) +
-                                         " ms (op timeout); that rank is slow, hung, or "
-                                         "never called the same collective"};
-  }
-  std::string reason = ops_.abort_reason();
-  return {Code::kAborted, who() + ": a GPU collective stopped: " + what + " when the job was aborted" +
-                              (reason.empty() ? "" : ": " + reason)};
-}
-
-// A wait of this rank's kernels that timed out fails the job, once: the other ranks stop
-// waiting for this one (and their links log what they still waited for). From the caller's
-// next call, or at once from the watcher, whichever sees it first.
-void DeviceComm::report_timeout(const Status& s) {
-  if (timeout_reported_.exchange(true)) return;
-  log::get("gpu")->error("{}; the job is aborted", s.message());
-  if (ops_.abort_job) ops_.abort_job(s.message());
-}
-
-Status DeviceComm::async_error() {
-  if (!failed_.ok()) return failed_;
-  return fail_from_error_word();
-}
-
 
 Status DeviceComm::check_device_buffer(const char* name, const void* p) const {
   cudaPointerAttributes a{};
@@ -665,76 +435,6 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
   }
 #endif
   return run_staged(c, stream, number);
-}
-
-Status DeviceComm::failed_to_queue(const CollectiveCall& c, uint64_t number, const Status& s) {
-  __atomic_store_n(&impl_->words->abort, 1u, __ATOMIC_RELEASE);
-  failed_ = {s.code(), who() + ": GPU " + describe_gpu(c, number) + " could not be queued completely: " + s.message()};
-  if (ops_.abort_job) ops_.abort_job(failed_.message());
-  return failed_;
-}
-
-
-Result<gpu::Timeline> DeviceComm::last_timeline() {
-  Impl& m = *impl_;
-  if (m.path != Impl::Path::kIpc) {
-    return Status(Code::kFailedPrecondition,
-                  who() + ": the GPU timeline is only recorded on the cuda-ipc path (this "
-                          "communicator's is " + path() + ")");
-  }
-  if (m.timeline == nullptr) {
-    return Status(Code::kFailedPrecondition,
-                  who() + ": the GPU timeline is off (set GRADSYNC_GPU_TIMELINE=1 before the "
-                          "communicator is created)");
-  }
-  if (!m.last.recorded) return Status(Code::kFailedPrecondition, who() + ": " + m.last.why_not);
-  DeviceScope scope;
-  if (Status e = scope.enter(cfg_.device); !e.ok()) return Status(e.code(), who() + ": " + e.message());
-  GS_CUDA(cudaEventSynchronize(m.timeline_event), "cudaEventSynchronize (timeline)");
-  if (Status s = async_error(); !s.ok()) {
-    return Status(s.code(), "no GPU timeline: the last call failed: " + s.message());
-  }
-
-  gpu::Timeline t;
-  t.rank = cfg_.rank;
-  t.world = cfg_.world_size;
-  t.collective = to_string(m.last.kind);
-  t.bytes = m.last.bytes;
-  t.chunk_bytes = kernels::node_chunk_bytes(m.layout, t.bytes);
-  t.slots = m.layout.slots;
-  t.nchunks = (t.bytes + t.chunk_bytes - 1) / t.chunk_bytes;
-  t.blocks = m.layout.blocks;
-  t.blocks_used = kernels::node_blocks_used(m.layout, t.bytes);
-  const uint64_t stride = kernels::node_timeline_stride(gpu::kMaxChunksPerBlock);
-  std::vector<uint64_t> words(size_t(t.blocks_used) * stride);
-  GS_CUDA(cudaMemcpyAsync(words.data(), m.timeline, words.size() * sizeof(uint64_t),
-                          cudaMemcpyDeviceToHost, m.timeline_stream),
-          "cudaMemcpyAsync (timeline)");
-  GS_CUDA(cudaStreamSynchronize(m.timeline_stream), "cudaStreamSynchronize (timeline)");
-  for (uint32_t b = 0; b < t.blocks_used; ++b) {
-    const uint64_t* r = words.data() + b * stride;
-    gpu::BlockTimeline bt;
-    bt.block = b;
-    bt.start_ns = r[0];
-    bt.end_ns = r[1];
-    bt.chunks = uint32_t(r[2]);
-    bt.first_seq = r[3];
-    const uint32_t want = gpu::chunks_of_block(t.nchunks, t.blocks_used, b);
-    if (bt.chunks != want) {
-      return Status(Code::kInternal, who() + ": GPU timeline: block " + std::to_string(b) +
-                                         " recorded " + std::to_string(bt.chunks) +
-                                         " chunks, the call has " + std::to_string(want));
-    }
-    const uint32_t kept = std::min(bt.chunks, gpu::kMaxChunksPerBlock);
-    for (uint32_t i = 0; i < kept; ++i) {
-      const uint64_t* c = r + kernels::kTimelineHeader + size_t(i) * kernels::kTimelineSteps;
-      bt.steps.push_back({c[kernels::kCreditWait], c[kernels::kPushStart], c[kernels::kPushEnd],
-                          c[kernels::kReadyWait], c[kernels::kFoldStart], c[kernels::kFoldEnd]});
-    }
-    t.block.push_back(std::move(bt));
-  }
-  t.summary = gpu::summarize(t);
-  return t;
 }
 
 }  // namespace gradsync
