@@ -59,15 +59,17 @@ __device__ inline uint32_t flag_of(const uint64_t* base, int b, uint32_t f) {
 // lanes leave together: when every word has its value, or when lane 0, every 128 polls, finds
 // an error recorded, the abort word set or the op timeout past; a timeout names the first
 // peer still waited for. Every lane returns the same.
+// `first`: for the table's first step, the lane's word of the step's first 32 as the launch
+// read it.
 template <class Table>
-__device__ bool wait_all(const Table& s, const TableStep& st, const uint64_t* base) {
+__device__ bool wait_all(const Table& s, const TableStep& st, const uint64_t* base, const uint64_t* first) {
   constexpr unsigned kAll = 0xffffffffu;
   const unsigned lane = threadIdx.x & 31u;
   for (int w0 = st.wait; w0 < st.wait + st.nwaits; w0 += 32) {
     const int w = w0 + int(lane);
     const StepWait* x = w < st.wait + st.nwaits ? &s.waits[w] : nullptr;
     const int64_t v = x != nullptr ? absolute(base, x->base, x->value) : 0;
-    bool done = v <= 0 || load_acquire(x->word) >= uint64_t(v);
+    bool done = v <= 0 || (first != nullptr && w0 == st.wait ? *first : load_acquire(x->word)) >= uint64_t(v);
     if (__all_sync(kAll, done)) continue;
     const uint64_t start = now_ns();
     for (uint32_t n = 1;; ++n) {
@@ -148,11 +150,22 @@ __device__ __forceinline__ void fold_range(S* out1, S* out2, const FoldSrcs<S>& 
   fold_body(threadIdx.x, blockDim.x, out1, out2, src, sp.head, sp.nvec, n, op, last);
 }
 
+__device__ inline bool same_source(const StepOp& x, const StepOp& y) {
+  return x.a == y.a && x.a_flag == y.a_flag && x.a_base == y.a_base;
+}
 // The end of the run of operations that starts at i (the chained ones after it), below `end`.
+// Low-latency copies of one source that follow each other (a send to every peer: one-shot's,
+// a tree's to its children) are one run too: each line of the source is read once and stored
+// to every destination.
 template <class Table>
 __device__ inline int run_end(const Table& s, int i, int end) {
   int e = i + 1;
   while (e < end && s.ops[e].chain) ++e;
+  if (e == i + 1 && s.ops[i].kind == StepOpKind::kCopy && s.ops[i].low_latency()) {
+    while (e < end && s.ops[e].kind == StepOpKind::kCopy && !s.ops[e].chain && s.ops[e].low_latency() &&
+           same_source(s.ops[i], s.ops[e]))
+      ++e;
+  }
   return e;
 }
 
@@ -171,12 +184,13 @@ __device__ void store_io(void* p, uint32_t flag, size_t u, size_t bytes, const n
   node::store_unit(static_cast<S*>(p), u, bytes, (reinterpret_cast<uintptr_t>(p) & 7) == 0, x);
 }
 
-// One operation, or one run of them (a fold: ops[0, nops)), with a low-latency operand over
-// this block's elements [lo, lo + n) of the step's `count`: the lines of those elements
-// (lo * sizeof(S) is a multiple of 16), a thread each; a run's operands are folded line by
-// line, each line read once its flags match, and the line stored once. A final line's
-// elements beyond the count are zero from plain memory, or whatever the writer's were: they
-// are reduced but never stored to plain memory. False when a read failed.
+// One operation, or one run of them (a fold: ops[0, nops); or copies of one source, run_end),
+// with a low-latency operand over this block's elements [lo, lo + n) of the step's `count`:
+// the lines of those elements (lo * sizeof(S) is a multiple of 16), a thread each; a run's
+// operands are folded line by line, each line read once its flags match, and the line stored
+// once (a run of copies: to each destination). A final line's elements beyond the count are
+// zero from plain memory, or whatever the writer's were: they are reduced but never stored to
+// plain memory. False when a read failed.
 template <class S, class Op, class OpF>
 __device__ bool low_latency_op(const NodeArgs& a, const StepOp* ops, int nops, const uint64_t* base, size_t lo,
                                size_t n, size_t count, Op op, OpF op_final) {
@@ -186,12 +200,12 @@ __device__ bool low_latency_op(const NodeArgs& a, const StepOp* ops, int nops, c
   const size_t bytes = count * sizeof(S);
   const uint32_t fa = flag_of(base, o.a_base, o.a_flag), fd = flag_of(base, last.dst_base, last.dst_flag),
                  fd2 = flag_of(base, last.dst2_base, last.dst2_flag);
-  const bool final = last.kind == StepOpKind::kReduceFinal;
+  const bool final = last.kind == StepOpKind::kReduceFinal, copies = o.kind == StepOpKind::kCopy;
   const size_t u1 = ((lo + n) * sizeof(S) + 7) / 8;
   for (size_t u = lo * sizeof(S) / 8 + threadIdx.x; u < u1; u += blockDim.x) {
     U x;
     if (!load_io<S>(a, o.a, fa, o.a_peer, u, bytes, &x)) return false;
-    if (o.kind != StepOpKind::kCopy) {
+    if (!copies) {
       for (int j = 0; j < nops; ++j) {
         const StepOp& q = ops[j];
         U y;
@@ -204,6 +218,12 @@ __device__ bool low_latency_op(const NodeArgs& a, const StepOp* ops, int nops, c
           for (int e = 0; e < U::kN; ++e) x.e[e] = op(x.e[e], y.e[e]);
         }
       }
+    }
+    // A run of copies stores to each operation's destinations (the others of the run first).
+    for (int j = 0; copies && j + 1 < nops; ++j) {
+      const StepOp& q = ops[j];
+      store_io<S>(q.dst, flag_of(base, q.dst_base, q.dst_flag), u, bytes, x);
+      if (q.dst2 != nullptr) store_io<S>(q.dst2, flag_of(base, q.dst2_base, q.dst2_flag), u, bytes, x);
     }
     store_io<S>(last.dst, fd, u, bytes, x);
     if (last.dst2 != nullptr) store_io<S>(last.dst2, fd2, u, bytes, x);
@@ -243,9 +263,15 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   // An error recorded by anything else is seen at the waits' next look at the host words.
   // Read beside the bases and the table's copy, before the barrier (one round trip for all;
   // from the parameter, as the copy is not done yet).
+  // Warp 0 reads the words of the first step's waits there too (the first 32, a lane each):
+  // their first poll then costs no round trip of its own.
   volatile uint32_t* failed_before = param.counters + kStepFailed;
   bool alive = true;
+  uint64_t first = 0;
   if (threadIdx.x == 0) alive = *failed_before == 0;
+  if (threadIdx.x < 32 && param.nsteps > 0 && int(threadIdx.x) < param.steps[0].nwaits) {
+    first = load_acquire(param.waits[param.steps[0].wait + threadIdx.x].word);
+  }
   if (threadIdx.x < unsigned(kStepMaxBases)) base[threadIdx.x] = param.bases != nullptr ? param.bases[threadIdx.x] : 0;
   __syncthreads();
   for (int k = 0; k < s.nsteps; ++k) {
@@ -254,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
       // Thread 0's barrier first, then warp 0's waits (every lane learns thread 0's state).
       if (threadIdx.x < 32) {
         bool ok = threadIdx.x != 0 || (alive && (st.barrier == 0 || k == 0 || gridDim.x == 1 || wait_blocks(s, k - 1)));
-        ok = __all_sync(0xffffffffu, ok) && wait_all(s, st, base);
+        ok = __all_sync(0xffffffffu, ok) && wait_all(s, st, base, k == 0 ? &first : nullptr);
         if (threadIdx.x == 0) alive = ok;
       }
     } else if (threadIdx.x == 0) {
@@ -263,7 +289,8 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
       if (alive && st.nwaits == 1) {
         const StepWait& x = s.waits[st.wait];
         const int64_t v = absolute(base, x.base, x.value);
-        alive = v <= 0 || node::wait_at_least(x.word, uint64_t(v), wait_args(s), x.peer, x.what);
+        alive = v <= 0 || (k == 0 && first >= uint64_t(v)) ||
+                node::wait_at_least(x.word, uint64_t(v), wait_args(s), x.peer, x.what);
       }
     }
     if (threadIdx.x == 0) go = alive ? 1 : 0;
@@ -343,22 +370,27 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
     // only read its receive slots (done by now) and wrote what no peer reads by a signal, and
     // stores them as they are. A fence is a round trip of its own: one per signal, as
     // release stores each are, measured a third of a ring step's time on the H200.
-    // A launch of one block (every small call) needs no count.
+    // A launch of one block (every small call) needs no count. Warp 0 stores them, a lane per
+    // signal (a one-shot step signals every peer); where the step is `release`, every lane
+    // fences first (one instruction for the warp: one round trip, as before).
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (threadIdx.x < 32) {
+      const unsigned lane = threadIdx.x;
       bool last = true;
       if (gridDim.x > 1) {
         // The block's stores before its count: at system scope for the signals, at least at
         // the GPU's for the later steps' blocks that wait for the counts (wait_blocks).
-        if (st.release) fence_acq_rel_sys();
-        else fence_acq_rel_gpu();
-        last = atomicAdd(s.counters + k, 1u) == gridDim.x - 1;
-        if (last && st.release) fence_acq_rel_sys();  // the other blocks' stores, seen by their counts
-      } else if (st.release) {
-        fence_acq_rel_sys();
+        if (lane == 0) {
+          if (st.release) fence_acq_rel_sys();
+          else fence_acq_rel_gpu();
+          last = atomicAdd(s.counters + k, 1u) == gridDim.x - 1;
+        }
+        last = __shfl_sync(0xffffffffu, last, 0);
       }
       if (last) {
-        for (int i = st.signal; i < st.signal + st.nsignals; ++i) {
+        // After a count: the other blocks' stores, seen by their counts.
+        if (st.release) fence_acq_rel_sys();
+        for (int i = st.signal + int(lane); i < st.signal + st.nsignals; i += 32) {
           const StepSignal& g = s.signals[i];
           node::store_relaxed(g.word, g.base >= 0 ? base[g.base] + g.value : g.value);
         }
@@ -370,13 +402,16 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   // stream do not overlap) and moves the bases on; every other block has stopped reading them
   // by then (each read the bases at its start).
   // A launch of one block is its own last (its steps counted nothing).
-  if (threadIdx.x == 0 && (gridDim.x == 1 || atomicAdd(s.counters + kStepBlocksEnded, 1u) == gridDim.x - 1)) {
-    for (int k = 0; k < s.nsteps; ++k) s.counters[k] = 0;
-    s.counters[kStepBlocksEnded] = 0;
-    if (s.bases != nullptr) {
-      for (int b = 0; b < kStepMaxBases; ++b) {
-        if (s.advance[b] != 0) s.bases[b] = base[b] + s.advance[b];
-      }
+  // Warp 0, a lane per word.
+  if (threadIdx.x < 32) {
+    const unsigned lane = threadIdx.x;
+    bool last = gridDim.x == 1;
+    if (!last && lane == 0) last = atomicAdd(s.counters + kStepBlocksEnded, 1u) == gridDim.x - 1;
+    if (__shfl_sync(0xffffffffu, last, 0)) {
+      for (int k = int(lane); k < s.nsteps; k += 32) s.counters[k] = 0;
+      if (lane == 0) s.counters[kStepBlocksEnded] = 0;
+      static_assert(kStepMaxBases == 32, "a lane per base");
+      if (s.bases != nullptr && s.advance[lane] != 0) s.bases[lane] = base[lane] + s.advance[lane];
     }
   }
 }

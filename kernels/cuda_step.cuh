@@ -154,7 +154,7 @@ struct StepTableOf : StepTableHead {
   StepSignal signals[Signals];
 };
 using StepTable = StepTableOf<kTableMaxSteps, kTableMaxWaits, kTableMaxOps, kTableMaxSignals>;
-using SmallStepTable = StepTableOf<16, 24, 24, 32>;
+using SmallStepTable = StepTableOf<16, 32, 24, 32>;
 static_assert(sizeof(SmallStepTable) < 4096, "a small table is a parameter of under 4 KiB");
 
 // Queues the table's steps on `stream`: type and op apply to every reduction.
