@@ -265,14 +265,20 @@ Status DeviceComm::setup_node_steps() {
 
 #if GRADSYNC_HAVE_GDR
 // The small-message threshold (design §3 rule 4), measured once at set-up on every rank in
-// the same order: per size, the best of three float32 sum allreduces on the GPUDirect ring
-// against the host-staged path's work for a one-piece call (copy to pinned memory, the host
-// allreduce, copy back). Every rank takes the slowest rank's times, so all pick one threshold
-// (topology::gdr_min_bytes_from_times).
+// the same order: per size from 256 bytes, the best of three float32 sum allreduces on the step
+// channels, as an unforced call takes them (the cost model's ring or trees, or GRADSYNC_ALGO's
+// ring or tree), against the host-staged path's work for a one-piece call (copy to pinned
+// memory, the host allreduce, copy back). Every rank takes the slowest rank's times, so all
+// pick one threshold (topology::gdr_min_bytes_from_times): 0 where the steps are no slower even
+// at 256 bytes, and then no call is host-staged.
 Status DeviceComm::measure_gdr_min_bytes() {
   Impl& m = *impl_;
   std::vector<size_t> sizes;
-  for (size_t b = 16 << 10; b <= (size_t(1) << 20) && b <= m.slot_bytes; b *= 4) sizes.push_back(b);
+  for (size_t b = 256; b <= (size_t(1) << 20) && b <= m.slot_bytes; b *= 4) sizes.push_back(b);
+  const std::optional<plan::Algo> forced = plan::forced_algo(Algorithm::kAuto, m.env_algo);
+  const Algorithm algo = forced == plan::Algo::kTree ? Algorithm::kTree
+                         : forced == plan::Algo::kRing ? Algorithm::kRing
+                                                       : Algorithm::kAuto;
   if (sizes.empty()) return Status::Ok();
   const size_t n = sizes.size(), biggest = sizes.back();
   void* dev = nullptr;
@@ -288,7 +294,7 @@ Status DeviceComm::measure_gdr_min_bytes() {
   for (size_t i = 0; i < n && s.ok(); ++i) {
     const size_t bytes = sizes[i], count = bytes / 4;
     const CollectiveCall c{CollectiveKind::kAllreduce, dev, dev, count, DataType::kFloat32, ReduceOp::kSum, 0,
-                           Algorithm::kRing, 0};
+                           algo, 0};
     for (int rep = 0; rep < 3 && s.ok(); ++rep) {
       auto t0 = Clock::now();
       s = m.gdr->enqueue(c, st);
@@ -313,7 +319,7 @@ Status DeviceComm::measure_gdr_min_bytes() {
                                                        std::vector<double>(us.begin() + n, us.end()));
   std::string table;
   for (size_t i = 0; i < n; ++i) {
-    table += (i ? ", " : "") + std::to_string(sizes[i] >> 10) + " KiB " + std::to_string(int(us[i])) + "/" +
+    table += (i ? ", " : "") + std::to_string(sizes[i]) + " B " + std::to_string(int(us[i])) + "/" +
              std::to_string(int(us[n + i])) + " us";
   }
   log::get("gpu")->info("{}: GRADSYNC_GDR_MIN_BYTES measured: {} bytes ({}/host-staged, slowest rank: {})", who(),

@@ -341,6 +341,7 @@ size_t gdr_min_bytes_from_times(const std::vector<size_t>& sizes, const std::vec
     if (gdr_us[i] > staged_us[i]) break;
     from = i;
   }
+  if (from == 0) return 0;  // no slower at the smallest size measured: at every size
   return from < n ? sizes[from] : 2 * sizes[n - 1];
 }
 

@@ -158,8 +158,9 @@ GpuPath path_for_message(const GpuPath& peer, size_t message_bytes, size_t gdr_m
 Result<size_t> gdr_min_bytes_from_env(size_t measured);
 // The threshold from a measurement: per message size (ascending), the time of one call on the
 // GPUDirect path and on the host-staged path. The smallest measured size from which GPUDirect
-// is no slower at every larger measured size; twice the largest size when it is slower even
-// there (larger calls are where staging costs most); 0 for no sizes.
+// is no slower at every larger measured size, or 0 (every size) when that is the smallest
+// measured; twice the largest size when it is slower even there (larger calls are where
+// staging costs most); 0 for no sizes.
 size_t gdr_min_bytes_from_times(const std::vector<size_t>& sizes, const std::vector<double>& gdr_us,
                                 const std::vector<double>& staged_us);
 // The same parsing, for a given text (tests, command lines).

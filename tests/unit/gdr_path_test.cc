@@ -147,14 +147,17 @@ TEST(GdrPath, MinBytesFromTheMeasuredTimes) {
   const std::vector<size_t> sizes = {16 << 10, 64 << 10, 256 << 10, 1 << 20};
   // GPUDirect slower for small calls, faster from 256 KiB.
   EXPECT_EQ(gdr_min_bytes_from_times(sizes, {40, 60, 80, 150}, {30, 50, 120, 400}), size_t(256) << 10);
-  // Faster everywhere: from the smallest size measured.
-  EXPECT_EQ(gdr_min_bytes_from_times(sizes, {10, 20, 30, 40}, {30, 50, 120, 400}), size_t(16) << 10);
+  // Faster everywhere: at every size, below the smallest measured too.
+  EXPECT_EQ(gdr_min_bytes_from_times(sizes, {10, 20, 30, 40}, {30, 50, 120, 400}), 0u);
+  // Slower only at the smallest size: from the next.
+  EXPECT_EQ(gdr_min_bytes_from_times(sizes, {31, 20, 30, 40}, {30, 50, 120, 400}), size_t(64) << 10);
   // A win below a loss does not count: only from where it wins at every larger size.
   EXPECT_EQ(gdr_min_bytes_from_times(sizes, {10, 90, 80, 150}, {30, 50, 120, 400}), size_t(256) << 10);
   // Slower at every size: twice the largest.
   EXPECT_EQ(gdr_min_bytes_from_times(sizes, {50, 90, 200, 500}, {30, 50, 120, 400}), size_t(2) << 20);
   // A tie counts for GPUDirect.
-  EXPECT_EQ(gdr_min_bytes_from_times(sizes, {30, 50, 120, 400}, {30, 50, 120, 400}), size_t(16) << 10);
+  EXPECT_EQ(gdr_min_bytes_from_times(sizes, {30, 50, 121, 400}, {30, 50, 120, 400}), size_t(1) << 20);
+  EXPECT_EQ(gdr_min_bytes_from_times(sizes, {30, 50, 120, 400}, {30, 50, 120, 400}), 0u);
   EXPECT_EQ(gdr_min_bytes_from_times({}, {}, {}), 0u);
 }
 

@@ -426,8 +426,8 @@ TEST_F(Gdr, SmallCallsStayHostStagedAndInterleave) {
   testing::allreduce_matrix(gpus, Algorithm::kRing);  // counts 0..5003: both sides of 4 KiB
 }
 
-// GRADSYNC_GDR_MIN_BYTES unset: every rank measures the threshold at set-up (GPUDirect and
-// host-staged calls of 16 KiB .. 1 MiB, the slowest rank's times) and the job runs.
+// GRADSYNC_GDR_MIN_BYTES unset: every rank measures the threshold at set-up (step-channel and
+// host-staged calls of 256 B .. 1 MiB, the slowest rank's times) and the job runs.
 TEST_F(Gdr, ThresholdMeasuredAtStart) {
   ::unsetenv("GRADSYNC_GDR_MIN_BYTES");
   DaemonCluster cluster({.nodes = 2});
