@@ -19,7 +19,6 @@ using namespace gdr_link_world;
 using namespace gdr_link_ll_watch;
 using plan::Algo;
 
-constexpr size_t kLlBytes = 128;  // 64 bytes of payload: a call of 2053 int64 is 257 messages a hop
 constexpr uint32_t kSlots = 2;
 constexpr size_t kSlotBytes = 256;
 

@@ -19,7 +19,6 @@ using namespace gdr_link_world;
 using namespace gdr_link_ll_watch;
 using plan::Algo;
 
-constexpr size_t kLlBytes = 128;  // 64 bytes of payload: a call of 2053 int64 is 257 messages a hop
 
 // One node of n direct peers, with the pairs (one-shot, two-shot) and low-latency slots.
 Ring ll_node(int n) {

@@ -12,6 +12,9 @@
 
 namespace gradsync::gdr_link_ll_watch {
 
+// The tests' low-latency slots: 64 bytes of payload, so a call of 2053 int64 is 257 messages a hop.
+constexpr size_t kLlBytes = 128;
+
 // A Ring tweak (gdr_link_world.h): every rank's links get low-latency slots of `bytes`, beside
 // its RDMA peers' slots too (ll_queue_pairs).
 inline auto with_ll(size_t bytes) {
