@@ -122,9 +122,12 @@ Status CommunicatorImpl::leave() {
     cv_.notify_all();
   }
   if (worker_.joinable()) worker_.join();
-  // A peer still waiting on one of this rank's channels made more calls: it learns now.
-  mark_left(links_);
-  if (failed_.ok() && links_.driver) links_.driver->goodbye(deadline_after(std::chrono::seconds(1)));
+  // A peer still waiting on one of this rank's channels made more calls: it learns now. Not
+  // after an abort (this rank's, or the job's as far as this rank knows): a peer then waits
+  // for the abort to reach it, which names its cause, rather than blaming this rank's leaving.
+  const bool aborted = !abort_reason().empty();
+  if (!aborted) mark_left(links_);
+  if (failed_.ok() && !aborted && links_.driver) links_.driver->goodbye(deadline_after(std::chrono::seconds(1)));
   uint64_t one = 1;
   if (::write(wake_.get(), &one, sizeof(one)) < 0) { /* monitor also stops on EOF */ }
   if (monitor_.joinable()) monitor_.join();
