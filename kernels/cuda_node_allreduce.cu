@@ -8,4 +8,6 @@ cudaError_t launch_allreduce(const NodeLayout& l, const NodeArgs& a, const NodeC
   return launch_reduction<NodeCollective::kAllreduce>(l, a, c, stream, tl);
 }
 
+cudaError_t set_ll_stamps(const KernelStampLog& log) { return cudaMemcpyToSymbol(g_ll_stamps, &log, sizeof(log)); }
+
 }  // namespace gradsync::kernels::node

@@ -3,8 +3,13 @@
 #pragma once
 
 #include "kernels/cuda_node_device.cuh"
+#include "kernels/kernel_stamps.cuh"
 
 namespace gradsync::kernels::node {
+
+// Launch stamps (kernel_stamps.cuh), one log per translation unit: set only in
+// cuda_node_allreduce.cu's (set_ll_stamps), so allreduce launches alone record.
+static __device__ KernelStampLog g_ll_stamps;
 
 __device__ inline void store_line(uint8_t* p, uint32_t d0, uint32_t d1, uint32_t flag) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(d0), "r"(flag),
@@ -83,6 +88,9 @@ __global__ void __launch_bounds__(kThreads)
                    bool aligned8, Op op, Last last) {
   using S = typename Tr::S;
   using U = Unit<S>;
+  KernelStamp* const stamp =
+      threadIdx.x == 0 ? stamp_begin(g_ll_stamps, reinterpret_cast<uintptr_t>(a.progress), kStampNodeLowLatency)
+                       : nullptr;
   const int me = a.me;
   const size_t bytes = count * sizeof(S);  // of one segment
   const size_t units = (bytes + 7) / 8;
@@ -129,6 +137,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (a.sent != nullptr && stored != 0 && threadIdx.x == 0)
     atomicAdd(reinterpret_cast<unsigned long long*>(a.sent), static_cast<unsigned long long>(stored));
+
+  stamp_mark(stamp, 1);
 
   // Consume.
   uint8_t* const mine = lines(a.region[me], 0);  // source r's lines: mine + r * ll_stride
@@ -186,12 +196,14 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
+  stamp_mark(stamp, 2);
   if (threadIdx.x == 0) *counter = seq;
   // Blocks this launch did not use count the call too: every block's count is the number of
   // low-latency calls, so a flag names one call whatever block wrote the line.
   if (blockIdx.x == 0) {
     for (uint32_t j = gridDim.x + threadIdx.x; j < blocks; j += blockDim.x) a.progress[blocks + j] = seq;
   }
+  stamp_end(stamp, 3, 0);
 }
 
 }  // namespace gradsync::kernels::node

@@ -8,6 +8,7 @@
 #include "kernels/cuda_node_device.cuh"
 #include "kernels/cuda_node_ll.cuh"
 #include "kernels/cuda_reduce_body.cuh"
+#include "kernels/kernel_stamps.cuh"
 
 namespace gradsync::kernels {
 namespace {
@@ -26,6 +27,9 @@ constexpr size_t kBytesPerBlock = size_t(64) << 10;
 constexpr size_t kLowLatencyBytesPerBlock = size_t(16) << 10;
 // NodeError::what of a low-latency read (device_comm.cc: the wait for a peer's message).
 constexpr uint32_t kWhatArrival = 3;
+
+// Launch stamps (kernel_stamps.cuh): off while records is null.
+__device__ KernelStampLog g_stamps;
 
 __device__ inline unsigned mis16(const void* p) { return unsigned(reinterpret_cast<uintptr_t>(p) & 15u); }
 
@@ -268,14 +272,20 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   volatile uint32_t* failed_before = param.counters + kStepFailed;
   bool alive = true;
   uint64_t first = 0;
-  if (threadIdx.x == 0) alive = *failed_before == 0;
+  KernelStamp* stamp = nullptr;
+  if (threadIdx.x == 0) {
+    alive = *failed_before == 0;
+    stamp = stamp_begin(g_stamps, reinterpret_cast<uintptr_t>(param.counters), kStampStepKernel);
+  }
   if (threadIdx.x < 32 && param.nsteps > 0 && int(threadIdx.x) < param.steps[0].nwaits) {
     first = load_acquire(param.waits[param.steps[0].wait + threadIdx.x].word);
   }
   if (threadIdx.x < unsigned(kStepMaxBases)) base[threadIdx.x] = param.bases != nullptr ? param.bases[threadIdx.x] : 0;
   __syncthreads();
+  stamp_mark(stamp, 1);
   for (int k = 0; k < s.nsteps; ++k) {
     const TableStep& st = s.steps[k];
+    const int mark = k < kStampSteps ? 2 + 3 * k : kStampMarks;  // past the record: none
     if (st.nwaits > 1) {
       // Thread 0's barrier first, then warp 0's waits (every lane learns thread 0's state).
       if (threadIdx.x < 32) {
@@ -295,6 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
     }
     if (threadIdx.x == 0) go = alive ? 1 : 0;
     __syncthreads();
+    stamp_mark(stamp, mark);
     // This block's elements: a multiple of 16 of them from the start, so every pointer keeps
     // its offset modulo 16 and the block's loops vectorise as a whole-step kernel's would.
     const size_t per = ((st.count + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
@@ -361,6 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
       }
       if (lines) failed = __syncthreads_or(mine);
     }
+    stamp_mark(stamp, mark + 1);
     if (threadIdx.x == 0) alive = alive && !failed;
     // The signals, once every block is done with the step. Signals go out after a failed wait
     // too: the error is recorded and the job fails, and a peer's wait then ends at once
@@ -396,6 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
         }
       }
     }
+    stamp_mark(stamp, mark + 2);
   }
   if (threadIdx.x == 0 && !alive) *failed_before = 1;
   // The last block to end zeroes the counters for the stream's next launch (launches on one
@@ -414,6 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
       if (s.bases != nullptr && s.advance[lane] != 0) s.bases[lane] = base[lane] + s.advance[lane];
     }
   }
+  stamp_end(stamp, 2 + 3 * (s.nsteps < kStampSteps ? s.nsteps : kStampSteps), uint32_t(s.nsteps));
 }
 
 // Copies a table into a smaller one (the parts' indices stay valid: they are within its counts).
@@ -532,6 +546,11 @@ cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStr
       return launch_as<T>(s, o, f, stream);
     });
   });
+}
+
+cudaError_t set_kernel_stamps(const KernelStampLog& log) {
+  const cudaError_t e = cudaMemcpyToSymbol(g_stamps, &log, sizeof(log));
+  return e != cudaSuccess ? e : node::set_ll_stamps(log);
 }
 
 cudaError_t load_step_kernels() {

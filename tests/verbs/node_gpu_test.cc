@@ -11,12 +11,14 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "../unit/collective_matrix.h"
 #include "gpu_world.h"
+#include "kernel_stamps_report.h"
 
 namespace gradsync {
 namespace {
@@ -546,8 +548,16 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
                          {"2shot-ll-p", "twoshot", "ll", true},
                          {"steps-auto", "", nullptr}};
   constexpr int kCols = int(sizeof(cols) / sizeof(cols[0]));
+  // NODE_BENCH_COLS=kernels,1shot-ll,...: those columns alone. NODE_BENCH_STAMPS=1: each
+  // size's launch stamps too (kernel_stamps_report.h), a line per column and size.
+  const char* only = std::getenv("NODE_BENCH_COLS");
+  auto chosen = [&](int c) {
+    return only == nullptr || ("," + std::string(only) + ",").find("," + std::string(cols[c].name) + ",") != std::string::npos;
+  };
+  const bool stamps = std::getenv("NODE_BENCH_STAMPS") != nullptr;
   std::vector<std::vector<Measured>> us(kCols);
   for (int c = 0; c < kCols; ++c) {
+    if (!chosen(c)) continue;
     for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS", "GRADSYNC_GPU_STEP_CACHE"})
       ::unsetenv(v);
     if (cols[c].planned) ::setenv("GRADSYNC_GPU_STEP_CACHE", "0", 1);
@@ -565,7 +575,12 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
       auto d = cluster.describe(std::string("node-llbench-") + cols[c].name, n);
       if (d.paths_size() > 0) std::printf("# %s: %s\n", cols[c].name, d.paths(0).why().c_str());
     }
-    for (size_t b : sizes) us[size_t(c)].push_back(allreduce_on_gpus(world, b / 4, 50, Algorithm::kAuto));
+    for (size_t b : sizes) {
+      std::optional<testing::KernelStampRecorder> rec;
+      if (stamps) rec.emplace(4096);
+      us[size_t(c)].push_back(allreduce_on_gpus(world, b / 4, 50, Algorithm::kAuto));
+      if (rec) std::printf("# stamps %s %zu: %s\n", cols[c].name, b, rec->summary(2).c_str());
+    }
   }
   for (const char* v : {"GRADSYNC_ALGO", "GRADSYNC_PROTO", "GRADSYNC_GPU_NODE_STEPS", "GRADSYNC_GPU_STEP_CACHE"})
     ::unsetenv(v);
@@ -573,11 +588,13 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
   for (const bool host : {false, true}) {
     std::printf("# float32 sum allreduce, 1 node x %d ranks as threads on GPU 0, %s\n# %8s", n,
                 host ? "us per call in the calls (host)" : "us per call", "bytes");
-    for (const Column& c : cols) std::printf(" %10s", c.name);
+    for (int c = 0; c < kCols; ++c)
+      if (chosen(c)) std::printf(" %10s", cols[c].name);
     std::printf("\n");
     for (size_t i = 0; i < sizes.size(); ++i) {
       std::printf("  %8zu", sizes[i]);
-      for (int c = 0; c < kCols; ++c) std::printf(" %10.1f", host ? us[size_t(c)][i].host_us : us[size_t(c)][i].us);
+      for (int c = 0; c < kCols; ++c)
+        if (chosen(c)) std::printf(" %10.1f", host ? us[size_t(c)][i].host_us : us[size_t(c)][i].us);
       std::printf("\n");
     }
   }
