@@ -154,25 +154,6 @@ __device__ __forceinline__ void fold_range(S* out1, S* out2, const FoldSrcs<S>& 
   fold_body(threadIdx.x, blockDim.x, out1, out2, src, sp.head, sp.nvec, n, op, last);
 }
 
-__device__ inline bool same_source(const StepOp& x, const StepOp& y) {
-  return x.a == y.a && x.a_flag == y.a_flag && x.a_base == y.a_base;
-}
-// The end of the run of operations that starts at i (the chained ones after it), below `end`.
-// Low-latency copies of one source that follow each other (a send to every peer: one-shot's,
-// a tree's to its children) are one run too: each line of the source is read once and stored
-// to every destination.
-template <class Table>
-__device__ inline int run_end(const Table& s, int i, int end) {
-  int e = i + 1;
-  while (e < end && s.ops[e].chain) ++e;
-  if (e == i + 1 && s.ops[i].kind == StepOpKind::kCopy && s.ops[i].low_latency()) {
-    while (e < end && s.ops[e].kind == StepOpKind::kCopy && !s.ops[e].chain && s.ops[e].low_latency() &&
-           same_source(s.ops[i], s.ops[e]))
-      ++e;
-  }
-  return e;
-}
-
 // Unit u (8 bytes of elements) of an operand of `bytes` bytes: a low-latency slot's line u
 // once its flags match, or plain memory. False (error recorded) when the read failed.
 template <class S>
@@ -188,7 +169,7 @@ __device__ void store_io(void* p, uint32_t flag, size_t u, size_t bytes, const n
   node::store_unit(static_cast<S*>(p), u, bytes, (reinterpret_cast<uintptr_t>(p) & 7) == 0, x);
 }
 
-// One operation, or one run of them (a fold: ops[0, nops); or copies of one source, run_end),
+// One operation, or one run of them (a fold: ops[0, nops); or copies of one source, step_run_end),
 // with a low-latency operand over this block's elements [lo, lo + n) of the step's `count`:
 // the lines of those elements (lo * sizeof(S) is a multiple of 16), a thread each; a run's
 // operands are folded line by line, each line read once its flags match, and the line stored
@@ -320,16 +301,15 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
       // step's earlier runs (the same lines of the same elements), so they need no barrier
       // between them; plain runs split their ranges by alignment and do.
       const int end = st.op + st.nops;
+      const bool lines = st.lines != 0;
       auto run_ll = [&](int i, int e) {
-        bool ll = false;
-        for (int j = i; j < e; ++j) ll = ll || s.ops[j].low_latency();
+        bool ll = lines;
+        for (int j = i; j < e && !ll; ++j) ll = s.ops[j].low_latency();
         return ll;
       };
-      bool lines = true;
-      for (int i = st.op; i < end; i = run_end(s, i, end)) lines = lines && run_ll(i, run_end(s, i, end));
       bool mine = false;  // a read of this thread failed
       for (int i = st.op, e; i < end && !mine; i = e) {
-        e = run_end(s, i, end);
+        e = i + s.ops[i].run;
         const StepOp& o = s.ops[i];
         const StepOp& last = s.ops[e - 1];  // the run's destinations and kind
         if (run_ll(i, e)) {
@@ -503,6 +483,20 @@ bool valid_runs(const StepTable& s, const TableStep& st) {
   return true;
 }
 
+// The runs and `lines` the table holds are those step_run_end finds.
+bool runs_as_found(const StepTable& s, const TableStep& st) {
+  const int end = st.op + st.nops;
+  bool lines = st.nops > 0;
+  for (int i = st.op, e; i < end; i = e) {
+    e = step_run_end(s.ops, i, end);
+    if (s.ops[i].run != e - i) return false;
+    bool ll = false;
+    for (int j = i; j < e; ++j) ll = ll || s.ops[j].low_latency();
+    lines = lines && ll;
+  }
+  return (st.lines != 0) == lines;
+}
+
 }  // namespace
 
 cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStream_t stream) {
@@ -517,7 +511,7 @@ cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStr
     const TableStep& st = s.steps[k];
     if (st.wait + st.nwaits > s.nwaits || st.op + st.nops > s.nops || st.signal + st.nsignals > s.nsignals)
       return cudaErrorInvalidValue;
-    if (!valid_runs(s, st)) return cudaErrorInvalidValue;
+    if (!valid_runs(s, st) || !runs_as_found(s, st)) return cudaErrorInvalidValue;
   }
   // A base is -1 (absolute) or one of the table's words.
   auto bad_base = [&](int b) { return b < -1 || b >= kStepMaxBases || (b >= 0 && s.bases == nullptr); };

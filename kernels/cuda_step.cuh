@@ -99,6 +99,10 @@ struct StepOp {
   int8_t dst_base = -1, dst2_base = -1, a_base = -1, b_base = -1;
   // Nonzero: b is the next operand of the reduction of the operations before (a run).
   uint8_t chain = 0;
+  // On a run's first operation: how many operations the run has (step_run_end), set by the
+  // stream that builds the table and checked by launch_steps, so that the kernel does not
+  // find the runs again at every step.
+  uint8_t run = 0;
   void* dst = nullptr;   // null only before a run's last operation
   void* dst2 = nullptr;  // a reduction's second destination; may be null
   const void* a = nullptr;  // null in a chained operation
@@ -107,6 +111,21 @@ struct StepOp {
   int32_t a_peer = -1, b_peer = -1;
   __host__ __device__ bool low_latency() const { return (dst_flag | dst2_flag | a_flag | b_flag) != 0; }
 };
+// The end of the run of operations that starts at ops[i], below `end`: the chained ones after
+// it (a fold). Low-latency copies of one source that follow each other (a send to every peer:
+// one-shot's, a tree's to its children) are one run too: each line of the source is read once
+// and stored to every destination.
+inline int step_run_end(const StepOp* ops, int i, int end) {
+  int e = i + 1;
+  while (e < end && ops[e].chain) ++e;
+  const StepOp& o = ops[i];
+  if (e == i + 1 && o.kind == StepOpKind::kCopy && o.low_latency()) {
+    while (e < end && ops[e].kind == StepOpKind::kCopy && !ops[e].chain && ops[e].low_latency() &&
+           ops[e].a == o.a && ops[e].a_flag == o.a_flag && ops[e].a_base == o.a_base)
+      ++e;
+  }
+  return e;
+}
 struct StepSignal {
   uint64_t* word = nullptr;
   uint64_t value = 0;  // plus the base's word, with `base` >= 0
@@ -116,10 +135,14 @@ struct StepSignal {
 struct TableStep {
   size_t count = 0;  // elements of every operation of the step
   uint16_t wait = 0, nwaits = 0, op = 0, nops = 0, signal = 0, nsignals = 0;
-  uint16_t barrier = 0;  // nonzero: every block finishes the steps before this one first
+  uint8_t barrier = 0;  // nonzero: every block finishes the steps before this one first
   // Nonzero: the signals are stored after a system-scope fence (StepStream::order_signals);
   // otherwise as they are (relaxed), after the loads and stores that came before them.
-  uint16_t release = 0;
+  uint8_t release = 0;
+  // Nonzero: every run of the step has a low-latency operand, so the step runs line by line
+  // with no barrier between its runs (set with the runs, StepOp::run).
+  uint8_t lines = 0;
+  uint8_t unused = 0;
 };
 
 // A kernel parameter (by value, read in place: __grid_constant__). The stream collects a
@@ -162,7 +185,8 @@ static_assert(sizeof(SmallStepTable) < 4096, "a small table is a parameter of un
 // element size, parts outside the table, a missing counter, error word or abort word, a
 // base outside [-1, kStepMaxBases) or named without `bases`, a chained operation that
 // continues no reduction of its step, a run of more than kStepMaxFold operands, or a run
-// whose operations before its last store (or are kReduceFinal) or whose last does not.
+// whose operations before its last store (or are kReduceFinal) or whose last does not, or
+// runs (StepOp::run, TableStep::lines) other than step_run_end finds.
 cudaError_t launch_steps(const StepTable& table, DataType type, ReduceOp op, cudaStream_t stream);
 
 // Loads every instantiation of the step kernel now (load_reduce_kernels says why).

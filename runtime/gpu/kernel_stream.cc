@@ -87,6 +87,16 @@ Status KernelStream::end_step() {
     touched_.clear();
   }
   touched_.insert(touched_.end(), ranges.begin(), ranges.end());
+  // The step's runs (the kernel's units of work, kernels::step_run_end), found once here.
+  bool lines = !ops_.empty();
+  for (int i = 0, e, n = int(ops_.size()); i < n; i = e) {
+    e = kernels::step_run_end(ops_.data(), i, n);
+    ops_[size_t(i)].run = uint8_t(e - i);
+    bool ll = false;
+    for (int j = i; j < e; ++j) ll = ll || ops_[size_t(j)].low_latency();
+    lines = lines && ll;
+  }
+  step_.lines = lines ? 1 : 0;
   step_.wait = uint16_t(t.nwaits);
   step_.nwaits = uint16_t(waits_.size());
   step_.op = uint16_t(t.nops);

@@ -209,6 +209,7 @@ TEST(KernelStream, LaunchStepsRefusesBrokenRuns) {
       o.b = in + 16 * i;
       o.dst = i + 1 == nops ? out : nullptr;
     }
+    t->ops[0].run = uint8_t(nops);  // one run (plain memory: lines stays 0)
     return t;
   };
   auto launch = [](const kernels::StepTable& t) { return kernels::launch_steps(t, DataType::kFloat32, ReduceOp::kSum, nullptr); };
@@ -251,6 +252,48 @@ TEST(KernelStream, LaunchStepsRefusesBrokenRuns) {
   auto no_source = table(3);
   no_source->ops[1].b = nullptr;
   EXPECT_EQ(launch(*no_source), cudaErrorInvalidValue);
+}
+
+// The stream finds each step's runs once (StepOp::run, TableStep::lines): low-latency copies
+// of one source are one run, a fold is one, a plain copy is one of its own; the launch refuses
+// a table whose runs are not the ones step_run_end finds.
+TEST(KernelStream, TheStreamFindsTheRunsAndTheLaunchChecksThem) {
+  alignas(16) static uint8_t peer_slot[3][4096], my_slot[4096];
+  KernelStreamWords w;
+  Recorder rec;
+  KernelStream ks(w, nullptr, DataType::kFloat32, ReduceOp::kSum, 1, rec.launch());
+  ASSERT_TRUE(ks.begin_step().ok());  // one-shot's sends: one run of 3
+  for (int p = 0; p < 3; ++p) ASSERT_TRUE(ks.copy(StepBuf(peer_slot[p], 1, p), StepBuf(in), 64 * 4).ok());
+  ASSERT_TRUE(ks.end_step().ok());
+  ASSERT_TRUE(ks.begin_step().ok());  // a fold of 3 (a run of 2), then a plain copy
+  const StepBuf x[] = {StepBuf(in), StepBuf(my_slot, 1, 0), StepBuf(in + 64)};
+  ASSERT_TRUE(ks.fold(StepBuf(out), {}, x, 3, 64, true).ok());
+  ASSERT_TRUE(ks.copy(StepBuf(out + 1024), StepBuf(in + 2048), 64 * 4).ok());
+  ASSERT_TRUE(ks.end_step().ok());
+  ASSERT_TRUE(ks.end_call().ok());
+  ASSERT_EQ(rec.tables.size(), 1u);
+  kernels::StepTable& t = rec.tables[0];
+  ASSERT_EQ(t.nops, 6);
+  EXPECT_EQ(t.ops[0].run, 3);
+  EXPECT_EQ(t.steps[0].lines, 1);
+  EXPECT_EQ(t.ops[3].run, 2);
+  EXPECT_EQ(t.ops[5].run, 1);
+  EXPECT_EQ(t.steps[1].lines, 0) << "the plain copy is a run without a low-latency operand";
+
+  uint32_t counters[kernels::kStepCounterWords] = {}, abort_word = 0;
+  kernels::NodeError err{};
+  t.counters = counters;
+  t.error = &err;
+  t.abort = &abort_word;
+  auto refused = [&](auto&& edit) {
+    auto u = std::make_unique<kernels::StepTable>(t);
+    edit(*u);
+    return kernels::launch_steps(*u, DataType::kFloat32, ReduceOp::kSum, nullptr) == cudaErrorInvalidValue;
+  };
+  EXPECT_TRUE(refused([](kernels::StepTable& u) { u.ops[0].run = 2; })) << "a run cut short";
+  EXPECT_TRUE(refused([](kernels::StepTable& u) { u.ops[0].run = 0; })) << "no run";
+  EXPECT_TRUE(refused([](kernels::StepTable& u) { u.steps[1].lines = 1; })) << "lines claimed";
+  EXPECT_TRUE(refused([](kernels::StepTable& u) { u.steps[0].lines = 0; })) << "lines not claimed";
 }
 
 // Every operand of a fold's run counts for the barrier: a chained operand (the third) that an
