@@ -24,7 +24,10 @@ using node::fence_acq_rel_sys;
 
 constexpr int kThreads = 512;
 constexpr size_t kBytesPerBlock = size_t(64) << 10;
-constexpr size_t kLowLatencyBytesPerBlock = size_t(16) << 10;
+// A line of low-latency payload (8 bytes) per thread, as the node kernels spread theirs: at
+// 1x8 on an H100 a 64 KiB one-shot launch took 10.3 us on 16 blocks against 21.5 on 4 (16 KiB
+// a block), and the ring and two-shot LL calls of 1 MiB a third less (docs/benchmarks.md).
+constexpr size_t kLowLatencyBytesPerBlock = size_t(kThreads) * 8;
 // NodeError::what of a low-latency read (device_comm.cc: the wait for a peer's message).
 constexpr uint32_t kWhatArrival = 3;
 

@@ -29,7 +29,7 @@
 // on a message as it lands and no `arrived` word is waited for; a destination line is stored
 // with its flag and payload together.
 //
-// Blocks: one per 64 KiB of the table's largest step (16 KiB of low-latency payload), at most kStepMaxBlocks (a small call is
+// Blocks: one per 64 KiB of the table's largest step (4 KiB of low-latency payload: a line a thread), at most kStepMaxBlocks (a small call is
 // one block, one spinning thread), and at most the table's max_blocks. Every block of a launch
 // must be resident at once (the barriers wait for each other), as must every rank's kernel on
 // one GPU: the communicator caps the blocks at the multiprocessors over the ranks sharing it.
