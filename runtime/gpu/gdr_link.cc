@@ -621,8 +621,10 @@ void GdrLink::Impl::run() {
     if (progress) {
       last_progress = Clock::now();
       idle = 0;
+      stall_seen.clear();
       continue;
     }
+    if (pending) note_stall(last_progress, planned_s, planned_r);
     if (pending && Clock::now() - last_progress > cfg.op_timeout) return fail(stalled(planned_s, planned_r));
     if (trace && Clock::now() - last_trace > std::chrono::seconds(1)) {
       last_trace = Clock::now();
@@ -658,6 +660,25 @@ void GdrLink::Impl::log_outstanding(const char* how, const std::vector<uint64_t>
                                    stall(peers[i], planned_s[i], planned_r[i]));
     }
   }
+  if (!stall_seen.empty()) {
+    const auto ago = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - stall_seen_at).count();
+    for (const std::string& w : stall_seen) {
+      log::get(cfg.log_name)->warn("{}: {} ms before, a second into the stall: {}", cfg.who, ago, w);
+    }
+  }
+}
+
+void GdrLink::Impl::note_stall(Clock::time_point last_progress, const std::vector<uint64_t>& planned_s,
+                               const std::vector<uint64_t>& planned_r) {
+  if (!stall_seen.empty() || Clock::now() - last_progress < std::chrono::seconds(1)) return;
+  stall_seen_at = Clock::now();
+  for (size_t i = 0; i < peers.size(); ++i) {
+    if (peers[i].peer.direct) continue;
+    if (peers[i].completed < planned_s[i] || peers[i].arrived < planned_r[i]) {
+      stall_seen.push_back(stall(peers[i], planned_s[i], planned_r[i]));
+    }
+  }
+  if (stall_seen.empty()) stall_seen.push_back("nothing outstanding with a peer through the NIC or TCP");
 }
 
 }  // namespace gradsync

@@ -202,6 +202,14 @@ struct GdrLink::Impl {
   }
   void log_outstanding(const char* how, const std::vector<uint64_t>& planned_s,
                        const std::vector<uint64_t>& planned_r) const;
+  // What each peer with messages outstanding waited for a second into the present stall (no
+  // progress since), taken once per stall by the worker (note_stall; cleared by progress).
+  // log_outstanding prints it beside the state at the end, which a failed stream's late
+  // signals (stored after its failed wait, so that peers stop at once) may have moved on.
+  std::vector<std::string> stall_seen;
+  std::chrono::steady_clock::time_point stall_seen_at;
+  void note_stall(std::chrono::steady_clock::time_point last_progress, const std::vector<uint64_t>& planned_s,
+                  const std::vector<uint64_t>& planned_r);
   // Shared by both workers: publishes peer i's landed messages that are planned (checked
   // against the plan, flushed); false after a failure.
   bool publish_landed(size_t i, uint64_t planned_recvs, bool* progress);

@@ -416,8 +416,10 @@ void GdrLink::Impl::run_tcp() {
     if (progress) {
       last_progress = Clock::now();
       idle = 0;
+      stall_seen.clear();
       continue;
     }
+    if (pending) note_stall(last_progress, planned_s, planned_r);
     if (pending && Clock::now() - last_progress > cfg.op_timeout) return fail(stalled(planned_s, planned_r));
     if (++idle > 64) {
       // Sleep until a socket moves, or briefly: the stream's words do not wake a poll.

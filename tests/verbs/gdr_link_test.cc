@@ -7,6 +7,11 @@
 // the production engine: set-up through a host allreduce, an RC QP per peer INIT -> RTR -> RTS,
 // WRITE_WITH_IMM slot to slot, credits by RDMA write, arrival checks, error completions, stall
 // detection.
+#include <spdlog/sinks/ostream_sink.h>
+
+#include <sstream>
+
+#include "common/log.h"
 #include "gdr_link_world.h"
 
 namespace gradsync {
@@ -242,6 +247,37 @@ TEST(GdrLink, LinkDownMidCollectiveStopsEveryRank) {
   EXPECT_NE(why.find("failed"), std::string::npos) << why;
   EXPECT_NE(why.find("rank "), std::string::npos) << why;
   std::printf("abort reason: %s\n", why.c_str());
+}
+
+// A stall: a rank stopped by the abort logs, beside its state at the end, what it waited for
+// a second into the stall (the state a failed stream's late signals cannot have moved on).
+// Rank 2 never makes the call; rank 0 times out first (2 s) and aborts the job, and rank 1
+// (10 s) stops by the abort, waiting to send to rank 2 since its receive slots filled.
+TEST(GdrLink, AStoppedRankLogsWhatItWaitedForASecondIntoTheStall) {
+  std::ostringstream captured;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(captured);
+  gradsync::log::get("test")->sinks().push_back(sink);
+  {
+    auto tweak = [](int r, GdrLinkConfig& c, GdrLinkOps&) { c.op_timeout = r == 0 ? 2s : 10s; };
+    Ring ring(3, 2, 64, 1, 10s, 1, false, true, false, tweak);
+    ASSERT_EQ(ring.error(), "");
+    ring.sit_out[2] = true;
+    const size_t count = 4001;
+    auto send = inputs(3, count);
+    std::vector<std::vector<int64_t>> recv(3, std::vector<int64_t>(count, -1));
+    const auto t0 = Clock::now();
+    auto st = ring.collective(CollectiveKind::kAllreduce, {count}, 0, send, recv);
+    EXPECT_LT(Clock::now() - t0, 8s);
+    for (int r = 0; r < 2; ++r) EXPECT_FALSE(st[r].ok()) << "rank " << r;
+    EXPECT_NE(ring.abort_reason().find("made no progress"), std::string::npos) << ring.abort_reason();
+  }
+  gradsync::log::get("test")->sinks().pop_back();
+  const std::string text = captured.str();
+  const size_t at = text.find("rank 1: stopped by the abort with messages outstanding");
+  ASSERT_NE(at, std::string::npos) << text;
+  EXPECT_NE(text.find("ms before, a second into the stall: waiting to send message 2 to rank 2 (host n2)"),
+            std::string::npos)
+      << text;
 }
 
 // No RDMA device on one rank's node: nobody takes the link, and each rank says who lacks it.
