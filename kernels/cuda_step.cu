@@ -493,9 +493,7 @@ bool runs_as_found(const StepTable& s, const TableStep& st) {
   for (int i = st.op, e; i < end; i = e) {
     e = step_run_end(s.ops, i, end);
     if (s.ops[i].run != e - i) return false;
-    bool ll = false;
-    for (int j = i; j < e; ++j) ll = ll || s.ops[j].low_latency();
-    lines = lines && ll;
+    lines = lines && step_run_low_latency(s.ops, i, e);
   }
   return (st.lines != 0) == lines;
 }

@@ -126,6 +126,13 @@ inline int step_run_end(const StepOp* ops, int i, int end) {
   }
   return e;
 }
+// A run ops[i, e) goes line by line when any of its operands is a low-latency slot; a step
+// whose runs all do is TableStep::lines.
+inline bool step_run_low_latency(const StepOp* ops, int i, int e) {
+  for (int j = i; j < e; ++j)
+    if (ops[j].low_latency()) return true;
+  return false;
+}
 struct StepSignal {
   uint64_t* word = nullptr;
   uint64_t value = 0;  // plus the base's word, with `base` >= 0

@@ -92,9 +92,7 @@ Status KernelStream::end_step() {
   for (int i = 0, e, n = int(ops_.size()); i < n; i = e) {
     e = kernels::step_run_end(ops_.data(), i, n);
     ops_[size_t(i)].run = uint8_t(e - i);
-    bool ll = false;
-    for (int j = i; j < e; ++j) ll = ll || ops_[size_t(j)].low_latency();
-    lines = lines && ll;
+    lines = lines && kernels::step_run_low_latency(ops_.data(), i, e);
   }
   step_.lines = lines ? 1 : 0;
   step_.wait = uint16_t(t.nwaits);
