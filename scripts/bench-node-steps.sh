@@ -13,6 +13,7 @@
 # before it names what it waited for; past it, cuda-gdb, where installed, writes every host
 # thread's stack and the resident kernels to $OUT/bench-*-hang.txt before the kill, within
 # HANG_DUMP_TIMEOUT seconds, default 90).
+# NODE_BENCH_SIZES=262144,1048576,... (bytes) replaces LowLatencyBesideBulk's sizes (8n B to 1 MiB).
 # NODE_BENCH_GATE=1 holds every rank's stream until all have queued their calls (the GPU's
 # time alone). Logs go to $OUT/bench-*.log (a second run into the same $OUT adds -run2,
 # -run3, ...); the tables are printed last, one per binary.

@@ -531,8 +531,20 @@ TEST(OneNodeBench, DISABLED_LowLatencyBesideBulk) {
   if (gpu_count() == 0) GTEST_SKIP() << "no CUDA device";
   const char* env = std::getenv("NODE_BENCH_RANKS");
   const int n = env ? std::atoi(env) : 8;
-  const std::vector<size_t> sizes = {size_t(8) * n, size_t(1) << 10, size_t(8) << 10, size_t(64) << 10,
-                                     size_t(256) << 10, size_t(1) << 20};
+  std::vector<size_t> sizes = {size_t(8) * n, size_t(1) << 10, size_t(8) << 10, size_t(64) << 10,
+                               size_t(256) << 10, size_t(1) << 20};
+  // NODE_BENCH_SIZES=262144,1048576,...: those sizes in bytes instead (multiples of 4 * n).
+  if (const char* sz = std::getenv("NODE_BENCH_SIZES"); sz != nullptr && *sz != '\0') {
+    sizes.clear();
+    for (const char* q = sz; *q != '\0';) {
+      char* end = nullptr;
+      const unsigned long long b = std::strtoull(q, &end, 10);
+      if (end == q) break;
+      if (b >= size_t(4) * n) sizes.push_back(size_t(b) / (size_t(4) * n) * (size_t(4) * n));
+      q = *end == ',' ? end + 1 : end;
+    }
+    ASSERT_FALSE(sizes.empty()) << "NODE_BENCH_SIZES=" << sz << " names no size of at least " << 4 * n << " bytes";
+  }
   struct Column {
     const char* name;
     const char* algo;   // GRADSYNC_ALGO (null: unset; empty: unset, every call on the steps)
