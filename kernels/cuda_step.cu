@@ -23,7 +23,6 @@ using node::fence_acq_rel_gpu;
 using node::fence_acq_rel_sys;
 
 constexpr int kThreads = 512;
-constexpr size_t kBytesPerBlock = size_t(64) << 10;
 // A line of low-latency payload (8 bytes) per thread, as the node kernels spread theirs: at
 // 1x8 on an H100 a 64 KiB one-shot launch took 10.3 us on 16 blocks against 21.5 on 4 (16 KiB
 // a block), and the ring and two-shot LL calls of 1 MiB a third less (docs/benchmarks.md).
@@ -434,7 +433,9 @@ cudaError_t launch_as(const StepTable& s, Op op, OpF op_final, cudaStream_t stre
   for (int k = 0; k < s.nsteps; ++k) count = std::max(count, s.steps[k].count);
   bool ll = false;
   for (int i = 0; i < s.nops; ++i) ll = ll || s.ops[i].low_latency();
-  const size_t bytes = count * sizeof(typename Tr::S), per = ll ? kLowLatencyBytesPerBlock : kBytesPerBlock;
+  const size_t bytes = count * sizeof(typename Tr::S), per = ll                ? kLowLatencyBytesPerBlock
+                                                         : s.block_bytes > 0 ? size_t(s.block_bytes)
+                                                                             : size_t(kStepDefaultBlockBytes);
   const unsigned blocks = unsigned(std::clamp<size_t>((bytes + per - 1) / per, 1, s.max_blocks));
   if (fits<SmallStepTable>(s)) {
     SmallStepTable small;

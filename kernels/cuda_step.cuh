@@ -60,7 +60,11 @@ constexpr int kTableMaxSteps = 64;
 constexpr int kTableMaxWaits = 128;
 constexpr int kTableMaxOps = 128;
 constexpr int kTableMaxSignals = 128;
-constexpr unsigned kStepMaxBlocks = 32;
+constexpr unsigned kStepMaxBlocks = 64;
+// The most blocks a communicator lets a launch take unless GRADSYNC_GPU_STEP_BLOCKS says more.
+constexpr unsigned kStepDefaultBlocks = 32;
+// Bulk payload per block unless GRADSYNC_GPU_STEP_BLOCK_BYTES says otherwise.
+constexpr uint32_t kStepDefaultBlockBytes = uint32_t(64) << 10;
 // Bases of relative counts (two per peer: its sends and its receives).
 constexpr int kStepMaxBases = 32;
 // Device memory words a communicator keeps for the launches: a counter per step and one of the
@@ -166,6 +170,8 @@ struct StepTableHead {
   uint64_t timeout_ns = 0;
   // The most blocks (1 .. kStepMaxBlocks): ranks that share a GPU divide its multiprocessors.
   unsigned max_blocks = kStepMaxBlocks;
+  // Bulk bytes of the largest step per block (0: kStepDefaultBlockBytes); host side only.
+  uint32_t block_bytes = 0;
   // Device memory, kStepCounterWords words, zero at first (the last block to end zeroes the
   // steps' and kStepBlocksEnded; kStepFailed stays). Launches that use them must not overlap
   // (one stream).

@@ -12,6 +12,8 @@
 # OLD_BIN: a folder with the old build's gradsyncrun and gradsyncd (and their daemon protocol),
 # where the old and new runtimes cannot talk to each other; default the bundle's. OLD_LIB: a
 # folder with the old build's libraries (its libgradsync.so), searched first by the old runs.
+# OLD_ENV / NEW_ENV: "VAR=value ..." set for the old / new runs only (one binary under two
+# settings: pass it as both OLD_BENCH and NEW_BENCH).
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -23,10 +25,10 @@ export NCCL_NVLS_ENABLE=0
 range=${BENCH_RANGE:--b 1M -e 1G -f 2}
 for round in $(seq "${ROUNDS:-2}"); do
   for which in old new; do
-    exe=$old run=${OLD_BIN:-$bin} libs=${OLD_LIB:+$OLD_LIB:}$LD_LIBRARY_PATH
-    [ "$which" = new ] && exe=$new run=$bin libs=$LD_LIBRARY_PATH
+    exe=$old run=${OLD_BIN:-$bin} libs=${OLD_LIB:+$OLD_LIB:}$LD_LIBRARY_PATH vars=${OLD_ENV:-}
+    [ "$which" = new ] && exe=$new run=$bin libs=$LD_LIBRARY_PATH vars=${NEW_ENV:-}
     # shellcheck disable=SC2086
-    LD_LIBRARY_PATH=$libs timeout 280 "$run/gradsyncrun" --standalone --no-prefix --timeout-s 270 -n "${NGPUS:-2}" \
+    env $vars LD_LIBRARY_PATH=$libs timeout 280 "$run/gradsyncrun" --standalone --no-prefix --timeout-s 270 -n "${NGPUS:-2}" \
       "$exe" --device cuda $range -w 3 -n 10 "$@" > "$OUT/ab-$which-$round.txt" 2> "$OUT/ab-$which-$round.err"
     echo "ab: $which round $round exit $?"
   done

@@ -289,7 +289,12 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   // replays; both conditions are the same on every rank: direct is agreed). Allocated here,
   // while every rank is in this collective set-up: a cudaMalloc may wait for the kernels of
   // the context, which for ranks sharing a GPU could be a peer's first step waiting for this rank.
-  const bool relative = m.channels.shape.node_count() == 1 && cfg.direct;
+  // GRADSYNC_GPU_STEP_ABSOLUTE=1 (a diagnostic, on every rank alike): absolute counts on one
+  // node too, so that consecutive calls take consecutive slots (relative calls start at slot
+  // 0); no capture then.
+  const char* absolute = std::getenv("GRADSYNC_GPU_STEP_ABSOLUTE");
+  const bool relative = m.channels.shape.node_count() == 1 && cfg.direct &&
+                        !(absolute != nullptr && std::strcmp(absolute, "1") == 0);
   auto zeroed = [&](void** at, size_t bytes, const std::string& what) {
     if (!local_why.empty() || *at != nullptr) return;
     if (Status a = cuda(cudaMalloc(at, bytes), "cudaMalloc of the " + what); !a.ok()) {
@@ -396,6 +401,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   m.cache_tables = relative && (cache_env == nullptr || std::strcmp(cache_env, "0") != 0);
   sw.timeout_ns = uint64_t(cfg.link.op_timeout.count()) * 1'000'000ull;
   sw.max_blocks = cfg.max_blocks;
+  sw.block_bytes = cfg.block_bytes;
   sw.who = cfg.link.who;
   m.gpu_slots = in_host->empty() && !cfg.tcp;
   // The protocol in words: GRADSYNC_PROTO's, else the model's per size (low-latency by the
@@ -488,7 +494,7 @@ Status GdrChannels::enqueue(const CollectiveCall& c, cudaStream_t stream,
   if (m.cache_tables) {
     if (const StepTableCache::Entry* e = m.cache.find(key)) return replay(*e, c, stream);
   }
-  auto steps = rdma_steps(m.channels, c.kind, algo, c.count, es, c.root, chunk);
+  auto steps = rdma_steps(m.channels, c.kind, algo, c.count, es, c.root, chunk, m.link->slots());
   if (!steps.ok()) return Status(steps.status().code(), m.cfg.link.who + ": " + steps.status().message());
   // A planned call keeps a copy of each table it launches, and its bytes per peer, for the
   // calls that repeat it.

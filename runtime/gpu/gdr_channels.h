@@ -47,6 +47,7 @@ struct GdrConfig {
   // The most blocks of a step kernel (kernels/cuda_step.cuh): every block of every rank on
   // this GPU must be resident at once, so ranks that share a GPU share its multiprocessors.
   unsigned max_blocks = 32;
+  uint32_t block_bytes = 0;  // bulk bytes per block (kernels::StepTableHead::block_bytes)
   // The hops between ranks of one node go through CUDA IPC (the peer's receive slots and words
   // mapped into this process; NVLink where the GPUs have it), not through the NIC. Agreed at
   // set-up (off on any rank: off on all); where some pair cannot map the other's memory every

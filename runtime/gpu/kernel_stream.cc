@@ -125,6 +125,7 @@ Status KernelStream::flush(bool last) {
   t.timeout_ns = w_.timeout_ns;
   t.counters = w_.counters;
   t.max_blocks = w_.max_blocks;
+  t.block_bytes = w_.block_bytes;
   const cudaError_t e = launch_(t);
   t.nsteps = t.nwaits = t.nops = t.nsignals = 0;
   touched_.clear();

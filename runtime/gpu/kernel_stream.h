@@ -35,6 +35,7 @@ struct KernelStreamWords {
   uint64_t* bases = nullptr;
   uint64_t timeout_ns = 0;
   unsigned max_blocks = kernels::kStepMaxBlocks;
+  uint32_t block_bytes = 0;  // kernels::StepTableHead::block_bytes
   std::string who;                          // "rank 3 (host a)", for errors
 };
 

@@ -199,7 +199,8 @@ std::string rdma_auto_summary(const RdmaChannels& ch) {
 }
 
 Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
-                                           size_t count, size_t esize, int root, size_t slot_bytes) {
+                                           size_t count, size_t esize, int root, size_t slot_bytes,
+                                           size_t window) {
   const bool direct_pushes = algo == plan::Algo::kOneShot || algo == plan::Algo::kTwoShot;
   const bool allreduce = kind == CollectiveKind::kAllreduce;
   // The sets that exist only when asked for: one-shot and two-shot (every collective), and
@@ -211,6 +212,7 @@ Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKin
   req.count = count;
   req.esize = esize;
   req.chunk_bytes = slot_bytes / esize * esize;
+  req.window = window;
   const auto at = std::find(ch.members.begin(), ch.members.end(), root);
   req.root = kind == CollectiveKind::kBroadcast ? int(at - ch.members.begin()) : 0;
   if (kind == CollectiveKind::kBroadcast && at == ch.members.end()) {

@@ -101,9 +101,10 @@ std::string rdma_protocol_summary(const RdmaChannels& ch);
 // most `slot_bytes`. kTree applies to allreduce; kOneShot and kTwoShot (every collective the
 // planner has them for) run on `pairs`, and kHierarchical (allreduce) on `hier`, each an error
 // (kInvalidArgument) where that set is empty; every other call takes the ring. `root` is a
-// world rank.
+// world rank. `window`: the link's slots per peer (plan::PlanRequest::window).
 Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKind kind, plan::Algo algo,
-                                           size_t count, size_t esize, int root, size_t slot_bytes);
+                                           size_t count, size_t esize, int root, size_t slot_bytes,
+                                           size_t window = 1);
 
 // An operand of a stream operation: plain memory, or a low-latency slot (GdrLink::ll_slot)
 // whose 16-byte lines carry 8 bytes of the message and `flag` (nonzero) twice: a read waits

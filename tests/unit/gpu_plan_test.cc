@@ -498,6 +498,57 @@ TEST(GpuPlanSchedule, NoDeadlockWithTwoSlots) {
   }
 }
 
+// One-shot and two-shot with a window: a rank sends a group of chunks before it receives any
+// of them (so it runs ahead of a peer that is not running, as processes time-sliced on one GPU
+// are), exact with as many slots as the window, and deadlocked with fewer (the executor says so).
+TEST(GpuPlanSchedule, DirectPushesSendAWindowAhead) {
+  for (int n : {2, 3, 5, 8}) {
+    const JobShape shape = uniform_shape(1, n, 1);  // one channel, as the step channels' pairs
+    for (Algo algo : {Algo::kOneShot, Algo::kTwoShot}) {
+      for (Kind kind : {Kind::kAllreduce, Kind::kReduceScatter, Kind::kAllGather, Kind::kBroadcast}) {
+        for (size_t window : {size_t{2}, size_t{4}, size_t{8}}) {
+          PlanRequest req;
+          req.kind = kind;
+          req.algo = algo;
+          req.count = 3001;  // 47 chunks of 64 bytes (two-shot: segments of about 3001/n)
+          req.chunk_bytes = 64;
+          req.root = n - 1;
+          req.window = window;
+          SCOPED_TRACE("1x" + std::to_string(n) + " " + to_string(kind) + " " + to_string(algo) + " window " +
+                       std::to_string(window));
+          RunResult res = run_case(shape, req, DataType::kInt32, ReduceOp::kSum, true, 5, window);
+          ASSERT_TRUE(res.status.ok()) << res.status.to_string();
+          expect_reference(res, req, DataType::kInt32, ReduceOp::kSum);
+          // Rank 0's messages to rank 1 before its first receive: a window's worth (two-shot's
+          // allreduce sends two per chunk, half a window of pieces first).
+          const ChannelSet channels = plan_channels(shape, req);
+          const std::vector<Step> steps = rank_steps(shape, channels, req, 0);
+          size_t ahead = 0;
+          for (const Step& st : steps) {
+            if (st.nrecv > 0) break;
+            for (int j = 0; j < st.nsend; ++j) ahead += st.send[j] == 1;
+          }
+          const bool root_only_sends = kind == Kind::kBroadcast && algo == Algo::kOneShot;
+          if (kind == Kind::kAllreduce || kind == Kind::kAllGather || kind == Kind::kReduceScatter) {
+            EXPECT_EQ(ahead, algo == Algo::kTwoShot && kind == Kind::kAllreduce ? window / 2 : window);
+          } else if (root_only_sends) {
+            EXPECT_EQ(ahead, 0u);  // rank 0 is no root: it only receives
+          }
+        }
+      }
+    }
+  }
+  // A window over the slots: the sends of the group wait for slots the peer frees only after
+  // its own group's sends, which wait likewise.
+  PlanRequest req;
+  req.algo = Algo::kOneShot;
+  req.count = 999;
+  req.chunk_bytes = 64;
+  req.window = 4;
+  RunResult res = run_case(uniform_shape(1, 2, 2), req, DataType::kInt32, ReduceOp::kSum, true, 3, 2);
+  EXPECT_NE(res.status.message().find("deadlocked"), std::string::npos) << res.status.to_string();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Byte counts (symbolic sizes: the steps' counts only, no data)
 

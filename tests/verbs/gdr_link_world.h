@@ -406,7 +406,8 @@ class Ring {
         const size_t per = 8 / element_size(type);
         const size_t ll = links_[r]->ll_payload_bytes();
         const size_t chunk = low_latency && ll > 0 ? std::min(slot_bytes_, ll) : slot_bytes_;
-        auto steps = rdma_steps(channels_[r], kind, algo, counts[r] * per, element_size(type), root, chunk);
+        auto steps = rdma_steps(channels_[r], kind, algo, counts[r] * per, element_size(type), root, chunk,
+                                links_[r]->slots());
         if (!steps.ok()) {
           st[r] = steps.status();
           return;

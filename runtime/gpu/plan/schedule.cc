@@ -187,38 +187,54 @@ class Builder {
     }
   }
 
+  // Chunks whose sends go out before the first of their receives: the messages a peer's
+  // slots hold (PlanRequest::window) over the messages each chunk sends to one peer. A rank
+  // then runs a window ahead of a peer that is not running (processes time-sliced on one
+  // GPU: a message per slice, chunk by chunk), and never more (its sends would wait for slots
+  // the peer frees only in the receives that come after them).
+  size_t group_chunks(size_t msgs_per_chunk) const {
+    return std::max<size_t>(1, std::max<size_t>(req_.window, 1) / msgs_per_chunk);
+  }
+
   void one_shot(int c) {
     std::vector<int> others;
     int self = 0;
     peers(&others, &self);
     const size_t cnt = req_.count;
     const Range share = channel_share(cnt, c, channels_.size());
-    for (size_t lo = share.lo; lo < share.hi; lo += chunk_) {
-      const size_t len = std::min(chunk_, share.hi - lo);
-      switch (req_.kind) {
-        case Kind::kAllreduce:
-          add_v(Prim::kSend, c, {}, others, lo, 0, len);
-          add_v(Prim::kRecvReduceCopy, c, others, {}, lo, lo, len, self);
-          break;
-        case Kind::kReduceScatter: scatter_reduce(c, others, self, lo, len); break;
-        case Kind::kAllGather: gather(c, others, lo, len); break;
-        default:  // broadcast
-          if (me_ == req_.root) add_v(Prim::kCopySend, c, {}, others, lo, lo, len);
-          else add(Prim::kRecv, c, {req_.root}, {}, 0, lo, len);
-          break;
+    const size_t span = group_chunks(1) * chunk_;
+    for (size_t g = share.lo; g < share.hi; g += span) {
+      const size_t end = std::min(share.hi, g + span);
+      for (int half = 0; half < 2; ++half) {  // the group's sends, then its receives
+        for (size_t lo = g; lo < end; lo += chunk_) {
+          const size_t len = std::min(chunk_, end - lo);
+          switch (req_.kind) {
+            case Kind::kAllreduce:
+              if (half == 0) add_v(Prim::kSend, c, {}, others, lo, 0, len);
+              else add_v(Prim::kRecvReduceCopy, c, others, {}, lo, lo, len, self);
+              break;
+            case Kind::kReduceScatter:  // block s of every input to rank s, folded in rank order
+              if (half == 0) {
+                for (int s : others) add(Prim::kSend, c, {}, {s}, size_t(s) * cnt + lo, 0, len);
+              } else {
+                add_v(Prim::kRecvReduceCopy, c, others, {}, size_t(me_) * cnt + lo, lo, len, self);
+              }
+              break;
+            case Kind::kAllGather:  // the own block to every peer, every peer's into place
+              if (half == 0) {
+                add_v(Prim::kCopySend, c, {}, others, lo, size_t(me_) * cnt + lo, len);
+              } else {
+                for (int s : others) add(Prim::kRecv, c, {s}, {}, 0, size_t(s) * cnt + lo, len);
+              }
+              break;
+            default:  // broadcast
+              if (half == 0 && me_ == req_.root) add_v(Prim::kCopySend, c, {}, others, lo, lo, len);
+              else if (half == 1 && me_ != req_.root) add(Prim::kRecv, c, {req_.root}, {}, 0, lo, len);
+              break;
+          }
+        }
       }
     }
-  }
-
-  // reduce_scatter by direct pushes: block s of every input to rank s, folded in rank order.
-  void scatter_reduce(int c, const std::vector<int>& others, int self, size_t lo, size_t len) {
-    for (int s : others) add(Prim::kSend, c, {}, {s}, size_t(s) * req_.count + lo, 0, len);
-    add_v(Prim::kRecvReduceCopy, c, others, {}, size_t(me_) * req_.count + lo, lo, len, self);
-  }
-  // all_gather by direct pushes: the own block to every peer, every peer's into place.
-  void gather(int c, const std::vector<int>& others, size_t lo, size_t len) {
-    add_v(Prim::kCopySend, c, {}, others, lo, size_t(me_) * req_.count + lo, len);
-    for (int s : others) add(Prim::kRecv, c, {s}, {}, 0, size_t(s) * req_.count + lo, len);
   }
 
   void two_shot(int c) {
@@ -234,26 +250,35 @@ class Builder {
     // Segment s: [s*seg, min((s+1)*seg, count)); the channel's share of it, chunk by chunk.
     auto seg_range = [&](int s) { return Range{std::min(cnt, size_t(s) * seg), std::min(cnt, size_t(s + 1) * seg)}; };
     const Range share = channel_share(seg, c, channels_.size());
-    for (size_t lo = share.lo; lo < share.hi; lo += chunk_) {
-      const size_t len = std::min(chunk_, share.hi - lo);
-      auto piece = [&](int s) {  // this chunk in segment s (empty past the end of the buffer)
-        const Range r = seg_range(s);
-        return Range{std::min(r.hi, r.lo + lo), std::min(r.hi, r.lo + lo + len)};
-      };
-      const Range own = piece(me_);
-      if (req_.kind == Kind::kAllreduce) {
-        for (int s : others) add(Prim::kSend, c, {}, {s}, piece(s).lo, 0, piece(s).size());
-        add_v(Prim::kRecvReduceCopySend, c, others, others, own.lo, own.lo, own.size(), self);
-      } else {  // broadcast
-        const int root = req_.root;
-        if (me_ == root) {
-          for (int s : others) add(Prim::kSend, c, {}, {s}, piece(s).lo, 0, piece(s).size());
-          add_v(Prim::kCopySend, c, {}, others, own.lo, own.lo, own.size());
-        } else {
-          add_v(Prim::kRecvCopySend, c, {root}, others, 0, own.lo, own.size());
+    const int root = req_.root;
+    // A chunk sends two messages to a peer: its piece (the root's piece and own segment in
+    // broadcast), then the folded (or copied) segment.
+    const size_t span = group_chunks(2) * chunk_;
+    for (size_t g = share.lo; g < share.hi; g += span) {
+      const size_t end = std::min(share.hi, g + span);
+      for (int phase = 0; phase < 3; ++phase) {  // the group's pieces, own segments, results
+        for (size_t lo = g; lo < end; lo += chunk_) {
+          const size_t len = std::min(chunk_, end - lo);
+          auto piece = [&](int s) {  // this chunk in segment s (empty past the end of the buffer)
+            const Range r = seg_range(s);
+            return Range{std::min(r.hi, r.lo + lo), std::min(r.hi, r.lo + lo + len)};
+          };
+          const Range own = piece(me_);
+          if (phase == 0) {
+            if (req_.kind == Kind::kAllreduce || me_ == root)
+              for (int s : others) add(Prim::kSend, c, {}, {s}, piece(s).lo, 0, piece(s).size());
+          } else if (phase == 1) {
+            if (req_.kind == Kind::kAllreduce)
+              add_v(Prim::kRecvReduceCopySend, c, others, others, own.lo, own.lo, own.size(), self);
+            else if (me_ == root)
+              add_v(Prim::kCopySend, c, {}, others, own.lo, own.lo, own.size());
+            else
+              add_v(Prim::kRecvCopySend, c, {root}, others, 0, own.lo, own.size());
+          } else {
+            for (int s : others) add(Prim::kRecv, c, {s}, {}, 0, piece(s).lo, piece(s).size());
+          }
         }
       }
-      for (int s : others) add(Prim::kRecv, c, {s}, {}, 0, piece(s).lo, piece(s).size());
     }
   }
 

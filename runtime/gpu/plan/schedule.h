@@ -46,6 +46,8 @@
 //            2(k-1)/k·S per node per direction between k nodes, 2(g-1)/g·S per GPU inside
 //            a node of g, and 2 + 2(k-1) hops (the flat ring: 2(n-1)/n·S and 2(n-1) hops).
 //            The other collectives take the ring.
+//   One-shot and two-shot send a window of chunks (PlanRequest::window) before they receive
+//   any of them.
 // One-shot and two-shot are the schedules of kernels/cuda_node.cu's kernels.
 #pragma once
 
@@ -102,6 +104,10 @@ struct PlanRequest {
   int channels = 0;  // 0: default_ring_channels / default_tree_channels / 1 direct channel per rail
   size_t chunk_bytes = size_t{512} << 10;
   size_t segment_align_bytes = 256;  // two-shot segments (kernels/cuda_node.cu)
+  // Messages a rank may send to one peer before that peer has read any (the link's slots per
+  // peer). One-shot and two-shot send a group of chunks that fills it before they receive the
+  // group's; 1: chunk by chunk.
+  size_t window = 1;
 };
 
 // The algorithm a request really runs: tree reduce_scatter and all_gather, and hierarchical
