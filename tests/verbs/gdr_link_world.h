@@ -135,41 +135,15 @@ inline Result<GdrRegion> tcp_host_region(size_t bytes) {
 inline uint64_t load(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void store(uint64_t* p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
-// The host stream of one rank: waits spin on the words (bounded, abortable), copies and
-// reductions run at once with the host loops (int64 or any type the call names).
-class HostStream final : public StepStream {
+// The host halves of a step's requests on operands whose flags are absolute (StepBuf::base
+// -1): waits spin on a word (bounded, abortable by `stop`), copies and reductions run at once
+// with the host loops (int64 or any type the call names). HostStream's, and the step tables'
+// run on the host (gdr_link_sequence_test.cc).
+class HostOps {
  public:
-  HostStream(const GdrLink& link, std::function<Status()> stop, DataType type, ReduceOp op, int world)
-      : link_(link), stop_(std::move(stop)), type_(type), op_(op), world_(world) {}
-  // A relative call's bases are the words this stream signals, as the last call left them
-  // (it ran to its end before this one starts; its last signals were rounded up to them).
-  Status begin_call(bool relative) override {
-    base_.assign(2 * size_t(link_.peer_count()), 0);
-    if (relative) {
-      for (int p = 0; p < link_.peer_count(); ++p) {
-        base_[size_t(step_base(p, false))] = load(link_.stream_words(p).ready);
-        base_[size_t(step_base(p, true))] = load(link_.stream_words(p).consumed);
-      }
-    }
-    return Status::Ok();
-  }
-  Status wait_arrived(int p, int64_t v) override {
-    return wait(link_.stream_words(p).arrived, at(step_base(p, true), v), "an arrival");
-  }
-  Status wait_send_free(int p, int64_t v) override {
-    return wait(link_.stream_words(p).send_free, at(step_base(p, false), v), "a send slot");
-  }
-  Status signal_ready(int p, uint64_t v) override {
-    store(link_.stream_words(p).ready, uint64_t(at(step_base(p, false), int64_t(v))));
-    return Status::Ok();
-  }
-  Status signal_consumed(int p, uint64_t v) override {
-    store(link_.stream_words(p).consumed, uint64_t(at(step_base(p, true), int64_t(v))));
-    return Status::Ok();
-  }
-  Status copy(StepBuf dst, StepBuf src, size_t bytes) override {
-    dst = flagged(dst);
-    src = flagged(src);
+  HostOps(std::function<Status()> stop, DataType type, ReduceOp op, int world)
+      : stop_(std::move(stop)), type_(type), op_(op), world_(world) {}
+  Status copy(StepBuf dst, StepBuf src, size_t bytes) {
     if (dst.flag == 0 && src.flag == 0) {
       if (dst.p != src.p) std::memcpy(dst.p, src.p, bytes);
       return Status::Ok();
@@ -181,16 +155,14 @@ class HostStream final : public StepStream {
   }
   // Every source read (its lines as they land) before dst is written, so dst may be one of
   // them; folded left pairwise with the host loops, the last step final.
-  Status fold(StepBuf dst, StepBuf dst2, const StepBuf* srcs, int k, size_t count, bool final) override {
+  Status fold(StepBuf dst, StepBuf dst2, const StepBuf* srcs, int k, size_t count, bool final) {
     if (k < 2) return {Code::kInternal, "host stream: a fold of " + std::to_string(k) + " operands"};
-    dst = flagged(dst);
-    dst2 = flagged(dst2);
     const size_t bytes = count * element_size(type_);
     std::vector<uint8_t> acc, y;
-    GS_RETURN_IF_ERROR(unpack(flagged(srcs[0]), bytes, &acc));
+    GS_RETURN_IF_ERROR(unpack(srcs[0], bytes, &acc));
     std::vector<uint8_t> r(acc.size(), 0);
     for (int j = 1; j < k; ++j) {
-      GS_RETURN_IF_ERROR(unpack(flagged(srcs[j]), bytes, &y));
+      GS_RETURN_IF_ERROR(unpack(srcs[j], bytes, &y));
       if (final && j == k - 1) {
         kernels::reduce_final(type_, op_, r.data(), nullptr, acc.data(), y.data(), count, world_);
       } else {
@@ -200,6 +172,17 @@ class HostStream final : public StepStream {
     }
     pack(dst, acc, bytes);
     pack(dst2, acc, bytes);
+    return Status::Ok();
+  }
+  // Until *word >= value (none when value <= 0).
+  Status wait(const uint64_t* word, int64_t value, const std::string& what) {
+    if (value <= 0) return Status::Ok();
+    const auto deadline = Clock::now() + 10s;
+    while (int64_t(load(word)) < value) {
+      if (Status s = stop_(); !s.ok()) return s;
+      if (Clock::now() > deadline) return {Code::kDeadlineExceeded, "stream waited for " + what};
+      std::this_thread::yield();
+    }
     return Status::Ok();
   }
 
@@ -241,6 +224,52 @@ class HostStream final : public StepStream {
       store(&line[2 * u + 1], uint64_t(dst.flag) << 32 | d[1]);
     }
   }
+  std::function<Status()> stop_;
+  DataType type_;
+  ReduceOp op_;
+  int world_;
+};
+
+// The host stream of one rank: HostOps at once, each relative count and flag made absolute
+// with the bases the call began with.
+class HostStream final : public StepStream {
+ public:
+  HostStream(const GdrLink& link, std::function<Status()> stop, DataType type, ReduceOp op, int world)
+      : link_(link), ops_(std::move(stop), type, op, world) {}
+  // A relative call's bases are the words this stream signals, as the last call left them
+  // (it ran to its end before this one starts; its last signals were rounded up to them).
+  Status begin_call(bool relative) override {
+    base_.assign(2 * size_t(link_.peer_count()), 0);
+    if (relative) {
+      for (int p = 0; p < link_.peer_count(); ++p) {
+        base_[size_t(step_base(p, false))] = load(link_.stream_words(p).ready);
+        base_[size_t(step_base(p, true))] = load(link_.stream_words(p).consumed);
+      }
+    }
+    return Status::Ok();
+  }
+  Status wait_arrived(int p, int64_t v) override {
+    return ops_.wait(link_.stream_words(p).arrived, at(step_base(p, true), v), "an arrival");
+  }
+  Status wait_send_free(int p, int64_t v) override {
+    return ops_.wait(link_.stream_words(p).send_free, at(step_base(p, false), v), "a send slot");
+  }
+  Status signal_ready(int p, uint64_t v) override {
+    store(link_.stream_words(p).ready, uint64_t(at(step_base(p, false), int64_t(v))));
+    return Status::Ok();
+  }
+  Status signal_consumed(int p, uint64_t v) override {
+    store(link_.stream_words(p).consumed, uint64_t(at(step_base(p, true), int64_t(v))));
+    return Status::Ok();
+  }
+  Status copy(StepBuf dst, StepBuf src, size_t bytes) override { return ops_.copy(flagged(dst), flagged(src), bytes); }
+  Status fold(StepBuf dst, StepBuf dst2, const StepBuf* srcs, int k, size_t count, bool final) override {
+    StepBuf x[plan::kMaxPeers + 1];
+    for (int j = 0; j < k && j <= plan::kMaxPeers; ++j) x[j] = flagged(srcs[j]);
+    return ops_.fold(flagged(dst), flagged(dst2), x, k, count, final);
+  }
+
+ private:
   // A count made absolute (the base is 0 in a call that is not relative).
   int64_t at(int base, int64_t v) const { return int64_t(base_[size_t(base)]) + v; }
   // A relative flag made absolute, as the step kernel makes it.
@@ -251,21 +280,8 @@ class HostStream final : public StepStream {
     b.base = -1;
     return b;
   }
-  Status wait(const uint64_t* word, int64_t value, const char* what) {
-    if (value <= 0) return Status::Ok();
-    const auto deadline = Clock::now() + 10s;
-    while (int64_t(load(word)) < value) {
-      if (Status s = stop_(); !s.ok()) return s;
-      if (Clock::now() > deadline) return {Code::kDeadlineExceeded, std::string("stream waited for ") + what};
-      std::this_thread::yield();
-    }
-    return Status::Ok();
-  }
   const GdrLink& link_;
-  std::function<Status()> stop_;
-  DataType type_;
-  ReduceOp op_;
-  int world_;
+  HostOps ops_;
   std::vector<uint64_t> base_;  // per step_base
 };
 
@@ -371,6 +387,8 @@ class Ring {
     links_[r].reset();
   }
   GdrLink& link(int r) { return *links_[r]; }
+  StepRunner& runner(int r) { return *runners_[r]; }
+  size_t slot_bytes() const { return slot_bytes_; }
   const RdmaChannels& channels(int r) const { return channels_[r]; }
   // The payload bytes rank r's link sent so far, to all its peers (GdrLink::bytes_sent).
   uint64_t bytes_sent(int r) const {
@@ -398,15 +416,28 @@ class Ring {
                                  plan::Algo algo = plan::Algo::kRing, ReduceOp op = ReduceOp::kSum,
                                  DataType type = DataType::kInt64) {
     counts.resize(size_t(n_), counts.front());
+    std::vector<const void*> in(static_cast<size_t>(n_));
+    std::vector<void*> out(static_cast<size_t>(n_));
+    for (int r = 0; r < n_; ++r) {
+      counts[size_t(r)] *= 8 / element_size(type);
+      in[size_t(r)] = kind == CollectiveKind::kBroadcast ? recv[r].data() : send[r].data();
+      out[size_t(r)] = recv[r].data();
+    }
+    return call(kind, counts, root, in, out, algo, op, type);
+  }
+  // The same on any buffers: `counts` in elements of `type` (one per rank, or one for all),
+  // `in` and `out` one per rank (a broadcast reads `in` on the root).
+  std::vector<Status> call(CollectiveKind kind, std::vector<size_t> counts, int root, const std::vector<const void*>& in,
+                           const std::vector<void*>& out, plan::Algo algo, ReduceOp op, DataType type) {
+    counts.resize(size_t(n_), counts.front());
     std::vector<Status> st(n_);
     std::vector<std::thread> threads;
     for (int r = 0; r < n_; ++r) {
       threads.emplace_back([&, r] {
         if (sit_out[size_t(r)]) return;  // that rank takes no part (it is killed meanwhile)
-        const size_t per = 8 / element_size(type);
         const size_t ll = links_[r]->ll_payload_bytes();
         const size_t chunk = low_latency && ll > 0 ? std::min(slot_bytes_, ll) : slot_bytes_;
-        auto steps = rdma_steps(channels_[r], kind, algo, counts[r] * per, element_size(type), root, chunk,
+        auto steps = rdma_steps(channels_[r], kind, algo, counts[r], element_size(type), root, chunk,
                                 links_[r]->slots());
         if (!steps.ok()) {
           st[r] = steps.status();
@@ -416,9 +447,8 @@ class Ring {
           if (std::string a = abort_reason(); !a.empty()) return {Code::kAborted, "rank " + std::to_string(r) + " stopped: " + a};
           return links_[r]->error();
         }, type, op, int(channels_[r].members.size()));
-        const void* input = kind == CollectiveKind::kBroadcast ? recv[r].data() : send[r].data();
         std::unique_ptr<StepStream> wrapped = wrap_stream ? wrap_stream(r, hs) : nullptr;
-        st[r] = runners_[r]->run(*steps, channels_[r].members, input, recv[r].data(), element_size(type),
+        st[r] = runners_[r]->run(*steps, channels_[r].members, in[size_t(r)], out[size_t(r)], element_size(type),
                                  wrapped ? *wrapped : static_cast<StepStream&>(hs), low_latency);
       });
     }

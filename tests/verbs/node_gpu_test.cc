@@ -19,6 +19,7 @@
 #include "../unit/collective_matrix.h"
 #include "gpu_world.h"
 #include "kernel_stamps_report.h"
+#include "step_replay_calls.h"
 
 namespace gradsync {
 namespace {
@@ -272,28 +273,16 @@ class OneNodeStepReplay : public ::testing::TestWithParam<const char*> {
 
 TEST_P(OneNodeStepReplay, RepeatedCallsOnOneBufferAreExact) {
   const int n = 4;
-  struct Call {
-    size_t count;
-    ReduceOp op;
-  };
-  const Call calls[] = {{1001, ReduceOp::kSum}, {1001, ReduceOp::kSum},     {37, ReduceOp::kMax},
-                        {1001, ReduceOp::kSum}, {300001, ReduceOp::kMax},   {37, ReduceOp::kMax},
-                        {300001, ReduceOp::kMax}, {1001, ReduceOp::kSum},   {37, ReduceOp::kMax}};
-  const size_t cap = 300001;
-  auto initial = [](int r, size_t i) { return int32_t(r + int(i % 5)); };
+  const auto& calls = step_replay::kCalls;  // step_replay_calls.h: also run on the CPU
+  const size_t cap = step_replay::kCap;
+  using step_replay::initial;
   // The host's sequence: after each call every rank holds the reduction of the prefix.
   std::vector<int32_t> want(cap);
   {
     auto v = std::vector<std::vector<int32_t>>(size_t(n), std::vector<int32_t>(cap));
     for (int r = 0; r < n; ++r)
       for (size_t i = 0; i < cap; ++i) v[size_t(r)][i] = initial(r, i);
-    for (const Call& c : calls) {
-      for (size_t i = 0; i < c.count; ++i) {
-        int32_t x = v[0][i];
-        for (int r = 1; r < n; ++r) x = c.op == ReduceOp::kSum ? x + v[size_t(r)][i] : std::max(x, v[size_t(r)][i]);
-        for (int r = 0; r < n; ++r) v[size_t(r)][i] = x;
-      }
-    }
+    for (const step_replay::Call& c : calls) step_replay::reduce_on_host(c, v);
     want = v[0];
   }
   DaemonCluster cluster({.nodes = 1, .transport = {"tcp"}});
