@@ -208,7 +208,11 @@ Result<Communicator::GpuBytesSent> DeviceComm::bytes_sent() {
 #if GRADSYNC_HAVE_GDR
   if (m.gdr) m.gdr->add_bytes_sent(b);
 #endif
-  if (m.path != Impl::Path::kIpc) return b;
+  // The node kernels' device counter only where one was queued: reading it takes a stream and
+  // a copy, which may wait behind kernels of ranks sharing this GPU that wait for this rank's
+  // next call (a suspected cause of the rare hangs of tests that read the bytes between step
+  // calls without a sync: docs/status.md, "Rare hangs").
+  if (m.path != Impl::Path::kIpc || !m.node_kernel_queued) return b;
   DeviceScope scope;
   if (Status e = scope.enter(cfg_.device); !e.ok()) return e;
   // A private non-blocking stream: no legacy-stream call (ranks may share the GPU).
@@ -362,6 +366,7 @@ Status DeviceComm::run(const CollectiveCall& call, cudaStream_t stream) {
       }
 #endif
       const kernels::NodeCall nc{node_kind(c.kind), c.type, c.op, c.root, c.send, c.recv, c.count};
+      m.node_kernel_queued = true;
       if (forced == plan::Algo::kOneShot || forced == plan::Algo::kTwoShot) {
         kernels::NodeLayout layout = m.layout;  // the same on every rank: the call's protocol
         layout.two_shot_min_bytes = forced == plan::Algo::kTwoShot ? 1 : 0;
