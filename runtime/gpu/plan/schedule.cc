@@ -187,13 +187,21 @@ class Builder {
     }
   }
 
-  // Chunks whose sends go out before the first of their receives: the messages a peer's
-  // slots hold (PlanRequest::window) over the messages each chunk sends to one peer. A rank
-  // then runs a window ahead of a peer that is not running (processes time-sliced on one
-  // GPU: a message per slice, chunk by chunk), and never more (its sends would wait for slots
-  // the peer frees only in the receives that come after them).
-  size_t group_chunks(size_t msgs_per_chunk) const {
-    return std::max<size_t>(1, std::max<size_t>(req_.window, 1) / msgs_per_chunk);
+  // `share` chunk by chunk in groups, calling f(phase, lo, len) for every chunk of a group in
+  // phase 0, then every chunk in phase 1, and so on (a chunk's sends come in the earlier
+  // phases, its receives in the later ones). A group is as many chunks as the messages a peer's
+  // slots hold (PlanRequest::window) over the messages each chunk sends to one peer: a rank
+  // then runs a window ahead of a peer that is not running (processes time-sliced on one GPU:
+  // a message per slice, chunk by chunk), and never more (its sends would wait for slots the
+  // peer frees only in the receives that come after them).
+  template <class F>
+  void by_groups(Range share, size_t msgs_per_chunk, int phases, F f) const {
+    const size_t span = std::max<size_t>(1, std::max<size_t>(req_.window, 1) / msgs_per_chunk) * chunk_;
+    for (size_t g = share.lo; g < share.hi; g += span) {
+      const size_t end = std::min(share.hi, g + span);
+      for (int phase = 0; phase < phases; ++phase)
+        for (size_t lo = g; lo < end; lo += chunk_) f(phase, lo, std::min(chunk_, end - lo));
+    }
   }
 
   void one_shot(int c) {
@@ -202,39 +210,32 @@ class Builder {
     peers(&others, &self);
     const size_t cnt = req_.count;
     const Range share = channel_share(cnt, c, channels_.size());
-    const size_t span = group_chunks(1) * chunk_;
-    for (size_t g = share.lo; g < share.hi; g += span) {
-      const size_t end = std::min(share.hi, g + span);
-      for (int half = 0; half < 2; ++half) {  // the group's sends, then its receives
-        for (size_t lo = g; lo < end; lo += chunk_) {
-          const size_t len = std::min(chunk_, end - lo);
-          switch (req_.kind) {
-            case Kind::kAllreduce:
-              if (half == 0) add_v(Prim::kSend, c, {}, others, lo, 0, len);
-              else add_v(Prim::kRecvReduceCopy, c, others, {}, lo, lo, len, self);
-              break;
-            case Kind::kReduceScatter:  // block s of every input to rank s, folded in rank order
-              if (half == 0) {
-                for (int s : others) add(Prim::kSend, c, {}, {s}, size_t(s) * cnt + lo, 0, len);
-              } else {
-                add_v(Prim::kRecvReduceCopy, c, others, {}, size_t(me_) * cnt + lo, lo, len, self);
-              }
-              break;
-            case Kind::kAllGather:  // the own block to every peer, every peer's into place
-              if (half == 0) {
-                add_v(Prim::kCopySend, c, {}, others, lo, size_t(me_) * cnt + lo, len);
-              } else {
-                for (int s : others) add(Prim::kRecv, c, {s}, {}, 0, size_t(s) * cnt + lo, len);
-              }
-              break;
-            default:  // broadcast
-              if (half == 0 && me_ == req_.root) add_v(Prim::kCopySend, c, {}, others, lo, lo, len);
-              else if (half == 1 && me_ != req_.root) add(Prim::kRecv, c, {req_.root}, {}, 0, lo, len);
-              break;
+    by_groups(share, 1, 2, [&](int phase, size_t lo, size_t len) {  // the sends, then the receives
+      switch (req_.kind) {
+        case Kind::kAllreduce:
+          if (phase == 0) add_v(Prim::kSend, c, {}, others, lo, 0, len);
+          else add_v(Prim::kRecvReduceCopy, c, others, {}, lo, lo, len, self);
+          break;
+        case Kind::kReduceScatter:  // block s of every input to rank s, folded in rank order
+          if (phase == 0) {
+            for (int s : others) add(Prim::kSend, c, {}, {s}, size_t(s) * cnt + lo, 0, len);
+          } else {
+            add_v(Prim::kRecvReduceCopy, c, others, {}, size_t(me_) * cnt + lo, lo, len, self);
           }
-        }
+          break;
+        case Kind::kAllGather:  // the own block to every peer, every peer's into place
+          if (phase == 0) {
+            add_v(Prim::kCopySend, c, {}, others, lo, size_t(me_) * cnt + lo, len);
+          } else {
+            for (int s : others) add(Prim::kRecv, c, {s}, {}, 0, size_t(s) * cnt + lo, len);
+          }
+          break;
+        default:  // broadcast
+          if (phase == 0 && me_ == req_.root) add_v(Prim::kCopySend, c, {}, others, lo, lo, len);
+          else if (phase == 1 && me_ != req_.root) add(Prim::kRecv, c, {req_.root}, {}, 0, lo, len);
+          break;
       }
-    }
+    });
   }
 
   void two_shot(int c) {
@@ -253,33 +254,27 @@ class Builder {
     const int root = req_.root;
     // A chunk sends two messages to a peer: its piece (the root's piece and own segment in
     // broadcast), then the folded (or copied) segment.
-    const size_t span = group_chunks(2) * chunk_;
-    for (size_t g = share.lo; g < share.hi; g += span) {
-      const size_t end = std::min(share.hi, g + span);
-      for (int phase = 0; phase < 3; ++phase) {  // the group's pieces, own segments, results
-        for (size_t lo = g; lo < end; lo += chunk_) {
-          const size_t len = std::min(chunk_, end - lo);
-          auto piece = [&](int s) {  // this chunk in segment s (empty past the end of the buffer)
-            const Range r = seg_range(s);
-            return Range{std::min(r.hi, r.lo + lo), std::min(r.hi, r.lo + lo + len)};
-          };
-          const Range own = piece(me_);
-          if (phase == 0) {
-            if (req_.kind == Kind::kAllreduce || me_ == root)
-              for (int s : others) add(Prim::kSend, c, {}, {s}, piece(s).lo, 0, piece(s).size());
-          } else if (phase == 1) {
-            if (req_.kind == Kind::kAllreduce)
-              add_v(Prim::kRecvReduceCopySend, c, others, others, own.lo, own.lo, own.size(), self);
-            else if (me_ == root)
-              add_v(Prim::kCopySend, c, {}, others, own.lo, own.lo, own.size());
-            else
-              add_v(Prim::kRecvCopySend, c, {root}, others, 0, own.lo, own.size());
-          } else {
-            for (int s : others) add(Prim::kRecv, c, {s}, {}, 0, piece(s).lo, piece(s).size());
-          }
-        }
+    // the pieces, the own segments, the results
+    by_groups(share, 2, 3, [&](int phase, size_t lo, size_t len) {
+      auto piece = [&](int s) {  // this chunk in segment s (empty past the end of the buffer)
+        const Range r = seg_range(s);
+        return Range{std::min(r.hi, r.lo + lo), std::min(r.hi, r.lo + lo + len)};
+      };
+      const Range own = piece(me_);
+      if (phase == 0) {
+        if (req_.kind == Kind::kAllreduce || me_ == root)
+          for (int s : others) add(Prim::kSend, c, {}, {s}, piece(s).lo, 0, piece(s).size());
+      } else if (phase == 1) {
+        if (req_.kind == Kind::kAllreduce)
+          add_v(Prim::kRecvReduceCopySend, c, others, others, own.lo, own.lo, own.size(), self);
+        else if (me_ == root)
+          add_v(Prim::kCopySend, c, {}, others, own.lo, own.lo, own.size());
+        else
+          add_v(Prim::kRecvCopySend, c, {root}, others, 0, own.lo, own.size());
+      } else {
+        for (int s : others) add(Prim::kRecv, c, {s}, {}, 0, piece(s).lo, piece(s).size());
       }
-    }
+    });
   }
 
   // --- hierarchical: direct pushes inside the node, a ring per local index across nodes ---
