@@ -265,6 +265,23 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   }
   if (threadIdx.x < unsigned(kStepMaxBases)) base[threadIdx.x] = param.bases != nullptr ? param.bases[threadIdx.x] : 0;
   __syncthreads();
+  if (param.slots != 0) {
+    // The slot operands moved on by their bases (step_slot), in the table's copy.
+    Table& w = *reinterpret_cast<Table*>(raw);
+    for (int i = int(threadIdx.x); i < param.nops; i += int(blockDim.x)) {
+      StepOp& o = w.ops[i];
+      auto at = [&](const void* p, uint16_t slot, int b, uint32_t flag) {
+        return slot == kNoSlot ? const_cast<void*>(p)
+                               : step_slot(const_cast<void*>(p), slot, base[b], param.slots,
+                                           flag != 0 ? param.ll_stride : param.slot_stride);
+      };
+      o.dst = at(o.dst, o.dst_slot, o.dst_base, o.dst_flag);
+      o.dst2 = at(o.dst2, o.dst2_slot, o.dst2_base, o.dst2_flag);
+      o.a = at(o.a, o.a_slot, o.a_base, o.a_flag);
+      o.b = at(o.b, o.b_slot, o.b_base, o.b_flag);
+    }
+    __syncthreads();
+  }
   stamp_mark(stamp, 1);
   for (int k = 0; k < s.nsteps; ++k) {
     const TableStep& st = s.steps[k];
@@ -528,6 +545,13 @@ cudaError_t launch_steps(const StepTable& s, DataType type, ReduceOp op, cudaStr
     const StepOp& o = s.ops[i];
     // (Null operands and destinations: valid_runs, per step.)
     if (bad_base(o.dst_base) || bad_base(o.dst2_base) || bad_base(o.a_base) || bad_base(o.b_base))
+      return cudaErrorInvalidValue;
+    // A slot index names a base and a slot of the table's, with its stride.
+    auto bad_slot = [&](uint16_t slot, int b, uint32_t flag) {
+      return slot != kNoSlot && (b < 0 || slot >= s.slots || (flag != 0 ? s.ll_stride : s.slot_stride) == 0);
+    };
+    if (bad_slot(o.dst_slot, o.dst_base, o.dst_flag) || bad_slot(o.dst2_slot, o.dst2_base, o.dst2_flag) ||
+        bad_slot(o.a_slot, o.a_base, o.a_flag) || bad_slot(o.b_slot, o.b_base, o.b_flag))
       return cudaErrorInvalidValue;
     if (!aligned(o.dst, es) || !aligned(o.dst2, es) || !aligned(o.a, es) || !aligned(o.b, es))
       return cudaErrorInvalidValue;

@@ -41,6 +41,13 @@
 // whose counts are relative is the same table on every replay of a CUDA graph that holds it:
 // the counts move on in device memory, not in the launch's parameters (gpu/kernel_stream.h).
 //
+// Slots of relative counts: an operand that is one of the link's slots (bulk or low-latency)
+// names its base and its index among the slots as if the base were a multiple of them; the
+// kernel moves it on by the base modulo the slots (step_slot), when the launch starts. So a
+// call's n-th message to a peer takes slot (base + n) mod slots, the slot of the same message
+// in absolute counts, and calls need not end on a multiple of the slots: the next call's first
+// message takes the slot after the last one's, and waits only for the message the slots back.
+//
 // Numeric results are the loops of cuda_reduce_body.cuh, the same bytes as launch_reduce and
 // launch_reduce_final for the same operands in the same order (a fold: as a chain of them,
 // left to right, the last one final).
@@ -53,6 +60,7 @@
 
 #include "gradsync/gradsync.h"
 #include "kernels/cuda_node.cuh"
+#include "kernels/step_slot.h"
 
 namespace gradsync::kernels {
 
@@ -107,6 +115,9 @@ struct StepOp {
   // stream that builds the table and checked by launch_steps, so that the kernel does not
   // find the runs again at every step.
   uint8_t run = 0;
+  // A slot operand of a relative table: its index (step_slot, with the base above: the flag's
+  // where it has one); kNoSlot otherwise.
+  uint16_t dst_slot = kNoSlot, dst2_slot = kNoSlot, a_slot = kNoSlot, b_slot = kNoSlot;
   void* dst = nullptr;   // null only before a run's last operation
   void* dst2 = nullptr;  // a reduction's second destination; may be null
   const void* a = nullptr;  // null in a chained operation
@@ -172,6 +183,9 @@ struct StepTableHead {
   unsigned max_blocks = kStepMaxBlocks;
   // Bulk bytes of the largest step per block (0: kStepDefaultBlockBytes); host side only.
   uint32_t block_bytes = 0;
+  // The link's slots per peer and direction (0: no operand is moved on, StepOp::*_slot), and
+  // the bytes from one slot to the next: bulk, and low-latency (an operand with a flag).
+  uint32_t slots = 0, slot_stride = 0, ll_stride = 0;
   // Device memory, kStepCounterWords words, zero at first (the last block to end zeroes the
   // steps' and kStepBlocksEnded; kStepFailed stays). Launches that use them must not overlap
   // (one stream).
@@ -196,7 +210,8 @@ static_assert(sizeof(SmallStepTable) < 4096, "a small table is a parameter of un
 // Queues the table's steps on `stream`: type and op apply to every reduction.
 // cudaErrorInvalidValue (nothing queued) for a bad type or op, pointers not aligned to the
 // element size, parts outside the table, a missing counter, error word or abort word, a
-// base outside [-1, kStepMaxBases) or named without `bases`, a chained operation that
+// base outside [-1, kStepMaxBases) or named without `bases`, a slot index without a base or
+// not below the table's slots (or without a stride for it), a chained operation that
 // continues no reduction of its step, a run of more than kStepMaxFold operands, or a run
 // whose operations before its last store (or are kReduceFinal) or whose last does not, or
 // runs (StepOp::run, TableStep::lines) other than step_run_end finds.

@@ -289,12 +289,7 @@ Result<bool> GdrChannels::set_up(Impl& m, const HostOps& ops, std::string* why_n
   // replays; both conditions are the same on every rank: direct is agreed). Allocated here,
   // while every rank is in this collective set-up: a cudaMalloc may wait for the kernels of
   // the context, which for ranks sharing a GPU could be a peer's first step waiting for this rank.
-  // GRADSYNC_GPU_STEP_ABSOLUTE=1 (a diagnostic, on every rank alike): absolute counts on one
-  // node too, so that consecutive calls take consecutive slots (relative calls start at slot
-  // 0); no capture then.
-  const char* absolute = std::getenv("GRADSYNC_GPU_STEP_ABSOLUTE");
-  const bool relative = m.channels.shape.node_count() == 1 && cfg.direct &&
-                        !(absolute != nullptr && std::strcmp(absolute, "1") == 0);
+  const bool relative = m.channels.shape.node_count() == 1 && cfg.direct;
   auto zeroed = [&](void** at, size_t bytes, const std::string& what) {
     if (!local_why.empty() || *at != nullptr) return;
     if (Status a = cuda(cudaMalloc(at, bytes), "cudaMalloc of the " + what); !a.ok()) {

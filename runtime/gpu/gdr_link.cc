@@ -370,6 +370,7 @@ int GdrLink::peer_index(int rank) const {
 uint8_t* GdrLink::slot(int index, bool receive, uint64_t msg) const { return impl_->slot(index, receive, msg); }
 uint8_t* GdrLink::ll_slot(int index, bool receive, uint64_t msg) const { return impl_->ll_slot(index, receive, msg); }
 size_t GdrLink::ll_payload_bytes() const { return impl_->cfg.ll_bytes / 2; }
+size_t GdrLink::ll_slot_bytes() const { return impl_->cfg.ll_bytes; }
 size_t GdrLink::region_bytes() const { return impl_->region_bytes; }
 size_t GdrLink::direct_region_bytes() const { return impl_->direct_bytes; }
 

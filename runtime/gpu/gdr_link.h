@@ -203,6 +203,8 @@ class GdrLink {
   // payload.
   uint8_t* ll_slot(int index, bool receive, uint64_t msg) const;
   size_t ll_payload_bytes() const;
+  // The bytes from one low-latency slot to the next (the lines of ll_payload_bytes()).
+  size_t ll_slot_bytes() const;
   // Where the stream waits (arrived, send_free) and signals (ready, consumed) for peer `index`.
   struct StreamWords {
     uint64_t* arrived;

@@ -126,6 +126,13 @@ Status KernelStream::flush(bool last) {
   t.counters = w_.counters;
   t.max_blocks = w_.max_blocks;
   t.block_bytes = w_.block_bytes;
+  if (relative_ && w_.link != nullptr &&
+      (w_.link->slots() >= kernels::kNoSlot || w_.link->slot_bytes() > UINT32_MAX || w_.link->ll_slot_bytes() > UINT32_MAX)) {
+    return error("relative counts need under 65535 slots of under 4 GiB");
+  }
+  t.slots = relative_ && w_.link != nullptr ? w_.link->slots() : 0;
+  t.slot_stride = t.slots != 0 ? uint32_t(w_.link->slot_bytes()) : 0;
+  t.ll_stride = t.slots != 0 ? uint32_t(w_.link->ll_slot_bytes()) : 0;
   const cudaError_t e = launch_(t);
   t.nsteps = t.nwaits = t.nops = t.nsignals = 0;
   touched_.clear();
@@ -199,13 +206,18 @@ Status KernelStream::fold(StepBuf dst, StepBuf dst2, const StepBuf* srcs, int k,
 }
 kernels::StepOp KernelStream::make_op(kernels::StepOpKind kind, StepBuf dst, StepBuf dst2, StepBuf a,
                                       StepBuf b) const {
-  auto base = [&](const StepBuf& x) { return int8_t(x.flag != 0 && relative_ ? x.base : -1); };
+  auto base = [&](const StepBuf& x) { return int8_t((x.flag != 0 || x.slot >= 0) && relative_ ? x.base : -1); };
+  auto slot = [&](const StepBuf& x) { return x.slot >= 0 && relative_ ? uint16_t(x.slot) : kernels::kNoSlot; };
   kernels::StepOp op;
   op.kind = kind;
   op.dst_base = base(dst);
   op.dst2_base = base(dst2);
   op.a_base = base(a);
   op.b_base = base(b);
+  op.dst_slot = slot(dst);
+  op.dst2_slot = slot(dst2);
+  op.a_slot = slot(a);
+  op.b_slot = slot(b);
   op.dst = dst.p;
   op.dst2 = dst2.p;
   op.a = a.p;

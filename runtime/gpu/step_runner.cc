@@ -242,7 +242,7 @@ Result<std::vector<plan::Step>> rdma_steps(const RdmaChannels& ch, CollectiveKin
 
 StepRunner::StepRunner(GdrLink* link, bool relative)
     : link_(*link), relative_(relative), sent_(size_t(link->peer_count()), 0),
-      received_(size_t(link->peer_count()), 0), sends_(sent_.size(), 0), receives_(sent_.size(), 0) {}
+      received_(size_t(link->peer_count()), 0) {}
 
 namespace {
 
@@ -266,16 +266,7 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
   std::vector<GdrLink::Message> planned;
   Status s = Status::Ok();
   if (relative_) {
-    // This call's messages per peer, for the rounding of its last signals; its counts from 0.
-    std::fill(sends_.begin(), sends_.end(), 0);
-    std::fill(receives_.begin(), receives_.end(), 0);
-    for (const plan::Step& st : steps) {
-      for (int j = 0; j < st.nrecv + st.nsend; ++j) {
-        const int pos = j < st.nrecv ? st.recv[j] : st.send[j - st.nrecv];
-        const int p = pos >= 0 && size_t(pos) < members.size() ? link_.peer_index(members[size_t(pos)]) : -1;
-        if (p >= 0) ++(j < st.nrecv ? receives_ : sends_)[size_t(p)];
-      }
-    }
+    // This call's counts from 0, on top of the bases.
     std::fill(sent_.begin(), sent_.end(), 0);
     std::fill(received_.begin(), received_.end(), 0);
     for (int p = 0; p < link_.peer_count() && s.ok(); ++p) {
@@ -283,8 +274,6 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     }
   }
   if (s.ok()) s = stream.begin_call(relative_);
-  // A signal's count: the call's last to or from a peer rounded up to a multiple of the slots.
-  auto signalled = [&](uint64_t n, uint64_t total) { return relative_ && n == total ? (n + slots - 1) / slots * slots : n; };
   for (size_t i = 0; i < steps.size() && s.ok(); ++i) {
     const plan::Step& st = steps[i];
     const size_t bytes = size_t(st.count) * esize;
@@ -326,13 +315,17 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     link_.plan(planned);
     planned.clear();
     s = stream.begin_step();
+    // Relative: the slot of message msg as if the base were a multiple of the slots, which
+    // the stream moves on by the base (StepBuf::slot).
     auto at = [&](int p, bool recv, uint64_t msg) -> StepBuf {
-      if (uint8_t* ll = ll_fits ? link_.ll_slot(p, recv, msg) : nullptr) {
-        StepBuf b(ll, relative_ ? uint32_t(msg + 1) : ll_flag(msg), link_.peer(p).rank);
-        if (relative_) b.base = step_base(p, recv);
-        return b;
+      uint8_t* ll = ll_fits ? link_.ll_slot(p, recv, msg) : nullptr;
+      StepBuf b = ll != nullptr ? StepBuf(ll, relative_ ? uint32_t(msg + 1) : ll_flag(msg), link_.peer(p).rank)
+                                : StepBuf(link_.slot(p, recv, msg));
+      if (relative_) {
+        b.base = step_base(p, recv);
+        b.slot = int(msg % slots);
       }
-      return StepBuf(link_.slot(p, recv, msg));
+      return b;
     };
     for (int j = 0; j < st.nrecv; ++j) payload[j] = at(rp[j], true, received_[size_t(rp[j])]);
     for (int j = 0; j < st.nsend; ++j) slot_out[j] = at(sp[j], false, sent_[size_t(sp[j])]);
@@ -342,7 +335,7 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
       if (payload[j].flag == 0) s = stream.wait_arrived(rp[j], int64_t(received_[size_t(rp[j])]) + 1);
     }
     for (int j = 0; j < st.nsend && s.ok(); ++j) {
-      // Relative: the first slots too (the previous call's messages in them), unless the base is 0.
+      // Relative: the first slots too (the previous calls' last messages in them), unless the base is 0.
       const uint64_t m = sent_[size_t(sp[j])];
       if (relative_ || m + 1 > slots) s = stream.wait_send_free(sp[j], int64_t(m) + 1 - int64_t(slots));
     }
@@ -414,11 +407,11 @@ Status StepRunner::run(const std::vector<plan::Step>& steps, const std::vector<i
     }
     for (int j = 0; j < st.nsend && s.ok(); ++j) {
       const size_t p = size_t(sp[j]);
-      s = stream.signal_ready(sp[j], signalled(++sent_[p], sends_[p]));
+      s = stream.signal_ready(sp[j], ++sent_[p]);
     }
     for (int j = 0; j < st.nrecv && s.ok(); ++j) {
       const size_t p = size_t(rp[j]);
-      s = stream.signal_consumed(rp[j], signalled(++received_[p], receives_[p]));
+      s = stream.signal_consumed(rp[j], ++received_[p]);
     }
     if (s.ok()) s = stream.end_step();
   }

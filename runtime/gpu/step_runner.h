@@ -13,10 +13,12 @@
 //
 // Relative counts (StepRunner's `relative`: one node, every peer direct): each call numbers its
 // messages from 0 per peer and direction, on top of bases the stream keeps (StepStream::
-// begin_call), and the last signal of a call to or from a peer is rounded up to a multiple of
-// the slots, on both ends alike: each call then starts at slot 0 of every peer, its waits,
-// signals, slots and low-latency flags are the same whichever call it is, and so a call
-// captured in a CUDA graph replays. No worker reads these counts (direct peers have none).
+// begin_call), and names its slots by their index from the base (StepBuf::slot), which the
+// stream moves on by the base modulo the slots: its waits, signals, slots and low-latency
+// flags are then the same whichever call it is, and so a call captured in a CUDA graph
+// replays, while each message still takes the slot its absolute number gives (the next call
+// goes on from the slot after this one's last). No worker reads these counts (direct peers
+// have none).
 //
 // Bodies (fold: the payloads in step order with the own operand at self_pos, folded left in
 // one StepStream::fold; the final fold divides kAvg once, unless the step is `partial`):
@@ -120,6 +122,10 @@ struct StepBuf {
   // A relative flag's base (step_base of its peer and direction): the flag is that base plus
   // `flag`, as a 32-bit count (0 taken as 1); -1: `flag` is the flag.
   int base = -1;
+  // A slot of a relative call (with `base`): its index among the link's slots when the base
+  // is a multiple of them; the stream moves it on by the base (kernels::step_slot), so that
+  // message base + n takes slot (base + n) mod slots. -1: p is where it is.
+  int slot = -1;
 };
 // The base of a relative count: peer index p's sends (ready, send_free, the send slots' flags)
 // or receives (arrived, consumed, the receive slots' flags).
@@ -180,7 +186,6 @@ class StepRunner {
   GdrLink& link_;
   bool relative_;
   std::vector<uint64_t> sent_, received_;  // per peer index: messages queued so far (this call's, relative)
-  std::vector<uint64_t> sends_, receives_;  // relative: per peer index, this call's messages
 };
 
 }  // namespace gradsync

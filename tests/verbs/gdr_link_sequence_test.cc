@@ -166,7 +166,8 @@ INSTANTIATE_TEST_SUITE_P(Algos, StepSequence, kAlgos, algo_name);
 // One rank's step tables run on the host as the step kernel runs them with one block: the
 // bases read when the table starts, then step by step its waits (relative ones made absolute
 // with the bases), its runs of operations (HostOps, each low-latency flag made absolute as
-// flag_of does) and its signals, then `advance` added to the bases.
+// flag_of does, each slot moved on by its base as step_slot does) and its signals, then
+// `advance` added to the bases.
 class HostTables {
  public:
   HostTables(std::function<Status()> stop, uint64_t* bases, DataType type, ReduceOp op, int world, unsigned seed)
@@ -175,8 +176,11 @@ class HostTables {
   cudaError_t run(const kernels::StepTable& t) {
     uint64_t base[kernels::kStepMaxBases];
     for (int b = 0; b < kernels::kStepMaxBases; ++b) base[b] = t.bases != nullptr ? load(&bases_[b]) : 0;
-    auto operand = [&](const void* p, uint32_t f, int b) {
+    auto operand = [&](const void* p, uint32_t f, int b, uint16_t slot) {
       StepBuf x(p);
+      if (slot != kernels::kNoSlot) {
+        x.p = kernels::step_slot(x.p, slot, base[b], t.slots, f != 0 ? t.ll_stride : t.slot_stride);
+      }
       if (f != 0) {
         const uint32_t v = b >= 0 ? uint32_t(base[b] + f) : f;
         x.flag = v == 0 ? 1u : v;
@@ -201,15 +205,15 @@ class HostTables {
           // A run of copies of one source (or a lone copy).
           for (int j = i; j < e && status_.ok(); ++j) {
             const kernels::StepOp& q = t.ops[j];
-            status_ = ops_.copy(operand(q.dst, q.dst_flag, q.dst_base), operand(q.a, q.a_flag, q.a_base), bytes);
+            status_ = ops_.copy(operand(q.dst, q.dst_flag, q.dst_base, q.dst_slot), operand(q.a, q.a_flag, q.a_base, q.a_slot), bytes);
           }
           continue;
         }
         StepBuf x[kernels::kStepMaxFold];
-        x[0] = operand(o.a, o.a_flag, o.a_base);
-        for (int j = i; j < e; ++j) x[j - i + 1] = operand(t.ops[j].b, t.ops[j].b_flag, t.ops[j].b_base);
-        status_ = ops_.fold(operand(last.dst, last.dst_flag, last.dst_base),
-                            operand(last.dst2, last.dst2_flag, last.dst2_base), x, e - i + 1, st.count,
+        x[0] = operand(o.a, o.a_flag, o.a_base, o.a_slot);
+        for (int j = i; j < e; ++j) x[j - i + 1] = operand(t.ops[j].b, t.ops[j].b_flag, t.ops[j].b_base, t.ops[j].b_slot);
+        status_ = ops_.fold(operand(last.dst, last.dst_flag, last.dst_base, last.dst_slot),
+                            operand(last.dst2, last.dst2_flag, last.dst2_base, last.dst2_slot), x, e - i + 1, st.count,
                             last.kind == kernels::StepOpKind::kReduceFinal);
       }
       if (!status_.ok()) break;

@@ -26,6 +26,7 @@
 #include "gpu/gdr_link.h"
 #include "gpu/step_runner.h"
 #include "kernels/host_reduce.h"
+#include "kernels/step_slot.h"
 #include "transport/verbs/emulated_fabric.h"
 
 namespace gradsync::gdr_link_world {
@@ -237,7 +238,7 @@ class HostStream final : public StepStream {
   HostStream(const GdrLink& link, std::function<Status()> stop, DataType type, ReduceOp op, int world)
       : link_(link), ops_(std::move(stop), type, op, world) {}
   // A relative call's bases are the words this stream signals, as the last call left them
-  // (it ran to its end before this one starts; its last signals were rounded up to them).
+  // (it ran to its end before this one starts).
   Status begin_call(bool relative) override {
     base_.assign(2 * size_t(link_.peer_count()), 0);
     if (relative) {
@@ -272,12 +273,20 @@ class HostStream final : public StepStream {
  private:
   // A count made absolute (the base is 0 in a call that is not relative).
   int64_t at(int base, int64_t v) const { return int64_t(base_[size_t(base)]) + v; }
-  // A relative flag made absolute, as the step kernel makes it.
+  // A relative flag made absolute and a relative slot moved on, as the step kernel does.
   StepBuf flagged(StepBuf b) const {
-    if (b.flag == 0 || b.base < 0) return b;
-    const uint32_t f = uint32_t(base_[size_t(b.base)] + b.flag);
-    b.flag = f == 0 ? 1u : f;
+    if (b.base < 0) return b;
+    const uint64_t base = base_[size_t(b.base)];
+    if (b.slot >= 0) {
+      const size_t stride = b.flag != 0 ? link_.ll_slot_bytes() : link_.slot_bytes();
+      b.p = kernels::step_slot(b.p, uint16_t(b.slot), base, link_.slots(), uint32_t(stride));
+    }
+    if (b.flag != 0) {
+      const uint32_t f = uint32_t(base + b.flag);
+      b.flag = f == 0 ? 1u : f;
+    }
     b.base = -1;
+    b.slot = -1;
     return b;
   }
   const GdrLink& link_;
