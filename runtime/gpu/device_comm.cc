@@ -145,6 +145,9 @@ Status DeviceComm::count_gpu_shares() {
   GS_RETURN_IF_ERROR(
       ops_.allreduce_now(keys.data(), keys.data(), keys.size(), DataType::kInt64, ReduceOp::kSum));
   impl_->gpu_shares = int(std::count(keys.begin(), keys.end(), key));
+  int32_t most = impl_->gpu_shares;  // the same on every rank
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(&most, &most, 1, DataType::kInt32, ReduceOp::kMax));
+  impl_->most_gpu_shares = most;
   return Status::Ok();
 }
 

@@ -168,6 +168,7 @@ class DeviceComm {
   Status agree_algorithm();
   GdrConfig gdr_config() const;  // gpu/gdr_channels.h, with GPUDirect RDMA only
   std::string slots_over_budget(const GdrConfig& g) const;
+  Status fit_slots(GdrConfig& g, bool pairs) const;
   Status plan_hierarchical(GdrConfig& g, std::string* why_not) const;
   Status measure_gdr_min_bytes();
   Status setup_timeline();

@@ -50,11 +50,11 @@ GdrConfig DeviceComm::gdr_config() const {
   l.gid_index = cfg_.gid_index;
   l.verbs_api = cfg_.verbs_api;
   l.slot_bytes = size_t(env_positive("GRADSYNC_GDR_SLOT_BYTES", 1 << 20)) / 256 * 256;
-  // One-shot and two-shot send a window of chunks, the slots, before they receive them
-  // (plan::PlanRequest::window): ranks of several processes that take turns on one GPU run
-  // that far ahead of a peer that is not running. More slots for them (GRADSYNC_GDR_SLOTS=64)
-  // is not the default until measured on a GPU (docs/benchmarks.md).
-  l.slots = uint32_t(std::max(2L, env_positive("GRADSYNC_GDR_SLOTS", 4)));
+  // Ranks of several processes on one GPU (tests and benches; NCCL refuses the shape) take
+  // turns on it, a time slice each: a rank runs ahead of a peer that is not running by its
+  // window of slots (one-shot and two-shot send a window of chunks before they receive them,
+  // plan::PlanRequest::window), so they get 64 where 4 keep a GPU of its own busy.
+  l.slots = uint32_t(std::max(2L, env_positive("GRADSYNC_GDR_SLOTS", m.most_gpu_shares > 1 ? 64 : 4)));
   // GRADSYNC_PROTO=ll|bulk forces a protocol on the step channels (agreed at their set-up);
   // unset or auto: the cost model's per call.
   if (const char* p = std::getenv("GRADSYNC_PROTO"); p != nullptr && *p != '\0' && std::strcmp(p, "auto") != 0) {
@@ -94,6 +94,21 @@ std::string DeviceComm::slots_over_budget(const GdrConfig& g) const {
          " x " + std::to_string(g.link.ll_bytes) + " low-latency bytes per peer and direction) with the " +
          std::to_string(memory().gpu_bytes >> 20) + " MiB held do not fit GRADSYNC_GPU_MEMORY_MAX = " +
          std::to_string(limit >> 20) + " MiB";
+}
+
+// Collective: the window of ranks that share a GPU (gdr_config's 64 slots) halved, down to 4,
+// until the slots (with each node's pairs where `pairs`) fit GRADSYNC_GPU_MEMORY_MAX; then
+// agreed, the fewest of any rank. GRADSYNC_GDR_SLOTS keeps its count.
+Status DeviceComm::fit_slots(GdrConfig& g, bool pairs) const {
+  const bool had = g.pairs;
+  g.pairs = pairs;
+  while (std::getenv("GRADSYNC_GDR_SLOTS") == nullptr && g.link.slots > 4 && !slots_over_budget(g).empty())
+    g.link.slots /= 2;
+  g.pairs = had;
+  int64_t slots = g.link.slots;
+  GS_RETURN_IF_ERROR(ops_.allreduce_now(&slots, &slots, 1, DataType::kInt64, ReduceOp::kMin));
+  g.link.slots = uint32_t(slots);
+  return Status::Ok();
 }
 #endif
 
@@ -186,6 +201,7 @@ Status DeviceComm::setup_gdr() {
   std::string off = !asked ? "GRADSYNC_GDR=0 is set" : staged ? "GRADSYNC_GPU_STAGED is set" : "";
   GdrConfig g = gdr_config();
   if (g.link.slot_bytes == 0) return {Code::kInvalidArgument, who() + ": GRADSYNC_GDR_SLOT_BYTES below 256"};
+  GS_RETURN_IF_ERROR(fit_slots(g, cfg_.local_world_size != cfg_.world_size));
   if (tcp) {
     g.tcp = g.link.tcp = true;
     g.link.verbs_device.clear();
@@ -244,6 +260,7 @@ Status DeviceComm::setup_node_steps() {
   int32_t pairs = steps_env != nullptr && std::strcmp(steps_env, "1") == 0 ? 1 : 0;
   GS_RETURN_IF_ERROR(ops_.allreduce_now(&pairs, &pairs, 1, DataType::kInt32, ReduceOp::kMin));
   g.pairs = pairs != 0;
+  GS_RETURN_IF_ERROR(fit_slots(g, g.pairs));
   std::string off = !g.direct ? "GRADSYNC_GDR_DIRECT=0 is set (one node's hops have no NIC to take)"
                               : slots_over_budget(g);
   if (!off.empty()) g.link.refuse = off;

@@ -162,6 +162,7 @@ struct DeviceComm::Impl {
   kernels::NodeLayout layout;
   kernels::NodeArgs args;
   int gpu_shares = 1;  // ranks on this rank's GPU, this one included (count_gpu_shares)
+  int most_gpu_shares = 1;  // the most ranks on any one GPU of the world (the same on every rank)
   bool node_kernel_queued = false;  // a node kernel was queued (bytes_sent reads their counter)
   // GRADSYNC_ALGO for GPU calls, agreed by every rank (nullopt: auto).
   std::optional<plan::Algo> env_algo;
