@@ -112,12 +112,19 @@ void expect_words_count_the_messages(Ring& ring, int n, const std::vector<std::v
   }
 }
 
+// One node of n direct ranks with `slots` slots of 256 bytes, low-latency slots of 64 bytes of
+// payload, the pairs too: every algorithm, both protocols.
+std::unique_ptr<Ring> one_node(int n, uint32_t slots) {
+  return std::make_unique<Ring>(n, slots, 256, /*per_node=*/n, 10s, 1, /*direct=*/true, /*nic=*/false,
+                                /*tcp=*/false, [](int, GdrLinkConfig& c, GdrLinkOps&) { c.ll_bytes = 128; },
+                                /*pairs=*/true);
+}
+
 TEST(RelativeCounts, OneNodeCallAsksTheSameWhateverRanBefore) {
   const int n = 4;
   const uint32_t slots = 3;
-  // Low-latency slots of 64 bytes of payload, the pairs too: every algorithm, both protocols.
-  Ring ring(n, slots, 256, /*per_node=*/n, 10s, 1, /*direct=*/true, /*nic=*/false, /*tcp=*/false,
-            [](int, GdrLinkConfig& c, GdrLinkOps&) { c.ll_bytes = 128; }, /*pairs=*/true);
+  auto node = one_node(n, slots);
+  Ring& ring = *node;
   ASSERT_EQ(ring.error(), "");
   const size_t count = 301;  // messages per hop that are no multiple of the slots
   auto send = inputs(n, count), between = inputs(n, 2053);
@@ -219,8 +226,8 @@ class SlotCheckingStream final : public StepStream {
 TEST(RelativeCounts, EachMessageTakesTheSlotOfItsNumber) {
   const int n = 4;
   const uint32_t slots = 3;
-  Ring ring(n, slots, 256, /*per_node=*/n, 10s, 1, /*direct=*/true, /*nic=*/false, /*tcp=*/false,
-            [](int, GdrLinkConfig& c, GdrLinkOps&) { c.ll_bytes = 128; }, /*pairs=*/true);
+  auto node = one_node(n, slots);
+  Ring& ring = *node;
   ASSERT_EQ(ring.error(), "");
   std::vector<std::string> err(n);
   ring.wrap_stream = [&](int r, StepStream& hs) { return std::make_unique<SlotCheckingStream>(hs, ring.link(r), &err[size_t(r)]); };
