@@ -113,17 +113,19 @@ void expect_words_count_the_messages(Ring& ring, int n, const std::vector<std::v
 }
 
 // One node of n direct ranks with `slots` slots of 256 bytes, low-latency slots of 64 bytes of
-// payload, the pairs too: every algorithm, both protocols.
-std::unique_ptr<Ring> one_node(int n, uint32_t slots) {
+// payload, the pairs too: every algorithm, both protocols. The tests' shape: 4 ranks, 3 slots.
+constexpr int kRanks = 4;
+constexpr uint32_t kSlots = 3;
+std::unique_ptr<Ring> one_node(int n = kRanks, uint32_t slots = kSlots) {
   return std::make_unique<Ring>(n, slots, 256, /*per_node=*/n, 10s, 1, /*direct=*/true, /*nic=*/false,
                                 /*tcp=*/false, [](int, GdrLinkConfig& c, GdrLinkOps&) { c.ll_bytes = 128; },
                                 /*pairs=*/true);
 }
 
 TEST(RelativeCounts, OneNodeCallAsksTheSameWhateverRanBefore) {
-  const int n = 4;
-  const uint32_t slots = 3;
-  auto node = one_node(n, slots);
+  const int n = kRanks;
+  const uint32_t slots = kSlots;
+  auto node = one_node();
   Ring& ring = *node;
   ASSERT_EQ(ring.error(), "");
   const size_t count = 301;  // messages per hop that are no multiple of the slots
@@ -224,9 +226,9 @@ class SlotCheckingStream final : public StepStream {
 // Calls of every algorithm and both protocols, one after another: every message takes the
 // slot of its absolute number, though the calls start in the middle of the slots.
 TEST(RelativeCounts, EachMessageTakesTheSlotOfItsNumber) {
-  const int n = 4;
-  const uint32_t slots = 3;
-  auto node = one_node(n, slots);
+  const int n = kRanks;
+  const uint32_t slots = kSlots;
+  auto node = one_node();
   Ring& ring = *node;
   ASSERT_EQ(ring.error(), "");
   std::vector<std::string> err(n);
