@@ -30,6 +30,16 @@ static_assert(2 * kMaxGdrPeers <= kernels::kStepMaxBases, "a base per peer and d
 Status KernelStream::begin_call(bool relative) {
   if (relative && w_.bases == nullptr) return error("a relative call without bases");
   relative_ = relative;
+  // A relative call's slot operands are moved on by the kernel (StepTableHead::slots): the
+  // link's slots and strides, the same for every table of the call.
+  slots_ = Slots{};
+  if (relative && w_.link != nullptr) {
+    const GdrLink& l = *w_.link;
+    if (l.slots() >= kernels::kNoSlot || l.slot_bytes() > UINT32_MAX || l.ll_slot_bytes() > UINT32_MAX) {
+      return error("relative counts need under 65535 slots of under 4 GiB");
+    }
+    slots_ = Slots{l.slots(), uint32_t(l.slot_bytes()), uint32_t(l.ll_slot_bytes())};
+  }
   for (uint64_t& v : last_signal_) v = 0;
   return Status::Ok();
 }
@@ -126,13 +136,9 @@ Status KernelStream::flush(bool last) {
   t.counters = w_.counters;
   t.max_blocks = w_.max_blocks;
   t.block_bytes = w_.block_bytes;
-  if (relative_ && w_.link != nullptr &&
-      (w_.link->slots() >= kernels::kNoSlot || w_.link->slot_bytes() > UINT32_MAX || w_.link->ll_slot_bytes() > UINT32_MAX)) {
-    return error("relative counts need under 65535 slots of under 4 GiB");
-  }
-  t.slots = relative_ && w_.link != nullptr ? w_.link->slots() : 0;
-  t.slot_stride = t.slots != 0 ? uint32_t(w_.link->slot_bytes()) : 0;
-  t.ll_stride = t.slots != 0 ? uint32_t(w_.link->ll_slot_bytes()) : 0;
+  t.slots = slots_.slots;
+  t.slot_stride = slots_.stride;
+  t.ll_stride = slots_.ll_stride;
   const cudaError_t e = launch_(t);
   t.nsteps = t.nwaits = t.nops = t.nsignals = 0;
   touched_.clear();

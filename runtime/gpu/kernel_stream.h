@@ -97,6 +97,11 @@ class KernelStream final : public StepStream {
   // A relative call: per base, its last signal so far (what end_call moves the base on by).
   bool relative_ = false;
   uint64_t last_signal_[kernels::kStepMaxBases] = {};
+  // A relative call: the link's slots and their strides (kernels::StepTableHead::slots); 0 otherwise.
+  struct Slots {
+    uint32_t slots = 0, stride = 0, ll_stride = 0;
+  };
+  Slots slots_;
 };
 
 }  // namespace gradsync

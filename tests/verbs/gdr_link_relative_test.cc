@@ -132,7 +132,9 @@ TEST(RelativeCounts, OneNodeCallAsksTheSameWhateverRanBefore) {
   auto send = inputs(n, count), between = inputs(n, 2053);
   std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count)), recv2(n, std::vector<int64_t>(2053));
   std::vector<std::vector<uint64_t>> sent(n), read(n);
-  for (int r = 0; r < n; ++r) sent[size_t(r)] = read[size_t(r)] = std::vector<uint64_t>(size_t(ring.link(r).peer_count()), 0);
+  for (int r = 0; r < n; ++r) {
+    sent[size_t(r)] = read[size_t(r)] = std::vector<uint64_t>(size_t(ring.link(r).peer_count()), 0);
+  }
   uint64_t off_boundary = 0;  // words left on no multiple of the slots
   for (bool ll : {false, true}) {
     ring.low_latency = ll;
@@ -212,9 +214,7 @@ class SlotCheckingStream final : public StepStream {
       written_.push_back(b.p);
       return;
     }
-    const size_t stride = b.flag != 0 ? link_.ll_slot_bytes() : link_.slot_bytes();
-    written_.push_back(
-        kernels::step_slot(b.p, uint16_t(b.slot), base_[size_t(b.base)], link_.slots(), uint32_t(stride)));
+    written_.push_back(moved_on(link_, b, base_[size_t(b.base)]));
   }
   StepStream& in_;
   const GdrLink& link_;
@@ -232,7 +232,9 @@ TEST(RelativeCounts, EachMessageTakesTheSlotOfItsNumber) {
   Ring& ring = *node;
   ASSERT_EQ(ring.error(), "");
   std::vector<std::string> err(n);
-  ring.wrap_stream = [&](int r, StepStream& hs) { return std::make_unique<SlotCheckingStream>(hs, ring.link(r), &err[size_t(r)]); };
+  ring.wrap_stream = [&](int r, StepStream& hs) {
+    return std::make_unique<SlotCheckingStream>(hs, ring.link(r), &err[size_t(r)]);
+  };
   for (size_t count : {size_t(301), size_t(2053), size_t(37)}) {
     auto send = inputs(n, count);
     std::vector<std::vector<int64_t>> recv(n, std::vector<int64_t>(count));
@@ -252,7 +254,9 @@ TEST(RelativeCounts, EachMessageTakesTheSlotOfItsNumber) {
   // The calls left the words on no multiple of the slots somewhere (else this shows nothing).
   bool off = false;
   for (int r = 0; r < n; ++r)
-    for (int p = 0; p < ring.link(r).peer_count(); ++p) off = off || load(ring.link(r).stream_words(p).ready) % slots != 0;
+    for (int p = 0; p < ring.link(r).peer_count(); ++p) {
+      off = off || load(ring.link(r).stream_words(p).ready) % slots != 0;
+    }
   EXPECT_TRUE(off);
 }
 

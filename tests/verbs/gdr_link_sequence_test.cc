@@ -205,13 +205,16 @@ class HostTables {
           // A run of copies of one source (or a lone copy).
           for (int j = i; j < e && status_.ok(); ++j) {
             const kernels::StepOp& q = t.ops[j];
-            status_ = ops_.copy(operand(q.dst, q.dst_flag, q.dst_base, q.dst_slot), operand(q.a, q.a_flag, q.a_base, q.a_slot), bytes);
+            status_ = ops_.copy(operand(q.dst, q.dst_flag, q.dst_base, q.dst_slot),
+                                operand(q.a, q.a_flag, q.a_base, q.a_slot), bytes);
           }
           continue;
         }
         StepBuf x[kernels::kStepMaxFold];
         x[0] = operand(o.a, o.a_flag, o.a_base, o.a_slot);
-        for (int j = i; j < e; ++j) x[j - i + 1] = operand(t.ops[j].b, t.ops[j].b_flag, t.ops[j].b_base, t.ops[j].b_slot);
+        for (int j = i; j < e; ++j) {
+          x[j - i + 1] = operand(t.ops[j].b, t.ops[j].b_flag, t.ops[j].b_base, t.ops[j].b_slot);
+        }
         status_ = ops_.fold(operand(last.dst, last.dst_flag, last.dst_base, last.dst_slot),
                             operand(last.dst2, last.dst2_flag, last.dst2_base, last.dst2_slot), x, e - i + 1, st.count,
                             last.kind == kernels::StepOpKind::kReduceFinal);

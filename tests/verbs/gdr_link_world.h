@@ -231,6 +231,12 @@ class HostOps {
   int world_;
 };
 
+// A relative slot operand (StepBuf::slot, its base's word `base`) where the step kernel moves it.
+inline void* moved_on(const GdrLink& link, const StepBuf& b, uint64_t base) {
+  const size_t stride = b.flag != 0 ? link.ll_slot_bytes() : link.slot_bytes();
+  return kernels::step_slot(b.p, uint16_t(b.slot), base, link.slots(), uint32_t(stride));
+}
+
 // The host stream of one rank: HostOps at once, each relative count and flag made absolute
 // with the bases the call began with.
 class HostStream final : public StepStream {
@@ -277,10 +283,7 @@ class HostStream final : public StepStream {
   StepBuf flagged(StepBuf b) const {
     if (b.base < 0) return b;
     const uint64_t base = base_[size_t(b.base)];
-    if (b.slot >= 0) {
-      const size_t stride = b.flag != 0 ? link_.ll_slot_bytes() : link_.slot_bytes();
-      b.p = kernels::step_slot(b.p, uint16_t(b.slot), base, link_.slots(), uint32_t(stride));
-    }
+    if (b.slot >= 0) b.p = moved_on(link_, b, base);
     if (b.flag != 0) {
       const uint32_t f = uint32_t(base + b.flag);
       b.flag = f == 0 ? 1u : f;
